@@ -1,0 +1,120 @@
+// shmgrad's C++ trainer API: attach to a running engine by name, map its parameters
+// and reduced gradient as tensors, and ask for the gradient of a batch.
+//
+//   auto t = shmgrad::Trainer::attach("demo");
+//   std::vector<torch::Tensor> params = t->parameterViews();   // alias the engine's
+//   for (size_t i = 0; i < params.size(); ++i)
+//     params[i].mutable_grad() = t->gradientViews()[i];         // alias the reduced gradient
+//   torch::optim::SGD opt(params, 0.1);
+//   auto stats = t->gradient(indices);                           // blocks until reduced
+//   opt.step();                                                  // every worker sees it
+//
+// One trainer holds an engine at a time (a lease on the engine, released by close()
+// or the destructor, and taken over automatically when its holder has died).
+#pragma once
+
+#include <torch/types.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace shmgrad {
+
+namespace ipc {
+class Segment;
+}
+
+struct AttachOptions {
+  double timeout_seconds = 30;  // wait this long for the engine to exist and serve
+  bool lease = true;            // false: read-only observer (status), no gradients
+};
+
+struct GradientOptions {
+  bool mean = false;                   // reduced gradient of the mean instead of the sum
+  double timeout_seconds = 600;        // the whole call, retries included
+  int max_retries = 3;                 // re-runs of a step that lost a worker
+  int64_t min_examples_per_worker = 1; // fewer workers take part in a small batch
+  int64_t max_examples_per_pass = 0;   // >0: workers process their shard in passes
+  bool raise_on_nonfinite = false;     // NaN/inf loss or gradient raises NonFinite
+};
+
+struct WorkerStepStats {
+  int slot = 0;
+  int64_t examples = 0;
+  double loss_sum = 0;
+  double compute_seconds = 0;  // forward + backward
+  double reduce_seconds = 0;   // its slice of the reduction
+  double wait_seconds = 0;     // waiting for the other workers after compute
+  bool nonfinite_loss = false;
+  bool nonfinite_grad = false;
+};
+
+struct GradientStats {
+  int64_t num_examples = 0;
+  double loss_sum = 0;
+  double loss = 0;             // loss_sum, or loss_sum / num_examples with mean
+  double wall_seconds = 0;     // this call, publish to return
+  double reduce_seconds = 0;   // slowest worker's slice of the reduction
+  int retries = 0;             // re-runs after a worker died
+  bool nonfinite = false;      // NaN or infinity somewhere (see workers)
+  std::vector<WorkerStepStats> workers;  // the workers that took part, in rank order
+};
+
+struct ParamInfo {
+  std::string name;
+  std::vector<int64_t> shape;
+  int64_t numel = 0;
+};
+
+class Trainer {
+ public:
+  // Attaches to engine `name`, waiting up to options.timeout_seconds for it to serve.
+  // Throws Error(kNotFound) if it never appears, Error(kBusy) naming the holder's pid
+  // if another live trainer holds it.
+  static std::unique_ptr<Trainer> attach(const std::string& name, const AttachOptions& options = {});
+  ~Trainer();
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
+
+  const std::string& name() const { return name_; }
+  const std::vector<ParamInfo>& parameters() const { return params_; }
+  // Tensors aliasing the engine's shared parameters (writes are seen by every worker)
+  // and its reduced gradient. They keep the mapping alive while they exist.
+  std::vector<torch::Tensor> parameterViews() const;
+  std::vector<torch::Tensor> gradientViews() const;
+  int64_t datasetSize() const;
+  int workerCount() const;  // worker processes ready now
+  int slotCount() const;
+
+  // The gradient of the loss summed (or averaged) over dataset[indices] into the
+  // reduced gradient. Blocks until every worker has finished its slice of the
+  // reduction, a worker reports an error (Error(kWorkerFailed) with its message), or
+  // the timeout passes (Error(kTimeout)). indices: 1-D int64 (or int32) tensor.
+  GradientStats gradient(const torch::Tensor& indices, const GradientOptions& options = {});
+  // The same for an explicit batch: inputs [B, ...] (float), targets [B] (int64 class
+  // labels) or [B, ...] (float, for mse).
+  GradientStats gradient(const torch::Tensor& inputs, const torch::Tensor& targets,
+                         const GradientOptions& options = {});
+
+  // Releases the lease and unmaps (views made earlier keep their mapping alive).
+  void close();
+  bool closed() const { return seg_ == nullptr; }
+  ipc::Segment& segment() const;
+  int coordinatorPid() const;
+
+ private:
+  Trainer(std::string name, std::shared_ptr<ipc::Segment> seg, bool lease);
+  GradientStats run(int64_t batch, const GradientOptions& options, uint32_t kind);
+  void waitIdle(uint64_t deadline_ns);
+  void checkUsable() const;
+
+  std::string name_;
+  std::shared_ptr<ipc::Segment> seg_;
+  bool lease_;
+  bool dirty_ = true;  // a previous step may have left stale workers running
+  std::vector<ParamInfo> params_;
+};
+
+}  // namespace shmgrad

@@ -1,0 +1,200 @@
+// The layout of one engine's shared-memory segment.
+//
+// One segment per engine, named "/shmgrad-<uid>-<name>" (see segment.h), created
+// by the coordinator with mode 0600 and allocated in full up front. Every process
+// that maps it (coordinator, workers, trainer, `shmgrad status`) sees the same bytes:
+//
+//   offset 0            SegmentHeader (this file): identity, region table, control
+//                       words, step request, per-worker records, step statistics
+//   header.params_table ParamEntry[num_params]: name, shape, offset of every tensor
+//   header.params       float32 parameters, each tensor 64-byte aligned
+//   header.slots        num_slots gradient slots, each laid out like params
+//   header.reduced      the reduced gradient, laid out like params
+//   header.req_indices  int64 dataset indices of the current step
+//   header.req_inputs   float32 inputs of an explicit batch
+//   header.req_targets  targets of an explicit batch (int64 or float32)
+//   header.data_inputs  optional read-only dataset: float32 inputs
+//   header.data_targets optional read-only dataset: targets
+//   header.device       reserved for device (CUDA IPC) handles; empty on CPU
+//
+// No pointer is ever stored in shared memory: only offsets from the segment start,
+// which every reader checks against the segment size before use (validateHeader).
+// All fields that change after start-up are std::atomic or are written only while
+// the step protocol (docs/DESIGN.md) gives the writer exclusive ownership.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+
+namespace shmgrad::ipc {
+
+constexpr uint64_t kMagic = 0x31444152474d4853ull;  // "SHMGRAD1", little endian
+constexpr uint32_t kLayoutVersion = 1;
+constexpr uint64_t kAlign = 64;            // every region and tensor starts on a cache line
+constexpr uint32_t kAlignFloats = kAlign / sizeof(float);
+constexpr uint32_t kMaxWorkers = 64;       // gradient slots in one segment, at most
+constexpr uint32_t kMaxParams = 1024;      // parameter tensors in one model, at most
+constexpr uint32_t kMaxDims = 8;           // dimensions of a tensor, at most
+constexpr uint32_t kNameLen = 128;         // parameter name, NUL-terminated
+constexpr uint32_t kErrorLen = 512;        // a worker's error message, NUL-terminated
+constexpr uint32_t kPathLen = 512;         // model path, NUL-terminated
+constexpr uint32_t kStatsRing = 16;        // last steps kept for `shmgrad status`
+constexpr uint32_t kDeviceReserved = 8192; // bytes kept for CUDA IPC handles
+
+enum class LossKind : uint32_t { kCrossEntropy = 1, kNll = 2, kMse = 3 };
+enum class DType : uint32_t { kNone = 0, kFloat32 = 1, kInt64 = 2 };
+enum class EngineState : uint32_t { kStarting = 0, kServing = 1, kStopping = 2, kFailed = 3 };
+enum class WorkerState : uint32_t { kEmpty = 0, kStarting = 1, kReady = 2, kDead = 3, kExited = 4, kRetired = 5 };
+enum class BatchKind : uint32_t { kIndices = 1, kExplicit = 2 };
+
+// A byte range of the segment. Checked on attach: offset % kAlign == 0 and
+// offset + size <= total_size.
+struct Region {
+  uint64_t offset;
+  uint64_t size;
+};
+
+// A tensor's shape: ndim <= kMaxDims, every dim >= 0.
+struct Shape {
+  uint32_t ndim;
+  uint32_t reserved;
+  int64_t dims[kMaxDims];
+};
+
+// One parameter tensor of the model, in the order of named_parameters().
+struct ParamEntry {
+  char name[kNameLen];   // dotted path ("fc1.weight"), NUL-terminated
+  Shape shape;           // shape; numel = product of dims
+  uint64_t offset;       // in floats from the start of params/slot/reduced; multiple of kAlignFloats
+  uint64_t numel;        // offset + numel <= header.param_floats
+};
+
+// Epoch-tagged barrier word: the high 16 bits carry the low 16 bits of the step
+// epoch, the low 16 bits count arrivals. The trainer resets it to tag(epoch) when it
+// publishes a step, so an arrival from a stale (aborted) step never counts.
+inline uint32_t barrierTag(uint32_t epoch) { return (epoch & 0xffffu) << 16; }
+
+// Per-worker record: written by that worker (results, state) and by the coordinator
+// (pid, state on death). Padded to whole cache lines.
+struct alignas(64) WorkerRecord {
+  std::atomic<int32_t> pid;           // process id, 0 when the slot has no process
+  std::atomic<uint32_t> state;        // WorkerState
+  std::atomic<uint32_t> assigned_epoch;  // trainer: epoch this worker takes part in
+  std::atomic<uint32_t> assigned_rank;   // trainer: its rank among the participants
+  std::atomic<uint32_t> busy_epoch;   // worker: epoch it is working on, 0 when idle
+  std::atomic<uint32_t> restarts;     // coordinator: replacements of this slot
+  std::atomic<uint64_t> heartbeat_ns; // worker: CLOCK_MONOTONIC at its last loop turn
+  // Result of the step in result_epoch, written by the worker before it arrives at
+  // the compute barrier (compute part) and at the reduce barrier (reduce_ns).
+  uint32_t result_epoch;
+  uint32_t error;                     // 1: error_text says why this shard failed
+  int64_t examples;                   // examples in this worker's shard
+  double loss_sum;                    // sum of the loss over the shard
+  uint64_t compute_ns;                // forward + backward
+  uint64_t reduce_ns;                 // its slice of the reduction
+  uint64_t barrier_wait_ns;           // time spent waiting for the others
+  uint32_t nonfinite_loss;            // 1 when loss_sum is NaN or infinite
+  std::atomic<uint32_t> nonfinite_grad;  // 1 when its slot holds a NaN or infinity (set by reducers)
+  char error_text[kErrorLen];
+};
+
+// The step request. Written only by the lease-holding trainer, and only while no
+// worker takes part in a step (after done or abort of the previous one).
+struct StepRequest {
+  uint32_t epoch;             // the epoch this request belongs to
+  uint32_t kind;              // BatchKind
+  int64_t num_examples;       // batch size B >= 1
+  uint32_t num_participants;  // workers taking part, 1..num_slots
+  uint32_t reduction_scale_is_mean;  // 1: reduced = sum / B
+  float scale;                // factor applied while reducing (1 or 1/B)
+  uint32_t input_dtype;       // explicit: DType of inputs (float32)
+  Shape example_shape;        // explicit: shape of one input example
+  uint32_t target_dtype;      // explicit: DType of targets
+  uint32_t reserved0;
+  Shape target_shape;         // explicit: shape of one target (ndim 0 for class labels)
+  int64_t max_examples_per_pass;  // >0: a worker splits its shard into passes
+  uint64_t publish_ns;        // CLOCK_MONOTONIC when published (for wall time)
+  uint8_t participants[kMaxWorkers];  // slot ids, rank order
+};
+
+// One finished step, for `shmgrad status`. Written by the last worker to finish the
+// reduction into ring[steps_served % kStatsRing].
+struct StepRecord {
+  uint32_t epoch;
+  uint32_t workers;
+  int64_t examples;
+  double loss_sum;
+  uint64_t wall_ns;         // publish to end of reduction
+  uint64_t compute_max_ns;  // slowest worker's forward + backward
+  uint64_t reduce_max_ns;   // slowest worker's reduction slice
+  uint64_t wait_ns;         // wall - compute_max - reduce_max: synchronisation cost
+};
+
+struct alignas(64) ControlBlock {
+  // Futex words each get a cache line: they are hammered by different processes.
+  alignas(64) std::atomic<uint32_t> step_epoch;      // trainer publishes a step; workers wait
+  alignas(64) std::atomic<uint32_t> compute_barrier; // tag | arrivals after backward
+  alignas(64) std::atomic<uint32_t> reduce_barrier;  // tag | arrivals after the reduction
+  alignas(64) std::atomic<uint32_t> trainer_wake;    // bumped on done/abort; trainer waits
+  std::atomic<uint32_t> done_epoch;                  // last reducer: step finished
+  std::atomic<uint32_t> abort_epoch;                 // coordinator: step lost a worker
+  alignas(64) std::atomic<uint32_t> coordinator_wake;  // bumped on stop/resize requests
+  std::atomic<uint32_t> stop_requested;
+  std::atomic<uint32_t> engine_state;                // EngineState
+  std::atomic<uint32_t> target_workers;              // resize request (issue: adaptive)
+  alignas(64) std::atomic<int32_t> trainer_pid;      // the lease: 0 free, else holder
+  std::atomic<uint64_t> steps_served;
+  std::atomic<uint64_t> steps_aborted;
+  std::atomic<uint64_t> worker_restarts;
+  std::atomic<uint64_t> step_retries;
+};
+
+struct alignas(64) SegmentHeader {
+  // Identity, checked first on attach.
+  uint64_t magic;            // kMagic
+  uint32_t layout_version;   // kLayoutVersion
+  uint32_t header_size;      // sizeof(SegmentHeader)
+  uint64_t total_size;       // bytes of the whole segment == mapped size
+  uint32_t owner_uid;        // uid of the coordinator
+  int32_t coordinator_pid;
+  uint64_t created_ns;       // CLOCK_REALTIME at creation
+  char model_path[kPathLen];
+  uint32_t loss;             // LossKind
+  uint32_t num_slots;        // gradient slots = most workers, <= kMaxWorkers
+  uint32_t num_params;       // <= kMaxParams
+  uint32_t threads_per_worker;
+  uint64_t param_floats;     // floats in params, in each slot and in reduced (padded)
+  int64_t max_batch;         // capacity of req_indices, in examples
+  // Regions (offsets and sizes in bytes).
+  Region params_table;       // ParamEntry[num_params]
+  Region params;             // param_floats floats
+  Region slots;              // num_slots * slot_stride bytes
+  uint64_t slot_stride;      // bytes between slots, >= param_floats*4, multiple of kAlign
+  Region reduced;            // param_floats floats
+  Region req_indices;        // int64[max_batch]
+  Region req_inputs;         // float32 inputs of an explicit batch
+  Region req_targets;        // targets of an explicit batch
+  Region data_inputs;        // dataset inputs (float32), size 0 without dataset
+  Region data_targets;       // dataset targets (DType data_target_dtype)
+  Region device;             // kDeviceReserved bytes for CUDA IPC handles
+  // Dataset description (valid when data_count > 0).
+  int64_t data_count;        // examples
+  Shape data_example_shape;  // shape of one input
+  uint32_t data_target_dtype;  // DType
+  uint32_t reserved1;
+  Shape data_target_shape;   // shape of one target (ndim 0: a class label)
+  char data_description[128];
+  ControlBlock control;
+  StepRequest request;
+  StepRecord stats[kStatsRing];
+  WorkerRecord workers[kMaxWorkers];
+};
+
+static_assert(std::atomic<uint32_t>::is_always_lock_free, "futex words must be lock-free");
+static_assert(std::atomic<uint64_t>::is_always_lock_free, "counters must be lock-free");
+static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "futex word layout");
+
+inline uint64_t alignUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+
+}  // namespace shmgrad::ipc

@@ -1,0 +1,384 @@
+#include "ipc/segment.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <boost/interprocess/shared_memory_object.hpp>
+#include <cerrno>
+#include <cstring>
+#include <new>
+
+#include "ipc/error.h"
+
+namespace bip = boost::interprocess;
+
+namespace shmgrad::ipc {
+namespace {
+
+constexpr int64_t kMaxDim = int64_t{1} << 40;
+
+std::string bipName(const std::string& engine_name) {
+  return "shmgrad-" + std::to_string(getuid()) + "-" + engine_name;
+}
+
+uint64_t numelOf(const std::vector<int64_t>& shape) {
+  uint64_t n = 1;
+  for (int64_t d : shape) n *= static_cast<uint64_t>(d);
+  return n;
+}
+
+void fillShape(Shape* out, const std::vector<int64_t>& shape) {
+  SHMGRAD_CHECK(shape.size() <= kMaxDims, ErrorKind::kInvalidArgument, "a tensor has ",
+                shape.size(), " dimensions; shmgrad supports at most ", kMaxDims);
+  std::memset(out, 0, sizeof(*out));
+  out->ndim = static_cast<uint32_t>(shape.size());
+  for (size_t i = 0; i < shape.size(); ++i) out->dims[i] = shape[i];
+}
+
+std::string describe(const Region& r) {
+  return "[" + std::to_string(r.offset) + ", +" + std::to_string(r.size) + ")";
+}
+
+void checkRegion(const char* what, const Region& r, uint64_t total, uint64_t min_size) {
+  SHMGRAD_CHECK(r.offset % kAlign == 0, ErrorKind::kCorrupt, "segment header: region ", what,
+                " ", describe(r), " is not ", kAlign, "-byte aligned");
+  SHMGRAD_CHECK(r.offset <= total && r.size <= total - r.offset, ErrorKind::kCorrupt,
+                "segment header: region ", what, " ", describe(r),
+                " lies outside the segment of ", total, " bytes");
+  SHMGRAD_CHECK(r.size >= min_size, ErrorKind::kCorrupt, "segment header: region ", what, " ",
+                describe(r), " is smaller than the ", min_size, " bytes its header implies");
+}
+
+// Returns numel of a checked shape, or throws kCorrupt.
+uint64_t checkShape(const char* what, const Shape& s) {
+  SHMGRAD_CHECK(s.ndim <= kMaxDims, ErrorKind::kCorrupt, "segment header: ", what, " has ndim ",
+                s.ndim);
+  uint64_t n = 1;
+  for (uint32_t i = 0; i < s.ndim; ++i) {
+    SHMGRAD_CHECK(s.dims[i] >= 0 && s.dims[i] < kMaxDim, ErrorKind::kCorrupt, "segment header: ",
+                  what, " has dimension ", s.dims[i]);
+    SHMGRAD_CHECK(s.dims[i] == 0 || n <= (uint64_t{1} << 40) / static_cast<uint64_t>(s.dims[i]),
+                  ErrorKind::kCorrupt, "segment header: ", what, " is too large");
+    n *= static_cast<uint64_t>(s.dims[i]);
+  }
+  return n;
+}
+
+bool terminated(const char* s, size_t n) { return std::memchr(s, '\0', n) != nullptr; }
+
+}  // namespace
+
+void checkEngineName(const std::string& name) {
+  bool ok = !name.empty() && name.size() <= 64;
+  for (char c : name) {
+    ok = ok && ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                c == '_' || c == '-' || c == '.');
+  }
+  SHMGRAD_CHECK(ok, ErrorKind::kInvalidArgument, "engine name '", name,
+                "' is invalid: use 1 to 64 letters, digits, '_', '-' or '.'");
+}
+
+std::string segmentName(const std::string& engine_name) { return "/" + bipName(engine_name); }
+std::string segmentPath(const std::string& engine_name) {
+  return "/dev/shm/" + bipName(engine_name);
+}
+
+uint64_t shmFreeBytes() {
+  struct statvfs st;
+  if (statvfs("/dev/shm", &st) != 0) return 0;
+  return static_cast<uint64_t>(st.f_bavail) * st.f_frsize;
+}
+
+bool processAlive(int pid) {
+  if (pid <= 0) return false;
+  return kill(pid, 0) == 0 || errno == EPERM;
+}
+
+Layout computeLayout(const SegmentSpec& spec) {
+  SHMGRAD_CHECK(spec.num_slots >= 1 && spec.num_slots <= kMaxWorkers,
+                ErrorKind::kInvalidArgument, "--workers ", spec.num_slots,
+                " is out of range: use 1 to ", kMaxWorkers);
+  SHMGRAD_CHECK(!spec.params.empty(), ErrorKind::kInvalidArgument,
+                "the model has no parameters: nothing to compute a gradient of");
+  SHMGRAD_CHECK(spec.params.size() <= kMaxParams, ErrorKind::kInvalidArgument, "the model has ",
+                spec.params.size(), " parameter tensors; shmgrad supports at most ", kMaxParams);
+  SHMGRAD_CHECK(spec.max_batch >= 1, ErrorKind::kInvalidArgument, "max batch must be >= 1");
+  Layout l;
+  uint64_t off = 0;
+  for (const auto& p : spec.params) {
+    SHMGRAD_CHECK(p.name.size() < kNameLen, ErrorKind::kInvalidArgument, "parameter name '",
+                  p.name, "' is longer than ", kNameLen - 1, " characters");
+    SHMGRAD_CHECK(p.shape.size() <= kMaxDims, ErrorKind::kInvalidArgument, "parameter ", p.name,
+                  " has more than ", kMaxDims, " dimensions");
+    l.param_offsets.push_back(off);
+    off = alignUp(off + numelOf(p.shape), kAlignFloats);
+  }
+  l.param_floats = off;
+  uint64_t pos = alignUp(sizeof(SegmentHeader), kAlign);
+  auto take = [&pos](uint64_t bytes) {
+    Region r{pos, bytes};
+    pos = alignUp(pos + bytes, kAlign);
+    return r;
+  };
+  l.params_table = take(sizeof(ParamEntry) * spec.params.size());
+  l.params = take(l.param_floats * sizeof(float));
+  l.slot_stride = alignUp(l.param_floats * sizeof(float), kAlign);
+  l.slots = take(l.slot_stride * spec.num_slots);
+  l.reduced = take(l.param_floats * sizeof(float));
+  l.req_indices = take(static_cast<uint64_t>(spec.max_batch) * sizeof(int64_t));
+  l.req_inputs = take(alignUp(spec.input_bytes, kAlign));
+  l.req_targets = take(alignUp(spec.target_bytes, kAlign));
+  uint64_t data_in = 0, data_tg = 0;
+  if (spec.data_count > 0) {
+    data_in = static_cast<uint64_t>(spec.data_count) * numelOf(spec.data_example_shape) * 4;
+    uint64_t tsize = spec.data_target_dtype == DType::kInt64 ? 8 : 4;
+    data_tg = static_cast<uint64_t>(spec.data_count) * numelOf(spec.data_target_shape) * tsize;
+  }
+  l.data_inputs = take(data_in);
+  l.data_targets = take(data_tg);
+  l.device = take(kDeviceReserved);
+  l.total_size = pos;
+  return l;
+}
+
+void validateHeader(const SegmentHeader* h, uint64_t size) {
+  SHMGRAD_CHECK(size >= sizeof(SegmentHeader), ErrorKind::kCorrupt, "segment of ", size,
+                " bytes is smaller than a shmgrad header (", sizeof(SegmentHeader), " bytes)");
+  SHMGRAD_CHECK(h->magic == kMagic, ErrorKind::kCorrupt,
+                "segment is not a shmgrad engine (bad magic); remove it or pick another name");
+  SHMGRAD_CHECK(h->layout_version == kLayoutVersion, ErrorKind::kCorrupt,
+                "segment has layout version ", h->layout_version, " but this shmgrad reads ",
+                kLayoutVersion, "; use the same shmgrad build for engine and trainer");
+  SHMGRAD_CHECK(h->header_size == sizeof(SegmentHeader), ErrorKind::kCorrupt,
+                "segment header size ", h->header_size, " differs from this build's ",
+                sizeof(SegmentHeader));
+  SHMGRAD_CHECK(h->total_size == size, ErrorKind::kCorrupt, "segment header says ",
+                h->total_size, " bytes but the segment has ", size);
+  SHMGRAD_CHECK(h->num_slots >= 1 && h->num_slots <= kMaxWorkers, ErrorKind::kCorrupt,
+                "segment header: num_slots ", h->num_slots);
+  SHMGRAD_CHECK(h->num_params >= 1 && h->num_params <= kMaxParams, ErrorKind::kCorrupt,
+                "segment header: num_params ", h->num_params);
+  SHMGRAD_CHECK(h->loss >= 1 && h->loss <= 3, ErrorKind::kCorrupt, "segment header: loss ",
+                h->loss);
+  SHMGRAD_CHECK(h->max_batch >= 1 && h->max_batch < (int64_t{1} << 40), ErrorKind::kCorrupt,
+                "segment header: max_batch ", h->max_batch);
+  SHMGRAD_CHECK(h->param_floats % kAlignFloats == 0 && h->param_floats < (uint64_t{1} << 40),
+                ErrorKind::kCorrupt, "segment header: param_floats ", h->param_floats);
+  SHMGRAD_CHECK(terminated(h->model_path, kPathLen) &&
+                    terminated(h->data_description, sizeof(h->data_description)),
+                ErrorKind::kCorrupt, "segment header: unterminated string");
+  const uint64_t pbytes = h->param_floats * sizeof(float);
+  checkRegion("params_table", h->params_table, size, sizeof(ParamEntry) * h->num_params);
+  checkRegion("params", h->params, size, pbytes);
+  SHMGRAD_CHECK(h->slot_stride >= pbytes && h->slot_stride % kAlign == 0 &&
+                    h->slot_stride <= size,
+                ErrorKind::kCorrupt, "segment header: slot_stride ", h->slot_stride);
+  checkRegion("slots", h->slots, size, h->slot_stride * h->num_slots);
+  checkRegion("reduced", h->reduced, size, pbytes);
+  checkRegion("req_indices", h->req_indices, size, static_cast<uint64_t>(h->max_batch) * 8);
+  checkRegion("req_inputs", h->req_inputs, size, 0);
+  checkRegion("req_targets", h->req_targets, size, 0);
+  checkRegion("device", h->device, size, 0);
+  SHMGRAD_CHECK(h->data_count >= 0 && h->data_count < (int64_t{1} << 40), ErrorKind::kCorrupt,
+                "segment header: data_count ", h->data_count);
+  if (h->data_count > 0) {
+    uint64_t in = checkShape("dataset example shape", h->data_example_shape);
+    uint64_t tg = checkShape("dataset target shape", h->data_target_shape);
+    SHMGRAD_CHECK(h->data_target_dtype == static_cast<uint32_t>(DType::kInt64) ||
+                      h->data_target_dtype == static_cast<uint32_t>(DType::kFloat32),
+                  ErrorKind::kCorrupt, "segment header: dataset target dtype ",
+                  h->data_target_dtype);
+    uint64_t tsize = h->data_target_dtype == static_cast<uint32_t>(DType::kInt64) ? 8 : 4;
+    uint64_t n = static_cast<uint64_t>(h->data_count);
+    SHMGRAD_CHECK(in == 0 || n <= size / (in * 4), ErrorKind::kCorrupt,
+                  "segment header: dataset larger than the segment");
+    SHMGRAD_CHECK(tg == 0 || n <= size / (tg * tsize), ErrorKind::kCorrupt,
+                  "segment header: dataset targets larger than the segment");
+    checkRegion("data_inputs", h->data_inputs, size, n * in * 4);
+    checkRegion("data_targets", h->data_targets, size, n * tg * tsize);
+  }
+  // Every parameter inside the parameter buffer, aligned, with a sane shape.
+  const auto* table = reinterpret_cast<const ParamEntry*>(
+      reinterpret_cast<const uint8_t*>(h) + h->params_table.offset);
+  for (uint32_t i = 0; i < h->num_params; ++i) {
+    const ParamEntry& p = table[i];
+    SHMGRAD_CHECK(terminated(p.name, kNameLen), ErrorKind::kCorrupt,
+                  "segment header: parameter ", i, " has an unterminated name");
+    uint64_t n = checkShape("parameter shape", p.shape);
+    SHMGRAD_CHECK(n == p.numel && p.offset % kAlignFloats == 0 &&
+                      p.offset <= h->param_floats && p.numel <= h->param_floats - p.offset,
+                  ErrorKind::kCorrupt, "segment header: parameter ", p.name,
+                  " lies outside the parameter buffer");
+  }
+}
+
+Segment::Segment(std::string name, uint8_t* base, uint64_t size)
+    : name_(std::move(name)), base_(base), size_(size),
+      header_(reinterpret_cast<SegmentHeader*>(base)) {}
+
+Segment::~Segment() {
+  if (base_ != nullptr) ::munmap(base_, size_);
+}
+
+std::unique_ptr<Segment> Segment::create(const SegmentSpec& spec) {
+  checkEngineName(spec.name);
+  Layout l = computeLayout(spec);
+  SHMGRAD_CHECK(spec.model_path.size() < kPathLen, ErrorKind::kInvalidArgument,
+                "model path longer than ", kPathLen - 1, " characters");
+
+  // A segment of this name may be left by a coordinator that was killed.
+  if (exists(spec.name)) {
+    int pid = 0;
+    try {
+      auto old = open(spec.name);
+      pid = old->header()->coordinator_pid;
+    } catch (const Error&) {
+      pid = 0;  // unreadable or corrupt: treat as stale
+    }
+    SHMGRAD_CHECK(!processAlive(pid), ErrorKind::kBusy, "an engine named '", spec.name,
+                  "' is already running (coordinator pid ", pid, "); stop it with `shmgrad stop ",
+                  spec.name, "` or pick another --name");
+    remove(spec.name);
+  }
+
+  uint64_t free_bytes = shmFreeBytes();
+  SHMGRAD_CHECK(free_bytes >= l.total_size, ErrorKind::kNoSpace, "engine '", spec.name,
+                "' needs ", l.total_size, " bytes of shared memory but /dev/shm has ", free_bytes,
+                " free; free space in /dev/shm, enlarge it (mount -o remount,size=...), or ask "
+                "for less (fewer --workers, smaller --max-batch/--input-capacity-mb, no dataset)");
+
+  const std::string name = bipName(spec.name);
+  std::unique_ptr<bip::shared_memory_object> shm;
+  try {
+    bip::permissions perm(0600);
+    shm = std::make_unique<bip::shared_memory_object>(bip::create_only, name.c_str(),
+                                                      bip::read_write, perm);
+  } catch (const bip::interprocess_exception& e) {
+    raise(ErrorKind::kSystem, "cannot create shared memory ", segmentPath(spec.name), ": ",
+          e.what());
+  }
+  int fd = shm->get_mapping_handle().handle;
+  auto fail = [&](ErrorKind kind, const std::string& msg) {
+    bip::shared_memory_object::remove(name.c_str());
+    raise(kind, msg);
+  };
+  if (::fchmod(fd, 0600) != 0) fail(ErrorKind::kSystem, "fchmod 0600 failed: " + detail::errnoText());
+  // Reserve every page now: on tmpfs this fails with ENOSPC instead of a SIGBUS later.
+  int rc = ::posix_fallocate(fd, 0, static_cast<off_t>(l.total_size));
+  if (rc != 0) {
+    fail(rc == ENOSPC ? ErrorKind::kNoSpace : ErrorKind::kSystem,
+         "cannot allocate " + std::to_string(l.total_size) + " bytes in /dev/shm (" +
+             std::to_string(shmFreeBytes()) + " free): " + std::strerror(rc) +
+             "; free space in /dev/shm or ask for a smaller engine");
+  }
+  void* base = ::mmap(nullptr, l.total_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (base == MAP_FAILED) fail(ErrorKind::kSystem, "mmap failed: " + detail::errnoText());
+
+  auto seg = std::unique_ptr<Segment>(
+      new Segment(spec.name, static_cast<uint8_t*>(base), l.total_size));
+  // Fresh tmpfs pages are zero; construct the header's atomics in place.
+  SegmentHeader* h = new (base) SegmentHeader();
+  h->magic = kMagic;
+  h->layout_version = kLayoutVersion;
+  h->header_size = sizeof(SegmentHeader);
+  h->total_size = l.total_size;
+  h->owner_uid = getuid();
+  h->coordinator_pid = getpid();
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  h->created_ns = static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + ts.tv_nsec;
+  std::snprintf(h->model_path, kPathLen, "%s", spec.model_path.c_str());
+  h->loss = static_cast<uint32_t>(spec.loss);
+  h->num_slots = spec.num_slots;
+  h->num_params = static_cast<uint32_t>(spec.params.size());
+  h->threads_per_worker = spec.threads_per_worker;
+  h->param_floats = l.param_floats;
+  h->max_batch = spec.max_batch;
+  h->params_table = l.params_table;
+  h->params = l.params;
+  h->slots = l.slots;
+  h->slot_stride = l.slot_stride;
+  h->reduced = l.reduced;
+  h->req_indices = l.req_indices;
+  h->req_inputs = l.req_inputs;
+  h->req_targets = l.req_targets;
+  h->data_inputs = l.data_inputs;
+  h->data_targets = l.data_targets;
+  h->device = l.device;
+  h->data_count = spec.data_count;
+  if (spec.data_count > 0) {
+    fillShape(&h->data_example_shape, spec.data_example_shape);
+    fillShape(&h->data_target_shape, spec.data_target_shape);
+    h->data_target_dtype = static_cast<uint32_t>(spec.data_target_dtype);
+    std::snprintf(h->data_description, sizeof(h->data_description), "%s",
+                  spec.data_description.c_str());
+  }
+  h->control.engine_state.store(static_cast<uint32_t>(EngineState::kStarting));
+  h->control.target_workers.store(spec.num_slots);
+  auto* table = seg->region<ParamEntry>(l.params_table);
+  for (size_t i = 0; i < spec.params.size(); ++i) {
+    ParamEntry& e = table[i];
+    std::memset(&e, 0, sizeof(e));
+    std::snprintf(e.name, kNameLen, "%s", spec.params[i].name.c_str());
+    fillShape(&e.shape, spec.params[i].shape);
+    e.offset = l.param_offsets[i];
+    e.numel = numelOf(spec.params[i].shape);
+  }
+  validateHeader(h, l.total_size);
+  return seg;
+}
+
+std::unique_ptr<Segment> Segment::open(const std::string& engine_name) {
+  checkEngineName(engine_name);
+  const std::string path = segmentPath(engine_name);
+  int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+  if (fd < 0) {
+    int e = errno;
+    SHMGRAD_CHECK(e != ENOENT, ErrorKind::kNotFound, "no engine named '", engine_name,
+                  "' is running (", path, " does not exist); start one with `shmgrad serve --name ",
+                  engine_name, " ...`");
+    SHMGRAD_CHECK(e != EACCES, ErrorKind::kBusy, "permission denied on ", path,
+                  ": the engine belongs to another user; only its owner can attach");
+    raise(ErrorKind::kSystem, "cannot open ", path, ": ", std::strerror(e));
+  }
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    ::close(fd);
+    raise(ErrorKind::kSystem, "fstat ", path, ": ", detail::errnoText());
+  }
+  if (st.st_uid != getuid()) {
+    ::close(fd);
+    raise(ErrorKind::kBusy, path, " belongs to uid ", st.st_uid, ", not to you (uid ", getuid(),
+          "); only an engine's owner may attach");
+  }
+  uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (size < sizeof(SegmentHeader)) {
+    ::close(fd);
+    raise(ErrorKind::kCorrupt, path, " has ", size,
+          " bytes, too few for a shmgrad header (the engine may still be starting)");
+  }
+  void* base = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ::close(fd);
+  SHMGRAD_CHECK(base != MAP_FAILED, ErrorKind::kSystem, "mmap ", path, ": ",
+                detail::errnoText());
+  auto seg = std::unique_ptr<Segment>(new Segment(engine_name, static_cast<uint8_t*>(base), size));
+  validateHeader(seg->header(), size);
+  return seg;
+}
+
+bool Segment::remove(const std::string& engine_name) {
+  checkEngineName(engine_name);
+  return bip::shared_memory_object::remove(bipName(engine_name).c_str());
+}
+
+bool Segment::exists(const std::string& engine_name) {
+  checkEngineName(engine_name);
+  return ::access(segmentPath(engine_name).c_str(), F_OK) == 0;
+}
+
+}  // namespace shmgrad::ipc

@@ -1,0 +1,109 @@
+// Creating, opening, validating and removing an engine's shared-memory segment.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ipc/layout.h"
+
+namespace shmgrad::ipc {
+
+// One parameter tensor as the coordinator found it in the model.
+struct ParamSpec {
+  std::string name;
+  std::vector<int64_t> shape;
+};
+
+// Everything that fixes the size of a segment.
+struct SegmentSpec {
+  std::string name;                 // engine name, [A-Za-z0-9_.-]{1,64}
+  std::string model_path;
+  LossKind loss = LossKind::kCrossEntropy;
+  uint32_t num_slots = 1;           // gradient slots (most workers at once)
+  uint32_t threads_per_worker = 1;
+  std::vector<ParamSpec> params;
+  int64_t max_batch = 65536;        // examples per step, at most
+  uint64_t input_bytes = 64ull << 20;   // explicit-batch input capacity
+  uint64_t target_bytes = 8ull << 20;   // explicit-batch target capacity
+  // Optional dataset (count 0: none).
+  int64_t data_count = 0;
+  std::vector<int64_t> data_example_shape;
+  DType data_target_dtype = DType::kNone;
+  std::vector<int64_t> data_target_shape;
+  std::string data_description;
+};
+
+// Checks an engine name; throws InvalidArgument naming the rule otherwise.
+void checkEngineName(const std::string& name);
+// "/shmgrad-<uid>-<name>": the uid keeps two users' engines of the same name apart.
+std::string segmentName(const std::string& engine_name);
+// The file backing the segment, "/dev/shm/shmgrad-<uid>-<name>".
+std::string segmentPath(const std::string& engine_name);
+
+// Computes the byte layout of a segment for spec (no memory touched).
+struct Layout {
+  uint64_t total_size = 0;
+  uint64_t param_floats = 0;
+  std::vector<uint64_t> param_offsets;  // in floats
+  Region params_table, params, slots, reduced, req_indices, req_inputs, req_targets,
+      data_inputs, data_targets, device;
+  uint64_t slot_stride = 0;
+};
+Layout computeLayout(const SegmentSpec& spec);
+
+// Validates every field of a mapped header against the mapped size. Throws
+// Error(kCorrupt) with the first inconsistency found; never reads out of bounds.
+void validateHeader(const SegmentHeader* h, uint64_t mapped_size);
+
+class Segment {
+ public:
+  // Coordinator: creates and maps a new segment (mode 0600), allocates it in full
+  // (posix_fallocate, so a full /dev/shm fails here and never as SIGBUS later) and
+  // writes the header. A stale segment of the same name whose coordinator is dead is
+  // removed first; a live one is an error naming its pid.
+  static std::unique_ptr<Segment> create(const SegmentSpec& spec);
+  // Any process of the owner: maps an existing segment and validates its header.
+  static std::unique_ptr<Segment> open(const std::string& engine_name);
+  // Unlinks the segment name (mappings stay valid until unmapped). Returns false if
+  // it did not exist.
+  static bool remove(const std::string& engine_name);
+  // True if a segment of that name exists.
+  static bool exists(const std::string& engine_name);
+
+  ~Segment();
+  Segment(const Segment&) = delete;
+  Segment& operator=(const Segment&) = delete;
+
+  SegmentHeader* header() const { return header_; }
+  uint8_t* base() const { return base_; }
+  uint64_t size() const { return size_; }
+  const std::string& engineName() const { return name_; }
+
+  template <typename T>
+  T* region(const Region& r) const {
+    return reinterpret_cast<T*>(base_ + r.offset);
+  }
+  const ParamEntry* paramTable() const { return region<ParamEntry>(header_->params_table); }
+  float* params() const { return region<float>(header_->params); }
+  float* slot(uint32_t i) const {
+    return reinterpret_cast<float*>(base_ + header_->slots.offset + i * header_->slot_stride);
+  }
+  float* reduced() const { return region<float>(header_->reduced); }
+
+ private:
+  Segment(std::string name, uint8_t* base, uint64_t size);
+  std::string name_;
+  uint8_t* base_;
+  uint64_t size_;
+  SegmentHeader* header_;
+};
+
+// Free bytes on the file system behind /dev/shm (statvfs).
+uint64_t shmFreeBytes();
+
+// True if a process with this pid exists (signal 0); EPERM counts as alive.
+bool processAlive(int pid);
+
+}  // namespace shmgrad::ipc

@@ -1,0 +1,136 @@
+#include "worker/replica.h"
+
+#include <sys/stat.h>
+#include <torch/torch.h>
+
+#include <cstring>
+#include <fstream>
+
+#include "ipc/error.h"
+
+namespace shmgrad::worker {
+
+namespace F = torch::nn::functional;
+
+torch::jit::Module loadModel(const std::string& path) {
+  struct stat st;
+  SHMGRAD_CHECK(::stat(path.c_str(), &st) == 0, ErrorKind::kNotFound, "model file '", path,
+                "' does not exist; save one with shmgrad.save_model(module, path) or "
+                "torch.jit.save(torch.jit.script(module), path)");
+  SHMGRAD_CHECK(S_ISREG(st.st_mode), ErrorKind::kInvalidArgument, "model path '", path,
+                "' is not a regular file");
+  try {
+    return torch::jit::load(path, torch::kCPU);
+  } catch (const std::exception& e) {
+    std::string what = e.what();
+    if (what.size() > 300) what = what.substr(0, 300) + "...";
+    raise(ErrorKind::kInvalidArgument, "model file '", path,
+          "' is not a TorchScript file that this libtorch can load (", what,
+          "); save it with shmgrad.save_model(module, path) or torch.jit.save");
+  }
+}
+
+ModelParams describeModel(const std::string& path) {
+  torch::jit::Module m = loadModel(path);
+  ModelParams out;
+  for (const auto& np : m.named_parameters(/*recurse=*/true)) {
+    const torch::Tensor& t = np.value;
+    SHMGRAD_CHECK(t.scalar_type() == torch::kFloat32, ErrorKind::kInvalidArgument, "parameter ",
+                  np.name, " of ", path, " is ", t.scalar_type(),
+                  "; shmgrad engines hold float32 parameters: call module.float() before saving");
+    SHMGRAD_CHECK(t.device().is_cpu(), ErrorKind::kInvalidArgument, "parameter ", np.name,
+                  " is on ", t.device(), "; save the CPU model");
+    out.specs.push_back({np.name, t.sizes().vec()});
+    out.values.push_back(t.detach().contiguous().clone());
+  }
+  SHMGRAD_CHECK(!out.specs.empty(), ErrorKind::kInvalidArgument, "model ", path,
+                " has no parameters: nothing to compute a gradient of");
+  return out;
+}
+
+ipc::LossKind parseLoss(const std::string& name) {
+  if (name == "cross_entropy" || name == "ce") return ipc::LossKind::kCrossEntropy;
+  if (name == "nll") return ipc::LossKind::kNll;
+  if (name == "mse") return ipc::LossKind::kMse;
+  raise(ErrorKind::kInvalidArgument, "unknown loss '", name,
+        "': use one of cross_entropy, nll, mse");
+}
+
+const char* lossName(ipc::LossKind loss) {
+  switch (loss) {
+    case ipc::LossKind::kCrossEntropy: return "cross_entropy";
+    case ipc::LossKind::kNll: return "nll";
+    case ipc::LossKind::kMse: return "mse";
+  }
+  return "?";
+}
+
+torch::Tensor lossSum(ipc::LossKind loss, const torch::Tensor& output, const torch::Tensor& target) {
+  switch (loss) {
+    case ipc::LossKind::kCrossEntropy:
+      return F::cross_entropy(output, target, F::CrossEntropyFuncOptions().reduction(torch::kSum));
+    case ipc::LossKind::kNll:
+      return F::nll_loss(output, target, F::NLLLossFuncOptions().reduction(torch::kSum));
+    case ipc::LossKind::kMse:
+      SHMGRAD_CHECK(output.sizes() == target.sizes(), ErrorKind::kInvalidArgument,
+                    "mse: the model's output has shape ", output.sizes(),
+                    " but the targets have shape ", target.sizes(),
+                    "; give targets of the output's shape");
+      return F::mse_loss(output, target, F::MSELossFuncOptions().reduction(torch::kSum));
+  }
+  raise(ErrorKind::kInvalidArgument, "unknown loss kind");
+}
+
+Replica::Replica(const ipc::Segment& segment, uint32_t slot)
+    : segment_(segment), slot_(slot), loss_(static_cast<ipc::LossKind>(segment.header()->loss)) {
+  const ipc::SegmentHeader* h = segment.header();
+  SHMGRAD_CHECK(slot < h->num_slots, ErrorKind::kInvalidArgument, "worker slot ", slot,
+                " >= slots ", h->num_slots);
+  module_ = loadModel(h->model_path);
+  module_.train();
+  const ipc::ParamEntry* table = segment.paramTable();
+  float* params = segment.params();
+  float* grads = segment.slot(slot);
+  torch::NoGradGuard no_grad;
+  size_t i = 0;
+  for (const auto& np : module_.named_parameters(/*recurse=*/true)) {
+    SHMGRAD_CHECK(i < h->num_params, ErrorKind::kInvalidArgument, "model ", h->model_path,
+                  " has more parameters than the engine's table (", h->num_params,
+                  "); was the file replaced after the engine started?");
+    const ipc::ParamEntry& e = table[i];
+    torch::Tensor p = np.value;
+    std::vector<int64_t> shape(e.shape.dims, e.shape.dims + e.shape.ndim);
+    SHMGRAD_CHECK(np.name == e.name && p.sizes().vec() == shape && p.scalar_type() == torch::kFloat32,
+                  ErrorKind::kInvalidArgument, "model parameter ", i, " (", np.name, ", ",
+                  p.sizes(), ") does not match the engine's (", e.name, ", ",
+                  c10::IntArrayRef(shape), "); was the file replaced after the engine started?");
+    auto opts = torch::TensorOptions().dtype(torch::kFloat32);
+    // The parameter's storage becomes the shared buffer: every worker and the trainer
+    // see the same bytes, so an optimizer step is seen by all with no copy.
+    p.set_data(torch::from_blob(params + e.offset, shape, opts));
+    // A defined .grad is accumulated into in place by autograd: backward writes
+    // straight into this worker's slot.
+    p.mutable_grad() = torch::from_blob(grads + e.offset, shape, opts);
+    params_.push_back(p);
+    ++i;
+  }
+  SHMGRAD_CHECK(i == h->num_params, ErrorKind::kInvalidArgument, "model ", h->model_path, " has ",
+                i, " parameters but the engine's table has ", h->num_params);
+}
+
+void Replica::zeroGrad() {
+  std::memset(segment_.slot(slot_), 0, segment_.header()->param_floats * sizeof(float));
+}
+
+double Replica::accumulate(const torch::Tensor& inputs, const torch::Tensor& targets) {
+  torch::jit::IValue out = module_.forward({inputs});
+  SHMGRAD_CHECK(out.isTensor(), ErrorKind::kInvalidArgument,
+                "the model's forward returned ", out.tagKind(),
+                "; shmgrad needs a model whose forward returns one Tensor");
+  torch::Tensor loss = lossSum(loss_, out.toTensor(), targets);
+  double value = loss.item<double>();
+  loss.backward();
+  return value;
+}
+
+}  // namespace shmgrad::worker
