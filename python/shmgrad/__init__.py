@@ -1,0 +1,51 @@
+"""shmgrad: data-parallel gradients on one machine through shared memory.
+
+An engine (``shmgrad serve`` or :class:`Engine`) runs worker processes that each keep
+their own copy of a TorchScript model. The model's parameters live in one shared-memory
+buffer; every worker's ``.grad`` tensors are views of its own gradient slot, so backward
+writes gradients straight into shared memory, and the workers then sum the slots in
+place, each a slice. Nothing is pickled or copied per step.
+
+Typical use::
+
+    import shmgrad, torch
+    model = MyNet()
+    with shmgrad.Engine(model=model, workers=4, loss="cross_entropy",
+                        dataset="fashion-mnist") as engine:
+        engine.bind(model)                 # parameters now alias the engine's
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for idx in batches:
+            stats = engine.gradient(idx, reduction="mean")   # fills model's .grad
+            opt.step()                                       # seen by every worker
+"""
+
+import torch  # noqa: F401  (loads libtorch before the extension)
+
+from .errors import (  # noqa: F401
+    BusyError,
+    CorruptSegmentError,
+    EngineNotFoundError,
+    Error,
+    InvalidArgumentError,
+    NoSpaceError,
+    NonFiniteError,
+    TimeoutError,
+    WorkerError,
+)
+from .engine import Engine, GradientStats, attach, save_model  # noqa: F401
+
+__all__ = [
+    "Engine",
+    "GradientStats",
+    "attach",
+    "save_model",
+    "Error",
+    "InvalidArgumentError",
+    "EngineNotFoundError",
+    "BusyError",
+    "TimeoutError",
+    "WorkerError",
+    "CorruptSegmentError",
+    "NoSpaceError",
+    "NonFiniteError",
+]

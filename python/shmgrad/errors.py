@@ -1,0 +1,60 @@
+"""Exceptions raised by shmgrad. Every one is a subclass of :class:`Error`."""
+
+
+class Error(Exception):
+    """Base class of every shmgrad error."""
+
+
+class InvalidArgumentError(Error, ValueError):
+    """Bad input: an unknown loss, a mismatched module, an index out of range, an empty batch."""
+
+
+class EngineNotFoundError(Error, LookupError):
+    """No engine of that name is running, or a file it needs does not exist."""
+
+
+class BusyError(Error):
+    """Another trainer holds the engine (the message names its pid), or it belongs to another user."""
+
+
+class TimeoutError(Error, TimeoutError):  # noqa: A001 - deliberately shadows the builtin in this module
+    """A wait ran past its timeout. The engine keeps serving."""
+
+
+class WorkerError(Error, RuntimeError):
+    """A worker could not compute its shard (the model rejected the input; its message follows),
+    or workers kept dying on this batch."""
+
+
+class CorruptSegmentError(Error):
+    """A shared-memory segment failed validation (not shmgrad's, another version, or damaged)."""
+
+
+class NoSpaceError(Error, MemoryError):
+    """/dev/shm cannot hold the engine's segment; the message says how much was asked and is free."""
+
+
+class NonFiniteError(Error, ArithmeticError):
+    """NaN or infinity in the loss or gradient (raised only when asked for)."""
+
+
+class SystemError(Error, OSError):  # noqa: A001
+    """An operating-system call failed."""
+
+
+_BY_KIND = {
+    "InvalidArgument": InvalidArgumentError,
+    "NotFound": EngineNotFoundError,
+    "Busy": BusyError,
+    "Timeout": TimeoutError,
+    "WorkerFailed": WorkerError,
+    "Corrupt": CorruptSegmentError,
+    "NoSpace": NoSpaceError,
+    "NonFinite": NonFiniteError,
+    "System": SystemError,
+}
+
+
+def error_class(kind):
+    """The exception class for a native error kind (used by the extension)."""
+    return _BY_KIND.get(kind, Error)
