@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
@@ -45,6 +46,8 @@ std::string describe(const Region& r) {
 }
 
 void checkRegion(const char* what, const Region& r, uint64_t total, uint64_t min_size) {
+  SHMGRAD_CHECK(r.offset >= alignUp(sizeof(SegmentHeader), kAlign), ErrorKind::kCorrupt,
+                "segment header: region ", what, " ", describe(r), " overlaps the header");
   SHMGRAD_CHECK(r.offset % kAlign == 0, ErrorKind::kCorrupt, "segment header: region ", what,
                 " ", describe(r), " is not ", kAlign, "-byte aligned");
   SHMGRAD_CHECK(r.offset <= total && r.size <= total - r.offset, ErrorKind::kCorrupt,
@@ -107,7 +110,28 @@ Layout computeLayout(const SegmentSpec& spec) {
                 "the model has no parameters: nothing to compute a gradient of");
   SHMGRAD_CHECK(spec.params.size() <= kMaxParams, ErrorKind::kInvalidArgument, "the model has ",
                 spec.params.size(), " parameter tensors; shmgrad supports at most ", kMaxParams);
-  SHMGRAD_CHECK(spec.max_batch >= 1, ErrorKind::kInvalidArgument, "max batch must be >= 1");
+  SHMGRAD_CHECK(spec.max_batch >= 1 && spec.max_batch < (int64_t{1} << 36),
+                ErrorKind::kInvalidArgument, "--max-batch ", spec.max_batch,
+                " is out of range: use 1 to 2^36");
+  SHMGRAD_CHECK(spec.input_bytes < (uint64_t{1} << 44) && spec.target_bytes < (uint64_t{1} << 44),
+                ErrorKind::kInvalidArgument, "explicit-batch capacity is too large");
+  auto checkSpecShape = [](const char* what, const std::vector<int64_t>& shape) {
+    SHMGRAD_CHECK(shape.size() <= kMaxDims, ErrorKind::kInvalidArgument, what, " has ",
+                  shape.size(), " dimensions; shmgrad supports at most ", kMaxDims);
+    uint64_t n = 1;
+    for (int64_t d : shape) {
+      SHMGRAD_CHECK(d >= 0 && d < kMaxDim && (d == 0 || n <= (uint64_t{1} << 40) / d),
+                    ErrorKind::kInvalidArgument, what, " has an invalid or too large dimension ", d);
+      n *= static_cast<uint64_t>(d);
+    }
+  };
+  for (const auto& p : spec.params) checkSpecShape(("parameter " + p.name).c_str(), p.shape);
+  if (spec.data_count > 0) {
+    SHMGRAD_CHECK(spec.data_count < (int64_t{1} << 36), ErrorKind::kInvalidArgument,
+                  "dataset of ", spec.data_count, " examples is too large");
+    checkSpecShape("dataset example shape", spec.data_example_shape);
+    checkSpecShape("dataset target shape", spec.data_target_shape);
+  }
   Layout l;
   uint64_t off = 0;
   for (const auto& p : spec.params) {
@@ -184,6 +208,22 @@ void validateHeader(const SegmentHeader* h, uint64_t size) {
   checkRegion("req_inputs", h->req_inputs, size, 0);
   checkRegion("req_targets", h->req_targets, size, 0);
   checkRegion("device", h->device, size, 0);
+  {
+    // No two regions may overlap: a worker writing its slot must never touch another.
+    Region all[] = {h->params_table, h->params,      h->slots,       h->reduced,
+                    h->req_indices,  h->req_inputs,  h->req_targets, h->data_inputs,
+                    h->data_targets, h->device};
+    const size_t n = sizeof(all) / sizeof(all[0]);
+    for (size_t i = 0; i < n; ++i) {
+      for (size_t j = i + 1; j < n; ++j) {
+        if (all[i].size == 0 || all[j].size == 0) continue;
+        const bool apart = all[i].offset + all[i].size <= all[j].offset ||
+                           all[j].offset + all[j].size <= all[i].offset;
+        SHMGRAD_CHECK(apart, ErrorKind::kCorrupt, "segment header: regions ", describe(all[i]),
+                      " and ", describe(all[j]), " overlap");
+      }
+    }
+  }
   SHMGRAD_CHECK(h->data_count >= 0 && h->data_count < (int64_t{1} << 40), ErrorKind::kCorrupt,
                 "segment header: data_count ", h->data_count);
   if (h->data_count > 0) {
@@ -223,6 +263,7 @@ Segment::Segment(std::string name, uint8_t* base, uint64_t size)
 
 Segment::~Segment() {
   if (base_ != nullptr) ::munmap(base_, size_);
+  if (lock_fd_ >= 0) ::close(lock_fd_);
 }
 
 std::unique_ptr<Segment> Segment::create(const SegmentSpec& spec) {
@@ -233,17 +274,27 @@ std::unique_ptr<Segment> Segment::create(const SegmentSpec& spec) {
 
   // A segment of this name may be left by a coordinator that was killed.
   if (exists(spec.name)) {
-    int pid = 0;
-    try {
-      auto old = open(spec.name);
-      pid = old->header()->coordinator_pid;
-    } catch (const Error&) {
-      pid = 0;  // unreadable or corrupt: treat as stale
+    // Stale only if no coordinator holds its lock (a live one holds it until it exits).
+    const std::string path = segmentPath(spec.name);
+    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+    SHMGRAD_CHECK(fd >= 0 || errno == ENOENT, ErrorKind::kBusy, "cannot open ", path, " (",
+                  detail::errnoText(), "): it belongs to another user; pick another --name");
+    if (fd >= 0) {
+      const bool locked = ::flock(fd, LOCK_EX | LOCK_NB) != 0;
+      int pid = 0;
+      if (locked) {
+        try {
+          pid = open(spec.name)->header()->coordinator_pid;
+        } catch (const Error&) {
+        }
+      }
+      if (locked) ::close(fd);
+      SHMGRAD_CHECK(!locked, ErrorKind::kBusy, "an engine named '", spec.name,
+                    "' is already running (coordinator pid ", pid,
+                    "); stop it with `shmgrad stop ", spec.name, "` or pick another --name");
+      remove(spec.name);
+      ::close(fd);
     }
-    SHMGRAD_CHECK(!processAlive(pid), ErrorKind::kBusy, "an engine named '", spec.name,
-                  "' is already running (coordinator pid ", pid, "); stop it with `shmgrad stop ",
-                  spec.name, "` or pick another --name");
-    remove(spec.name);
   }
 
   uint64_t free_bytes = shmFreeBytes();
@@ -278,9 +329,35 @@ std::unique_ptr<Segment> Segment::create(const SegmentSpec& spec) {
   }
   void* base = ::mmap(nullptr, l.total_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (base == MAP_FAILED) fail(ErrorKind::kSystem, "mmap failed: " + detail::errnoText());
+  try {
+    return initialize(spec, l, static_cast<uint8_t*>(base), fd);
+  } catch (...) {
+    ::munmap(base, l.total_size);
+    bip::shared_memory_object::remove(name.c_str());
+    throw;
+  }
+}
 
-  auto seg = std::unique_ptr<Segment>(
-      new Segment(spec.name, static_cast<uint8_t*>(base), l.total_size));
+std::unique_ptr<Segment> Segment::initialize(const SegmentSpec& spec, const Layout& l,
+                                             uint8_t* base, int fd) {
+  // The coordinator holds an exclusive lock on the segment for the engine's life: a
+  // later `serve` of the same name treats the segment as stale only if it can take
+  // the lock, i.e. the coordinator is gone (the kernel drops the lock with it).
+  int lock_fd = ::open(("/proc/self/fd/" + std::to_string(fd)).c_str(), O_RDONLY | O_CLOEXEC);
+  SHMGRAD_CHECK(lock_fd >= 0 && ::flock(lock_fd, LOCK_EX | LOCK_NB) == 0, ErrorKind::kBusy,
+                "engine '", spec.name, "' is being created by another process");
+  try {
+    writeHeader(spec, l, base);
+  } catch (...) {
+    ::close(lock_fd);
+    throw;
+  }
+  auto seg = std::unique_ptr<Segment>(new Segment(spec.name, base, l.total_size));
+  seg->lock_fd_ = lock_fd;
+  return seg;
+}
+
+void Segment::writeHeader(const SegmentSpec& spec, const Layout& l, uint8_t* base) {
   // Fresh tmpfs pages are zero; construct the header's atomics in place.
   SegmentHeader* h = new (base) SegmentHeader();
   h->magic = kMagic;
@@ -320,7 +397,7 @@ std::unique_ptr<Segment> Segment::create(const SegmentSpec& spec) {
   }
   h->control.engine_state.store(static_cast<uint32_t>(EngineState::kStarting));
   h->control.target_workers.store(spec.num_slots);
-  auto* table = seg->region<ParamEntry>(l.params_table);
+  auto* table = reinterpret_cast<ParamEntry*>(base + l.params_table.offset);
   for (size_t i = 0; i < spec.params.size(); ++i) {
     ParamEntry& e = table[i];
     std::memset(&e, 0, sizeof(e));
@@ -330,7 +407,6 @@ std::unique_ptr<Segment> Segment::create(const SegmentSpec& spec) {
     e.numel = numelOf(spec.params[i].shape);
   }
   validateHeader(h, l.total_size);
-  return seg;
 }
 
 std::unique_ptr<Segment> Segment::open(const std::string& engine_name) {

@@ -94,7 +94,11 @@ class Segment {
 
  private:
   Segment(std::string name, uint8_t* base, uint64_t size);
+  static std::unique_ptr<Segment> initialize(const SegmentSpec& spec, const Layout& l,
+                                             uint8_t* base, int fd);
+  static void writeHeader(const SegmentSpec& spec, const Layout& l, uint8_t* base);
   std::string name_;
+  int lock_fd_ = -1;  // the coordinator's lock on the segment (create only)
   uint8_t* base_;
   uint64_t size_;
   SegmentHeader* header_;

@@ -617,10 +617,15 @@ TEST(SegmentTest, LiveSegmentIsBusyAndStaleSegmentIsReplaced) {
     EXPECT_EQ(again->params()[0], 7.0f) << "the live segment must not have been replaced";
   }
 
-  // The coordinator died: the segment is stale and create replaces it.
+  // The coordinator died: its lock on the segment went with it (simulated by
+  // destroying the creating Segment, which holds the lock), so the segment is stale
+  // and create replaces it.
   const pid_t dead = deadPid();
   ASSERT_FALSE(processAlive(dead));
   first->header()->coordinator_pid = dead;
+  std::unique_ptr<Segment> observer = Segment::open(name);  // holds no lock
+  first.reset();
+  first = std::move(observer);
   std::unique_ptr<Segment> second;
   ASSERT_NO_THROW(second = Segment::create(spec));
   EXPECT_EQ(second->header()->coordinator_pid, getpid());
@@ -635,6 +640,7 @@ TEST(SegmentTest, LiveSegmentIsBusyAndStaleSegmentIsReplaced) {
 
   // A segment with a corrupt header counts as stale too.
   second->header()->magic = 0;
+  second.reset();  // and its coordinator is gone
   std::unique_ptr<Segment> third;
   ASSERT_NO_THROW(third = Segment::create(spec));
   EXPECT_EQ(third->header()->magic, kMagic);
@@ -660,6 +666,45 @@ TEST(SegmentTest, TooLargeForDevShmIsNoSpace) {
   EXPECT_FALSE(Segment::exists(name));
   struct stat st;
   EXPECT_NE(::stat(segmentPath(name).c_str(), &st), 0) << "segment file left behind";
+}
+
+// Known defects, disabled so the suite stays green; enable once ipc/segment.cc is fixed
+// (see the report that came with these tests).
+
+// Segment::create checks data shapes, negative dims and max_batch only after the file
+// exists (fillShape, the final validateHeader) and leaves the file behind on that throw.
+TEST(SegmentTest, FailedCreateLeavesNoFileAndIsInvalidArgument) {
+  std::vector<std::pair<std::string, std::function<void(SegmentSpec*)>>> cases = {
+      {"9-dim dataset example shape",
+       [](SegmentSpec* s) { s->data_example_shape = std::vector<int64_t>(kMaxDims + 1, 1); }},
+      {"negative parameter dim", [](SegmentSpec* s) { s->params[0].shape = {-1, 5}; }},
+      {"negative dataset dim", [](SegmentSpec* s) { s->data_example_shape = {-2, 4}; }},
+      {"max_batch 2^61", [](SegmentSpec* s) { s->max_batch = int64_t{1} << 61; }},
+  };
+  for (auto& [what, mutate] : cases) {
+    SCOPED_TRACE(what);
+    const std::string name = uniqueEngineName();
+    SegmentGuard guard(name);
+    SegmentSpec spec = smallSpec(name);
+    mutate(&spec);
+    EXPECT_TRUE(throwsKind(ErrorKind::kInvalidArgument, [&] { Segment::create(spec); }));
+    EXPECT_FALSE(Segment::exists(name)) << "segment file left in /dev/shm";
+  }
+}
+
+// validateHeader checks each region against the segment size but not against the
+// header or the other regions: workers would write gradients over the control block.
+TEST(ValidateHeaderTest, RegionsOverlappingHeaderOrEachOtherAreCorrupt) {
+  const std::string name = uniqueEngineName();
+  SegmentGuard guard(name);
+  auto seg = Segment::create(smallSpec(name));
+  HeaderCopy copy(*seg);
+  seg.reset();
+  copy.header()->slots.offset = 0;
+  EXPECT_TRUE(throwsKind(ErrorKind::kCorrupt, [&] { copy.validate(); }));
+  copy.reset();
+  copy.header()->reduced = copy.header()->params;
+  EXPECT_TRUE(throwsKind(ErrorKind::kCorrupt, [&] { copy.validate(); }));
 }
 
 // ---------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ test -f bazel-bin/tools/shmgrad -a -f bazel-bin/python/_C.so || { echo "setup: b
 install -m 0755 bazel-bin/python/_C.so python/shmgrad/_C.so
 mkdir -p python/shmgrad/bin
 install -m 0755 bazel-bin/tools/shmgrad python/shmgrad/bin/shmgrad
+install -m 0755 bazel-bin/tools/reduce_bench python/shmgrad/bin/reduce_bench
 SITE="$(/usr/bin/python3 -c 'import site; print(site.getsitepackages()[0])')"
 echo "$ROOT/python" | $SUDO tee "$SITE/shmgrad.pth" >/dev/null
 $SUDO ln -sf "$ROOT/python/shmgrad/bin/shmgrad" /usr/local/bin/shmgrad

@@ -33,6 +33,7 @@ from .errors import (  # noqa: F401
     WorkerError,
 )
 from .engine import Engine, GradientStats, attach, save_model  # noqa: F401
+from . import schedules  # noqa: F401
 
 __all__ = [
     "Engine",

@@ -334,6 +334,8 @@ class Engine:
             if inputs is not None or targets is not None:
                 raise errors.InvalidArgumentError("give either indices or inputs and targets, not both")
             idx = indices if isinstance(indices, torch.Tensor) else torch.as_tensor(indices)
+            if idx.numel() == 0:
+                raise errors.InvalidArgumentError("empty batch: give at least one index")
             if idx.dtype.is_floating_point or idx.dtype == torch.bool or idx.is_complex():
                 raise errors.InvalidArgumentError(f"indices must be integers, got {idx.dtype}")
             if idx.dim() != 1:

@@ -1,0 +1,78 @@
+"""Shared fixtures: small models, a single-process PyTorch reference, and a check that
+no test leaves a shared-memory segment behind."""
+
+import copy
+import glob
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import shmgrad
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self, d_in=20, hidden=32, d_out=5):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(d_in, hidden)
+        self.fc2 = torch.nn.Linear(hidden, d_out)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(torch.flatten(x, 1))))
+
+
+class Cnn(torch.nn.Module):
+    def __init__(self, d_out=5):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 4, 3)
+        self.fc = torch.nn.Linear(4 * 5 * 5, d_out)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(torch.max_pool2d(torch.relu(self.conv(x)), 2), 1))
+
+
+class LogSoftmaxMlp(Mlp):
+    def forward(self, x):
+        return torch.log_softmax(self.fc2(torch.relu(self.fc1(torch.flatten(x, 1)))), dim=1)
+
+
+def reference_gradient(model, loss, inputs, targets, reduction="sum"):
+    """The gradient of the loss over the batch, computed by plain PyTorch on a copy."""
+    m = copy.deepcopy(model)
+    m.zero_grad()
+    out = m(inputs)
+    fn = {"cross_entropy": torch.nn.functional.cross_entropy,
+          "nll": torch.nn.functional.nll_loss,
+          "mse": torch.nn.functional.mse_loss}[loss]
+    fn(out, targets, reduction=reduction).backward()
+    return [p.grad.clone() for p in m.parameters()]
+
+
+def relative_error(a, b):
+    num = sum(float((x.double() - y.double()).pow(2).sum()) for x, y in zip(a, b))
+    den = sum(float(y.double().pow(2).sum()) for y in b)
+    return (num ** 0.5) / max(den ** 0.5, 1e-30)
+
+
+def segments():
+    return sorted(glob.glob(f"/dev/shm/shmgrad-{os.getuid()}-*"))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def no_leaked_segments():
+    before = set(segments())
+    yield
+    leaked = set(segments()) - before
+    assert not leaked, f"segments left in /dev/shm: {sorted(leaked)}"
+
+
+@pytest.fixture
+def npy_dataset(tmp_path):
+    """120 examples of [1, 12, 12] inputs with labels 0..4, as .npy files."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(120, 1, 12, 12, generator=g)
+    y = torch.randint(0, 5, (120,), generator=g)
+    np.save(tmp_path / "x.npy", x.numpy())
+    np.save(tmp_path / "y.npy", y.numpy())
+    return f"npy:{tmp_path / 'x.npy'},{tmp_path / 'y.npy'}", x, y

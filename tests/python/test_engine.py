@@ -1,0 +1,219 @@
+"""The Python trainer API against a plain PyTorch reference."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import shmgrad
+from conftest import Cnn, LogSoftmaxMlp, Mlp, reference_gradient, relative_error, segments
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+@pytest.mark.parametrize("model_cls,loss", [(Mlp, "cross_entropy"), (Cnn, "cross_entropy"),
+                                            (LogSoftmaxMlp, "nll")])
+def test_gradient_matches_pytorch(workers, model_cls, loss, npy_dataset):
+    spec, x, y = npy_dataset
+    torch.manual_seed(workers)
+    model = model_cls(d_in=144) if model_cls is not Cnn else Cnn()
+    ref_model = __import__("copy").deepcopy(model)
+    with shmgrad.Engine(model=model, workers=workers, loss=loss, dataset=spec) as engine:
+        engine.bind(model)
+        for batch in (1, 5, 33, 120):
+            idx = torch.randperm(120)[:batch]
+            for reduction in ("sum", "mean"):
+                ref = reference_gradient(ref_model, loss, x[idx], y[idx], reduction)
+                stats = engine.gradient(idx, reduction=reduction)
+                assert relative_error([p.grad for p in model.parameters()], ref) < 1e-5
+                assert stats.num_examples == batch
+                assert stats.workers == min(batch, workers)
+                assert sum(stats.worker_examples) == batch
+                # The same batch given explicitly.
+                stats = engine.gradient(inputs=x[idx], targets=y[idx], reduction=reduction)
+                assert relative_error([p.grad for p in model.parameters()], ref) < 1e-5
+                assert len(stats.compute_seconds) == stats.workers
+                assert stats.wall_seconds > 0 and stats.reduce_seconds >= 0
+
+
+def test_mse_explicit_batches():
+    torch.manual_seed(0)
+    model = Mlp(d_in=8, d_out=3)
+    with shmgrad.Engine(model=model, workers=2, loss="mse") as engine:
+        engine.bind(model)
+        for batch in (1, 2, 9):
+            x, y = torch.randn(batch, 8), torch.randn(batch, 3)
+            ref = reference_gradient(model, "mse", x, y)
+            engine.gradient(inputs=x, targets=y)
+            assert relative_error([p.grad for p in model.parameters()], ref) < 1e-5
+
+
+def test_fifty_sgd_momentum_steps_match_plain_pytorch(npy_dataset):
+    spec, x, y = npy_dataset
+    torch.manual_seed(1)
+    model = Cnn()
+    ref = __import__("copy").deepcopy(model)
+    initial = [p.detach().clone() for p in model.parameters()]
+    with shmgrad.Engine(model=model, workers=3, loss="cross_entropy", dataset=spec) as engine:
+        engine.bind(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+        g = torch.Generator().manual_seed(2)
+        for _ in range(50):
+            idx = torch.randint(0, 120, (16,), generator=g)
+            opt.zero_grad()  # set_to_none or not: the engine relinks .grad
+            engine.gradient(idx, reduction="mean")
+            opt.step()
+            ref_opt.zero_grad()
+            torch.nn.functional.cross_entropy(ref(x[idx]), y[idx]).backward()
+            ref_opt.step()
+        # The engine's shared parameters are the bound module's parameters.
+        shared = engine.parameter_tensors()
+        for p, s in zip(model.parameters(), shared):
+            assert p.data_ptr() == s.data_ptr()
+        assert relative_error(list(model.parameters()), list(ref.parameters())) < 1e-4
+        assert relative_error(list(model.parameters()), initial) > 1e-3  # it trained
+
+
+def test_optimizer_step_is_seen_by_workers():
+    """After the trainer changes the shared parameters, workers compute with the new ones."""
+    torch.manual_seed(4)
+    model = Mlp(d_in=6, d_out=2)
+    x, y = torch.randn(10, 6), torch.randint(0, 2, (10,))
+    with shmgrad.Engine(model=model, workers=2, loss="cross_entropy") as engine:
+        engine.bind(model)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(-0.5).add_(0.1)
+        engine.gradient(inputs=x, targets=y)
+        ref = reference_gradient(model, "cross_entropy", x, y)
+        assert relative_error([p.grad for p in model.parameters()], ref) < 1e-5
+
+
+def expect_error(cls, fn, *words):
+    with pytest.raises(cls) as info:
+        fn()
+    for w in words:
+        assert w in str(info.value), str(info.value)
+    assert isinstance(info.value, shmgrad.Error)
+
+
+def test_bad_input_raises_and_engine_keeps_serving(npy_dataset, tmp_path):
+    spec, x, y = npy_dataset
+    model = Cnn()
+    with shmgrad.Engine(model=model, workers=2, loss="cross_entropy", dataset=spec) as engine:
+        engine.bind(model)
+        expect_error(shmgrad.InvalidArgumentError, lambda: engine.gradient([0, 120]), "out of range", "120")
+        expect_error(shmgrad.InvalidArgumentError, lambda: engine.gradient([-1]), "out of range")
+        expect_error(shmgrad.InvalidArgumentError, lambda: engine.gradient([]), "empty batch")
+        expect_error(shmgrad.InvalidArgumentError, lambda: engine.gradient([0.5]), "integers")
+        expect_error(shmgrad.InvalidArgumentError, lambda: engine.gradient([1], reduction="max"), "reduction")
+        expect_error(shmgrad.InvalidArgumentError, lambda: engine.gradient(), "indices")
+        expect_error(shmgrad.InvalidArgumentError,
+                     lambda: engine.gradient(inputs=torch.randn(3, 1, 12, 12), targets=torch.zeros(2).long()),
+                     "3 examples", "2")
+        # Inputs the model rejects: the worker's own message comes back.
+        expect_error(shmgrad.WorkerError,
+                     lambda: engine.gradient(inputs=torch.randn(4, 3, 5), targets=torch.zeros(4).long()),
+                     "could not compute its shard")
+        # A module that does not match the engine's parameters.
+        expect_error(shmgrad.InvalidArgumentError, lambda: engine.bind(Mlp(d_in=144)), "does not match")
+        # The next valid call works and is exact.
+        ref = reference_gradient(model, "cross_entropy", x[:7], y[:7])
+        engine.gradient(list(range(7)))
+        assert relative_error([p.grad for p in model.parameters()], ref) < 1e-5
+
+
+def test_bad_engine_arguments(tmp_path):
+    expect_error(shmgrad.InvalidArgumentError,
+                 lambda: shmgrad.Engine(model=Mlp(), workers=1, loss="hinge"), "unknown loss", "cross_entropy")
+    expect_error(shmgrad.EngineNotFoundError,
+                 lambda: shmgrad.Engine(model=str(tmp_path / "missing.pt"), workers=1, loss="mse"),
+                 "does not exist")
+    not_ts = tmp_path / "not_torchscript.pt"
+    not_ts.write_text("definitely not a model")
+    expect_error(shmgrad.InvalidArgumentError,
+                 lambda: shmgrad.Engine(model=str(not_ts), workers=1, loss="mse"), "TorchScript")
+    expect_error(shmgrad.InvalidArgumentError,
+                 lambda: shmgrad.Engine(model=Mlp(), workers=0, loss="mse"), "workers")
+    expect_error(shmgrad.InvalidArgumentError,
+                 lambda: shmgrad.Engine(model=Mlp(), workers=1, loss="mse", name="bad/name"), "name")
+    expect_error(shmgrad.InvalidArgumentError,
+                 lambda: shmgrad.Engine(model=Mlp(), workers=1, loss="mse", dataset="imagenet"), "dataset")
+    expect_error(shmgrad.EngineNotFoundError, lambda: shmgrad.attach("no-such-engine", timeout=0.2))
+
+
+def test_two_engines_side_by_side():
+    torch.manual_seed(5)
+    a, b = Mlp(d_in=4, d_out=2), Mlp(d_in=6, d_out=3)
+    xa, ya = torch.randn(8, 4), torch.randint(0, 2, (8,))
+    xb, yb = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    with shmgrad.Engine(model=a, workers=1, loss="cross_entropy", name="side-a") as ea, \
+            shmgrad.Engine(model=b, workers=2, loss="cross_entropy", name="side-b") as eb:
+        ea.bind(a)
+        eb.bind(b)
+        for _ in range(3):
+            ea.gradient(inputs=xa, targets=ya)
+            eb.gradient(inputs=xb, targets=yb)
+        assert relative_error([p.grad for p in a.parameters()], reference_gradient(a, "cross_entropy", xa, ya)) < 1e-5
+        assert relative_error([p.grad for p in b.parameters()], reference_gradient(b, "cross_entropy", xb, yb)) < 1e-5
+    assert not [s for s in segments() if s.endswith(("-side-a", "-side-b"))]
+
+
+def test_attach_to_served_engine_and_busy(tmp_path):
+    model = Mlp(d_in=4, d_out=2)
+    path = shmgrad.save_model(model, tmp_path / "m.pt")
+    serve = subprocess.Popen(["shmgrad", "serve", "--name", "cli-engine", "--model", str(path),
+                              "--workers", "2", "--loss", "cross_entropy"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        engine = shmgrad.attach("cli-engine", timeout=60)
+        x, y = torch.randn(5, 4), torch.randint(0, 2, (5,))
+        engine.bind(model)
+        engine.gradient(inputs=x, targets=y)
+        assert relative_error([p.grad for p in model.parameters()],
+                              reference_gradient(model, "cross_entropy", x, y)) < 1e-5
+        # A second trainer (another process) is told who holds the engine.
+        code = ("import shmgrad,os\n"
+                "try:\n shmgrad.attach('cli-engine', timeout=5)\nexcept shmgrad.BusyError as e:\n"
+                f" assert 'pid {__import__('os').getpid()}' in str(e), str(e); print('busy-ok')\n")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert "busy-ok" in out.stdout, out.stdout + out.stderr
+        status = subprocess.run(["shmgrad", "status", "cli-engine"], capture_output=True, text=True, timeout=30)
+        assert "steps served 1" in status.stdout and "worker 1" in status.stdout, status.stdout
+        engine.close()
+        # Released: the next attach succeeds at once.
+        shmgrad.attach("cli-engine", timeout=5).close()
+    finally:
+        stop = subprocess.run(["shmgrad", "stop", "cli-engine"], capture_output=True, text=True, timeout=60)
+        serve.wait(timeout=30)
+    assert stop.returncode == 0, stop.stderr
+    assert serve.returncode == 0
+    assert not [s for s in segments() if s.endswith("-cli-engine")]
+
+
+def test_save_model_traces_with_example_inputs(tmp_path):
+    class Untypable(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(3, 2)
+
+        def forward(self, x, *rest):  # varargs do not script
+            return self.fc(x)
+
+    m = Untypable()
+    with pytest.raises(shmgrad.InvalidArgumentError, match="example_inputs"):
+        shmgrad.save_model(m, tmp_path / "a.pt")
+    shmgrad.save_model(m, tmp_path / "b.pt", example_inputs=torch.randn(2, 3))
+    loaded = torch.jit.load(str(tmp_path / "b.pt"))
+    x = torch.randn(4, 3)
+    assert torch.allclose(loaded(x), m(x))
+
+
+def test_cli_help_documents_options():
+    out = subprocess.run(["shmgrad", "serve", "--help"], capture_output=True, text=True, timeout=30)
+    for opt in ("--name", "--model", "--workers", "--loss", "--dataset", "--threads-per-worker"):
+        assert opt in out.stdout
+    out = subprocess.run(["shmgrad", "--help"], capture_output=True, text=True, timeout=30)
+    for cmd in ("serve", "stop", "status", "resize", "stress", "bench"):
+        assert cmd in out.stdout

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Runs every test: the C++ suites through Bazel, then the Python suites through pytest.
+# Runs tools/setup.sh first (installs what is missing, builds, installs the package).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+tools/setup.sh
+echo "== C++ tests: bazel test //..."
+bazel test //... 2>&1 | grep -Ev "^(Loading|Analyzing|INFO: (Analyzed|Found|From)|\[)" 
+echo "== C++ tests under AddressSanitizer/UBSan: ipc and engine"
+bazel test --config=asan //tests:ipc_test //tests:replica_test 2>&1 | grep -Ev "^(Loading|Analyzing|INFO: (Analyzed|Found|From)|\[)"
+echo "== Python tests: pytest tests/python"
+cd tests/python && /usr/bin/python3 -m pytest -q -p no:cacheprovider .
