@@ -1,0 +1,78 @@
+"""`shmgrad bench --quick --tiny`: every system produces a number and the report files
+exist. How fast anything is, is not tested."""
+
+import glob
+import json
+import math
+import os
+import subprocess
+import sys
+
+EXPECTED_SYSTEMS = {"single-1t", "single", "shmgrad", "ddp", "dask"}
+
+
+def _finite_positive(x):
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_quick_tiny_bench(tmp_path):
+    out = tmp_path / "bench"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shmgrad.bench", "--quick", "--tiny", "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(tmp_path))
+    try:
+        log, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, log
+    # Engines are named bench-<pid>-<k>: none may be left in /dev/shm.
+    assert not glob.glob(f"/dev/shm/shmgrad-{os.getuid()}-bench-{proc.pid}-*"), log
+
+    with open(out / "results.json") as f:
+        result = json.load(f)
+    assert (out / "results.md").stat().st_size > 0
+    png = out / "bench.png"
+    assert png.stat().st_size > 0
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+    records = result["results"]
+    assert not [r for r in records if "error" in r], log
+    for workers in (1, 2):
+        got = {r["system"] for r in records if r["workers"] == workers or r["system"] == "single-1t"}
+        assert EXPECTED_SYSTEMS <= got, (workers, got)
+    for r in records:
+        assert r["model"] == "tiny" and r["batch"] == 128
+        assert r["times_s"] and all(_finite_positive(t) for t in r["times_s"]), r
+        for key in ("median_s", "min_s", "max_s"):
+            assert _finite_positive(r[key]), (key, r)
+        assert r["min_s"] <= r["median_s"] <= r["max_s"]
+        if r["system"] != "single-1t":
+            assert _finite_positive(r["ratio_to_shmgrad"]), r
+        if r["system"] == "shmgrad":
+            assert math.isfinite(r["overhead_median"]) and r["overhead_median"] < 1.0
+            assert _finite_positive(r["compute_max_median_s"])
+        if r.get("grad_rel_err") is not None:
+            # Same model, same batch: every system computes the same gradient.
+            assert r["grad_rel_err"] < 1e-4, r
+
+    reductions = result["reduction"]
+    assert {r["workers"] for r in reductions} == {1, 2}
+    for r in reductions:
+        assert "error" not in r, r
+        assert r["correct"] is True
+        assert _finite_positive(r["reduce_gbps_median"]) and _finite_positive(r["memcpy_gbps_median"])
+
+    assert result["targets"], "the issue's targets were not evaluated"
+
+
+def test_help_documents_every_option():
+    p = subprocess.run([sys.executable, "-m", "shmgrad.bench", "--help"], capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    for opt in ("--models", "--batch-sizes", "--workers", "--repeats", "--warmup", "--budget",
+                "--systems", "--reduce-floats", "--reduce-repeats", "--timeout", "--seed",
+                "--quick", "--tiny", "--out"):
+        assert opt in p.stdout, opt
