@@ -39,47 +39,63 @@ def make_schedule(args):
     return s.AdaDamp(args.b0, max_batch_size=cap)
 
 
-def train(engine, model, init, schedule, args, label, test_x, test_y, loss_sample):
-    """One run from the initial weights ``init``; returns a dict of results."""
-    with torch.no_grad():  # the bound parameters alias the engine's: reset them in place
-        for p, p0 in zip(model.parameters(), init):
-            p.copy_(p0)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
-    n = engine.dataset_size
-    gen = torch.Generator().manual_seed(args.seed + 1)  # same data order for every run
-    updates = examples = 0
-    wall = 0.0
-    acc = 0.0
-    for epoch in range(args.epochs):
-        perm = torch.randperm(n, generator=gen)
-        t0 = time.perf_counter()
+class Run:
+    """One training run: its schedule, its own copy of the weights, optimizer and data order.
+
+    The runs share one engine (so one bound module): :meth:`epoch` loads the run's weights
+    into the engine's parameters, trains one epoch and saves them back. Running the two
+    runs' epochs alternately makes background load on the machine hit both alike.
+    """
+
+    def __init__(self, label, schedule, model, init, args):
+        self.label, self.schedule, self.args = label, schedule, args
+        self.weights = [p.detach().clone() for p in init]
+        # The optimizers share the parameter objects but keep their own momentum buffers.
+        self.opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+        self.gen = torch.Generator().manual_seed(args.seed + 1)  # same data order for every run
+        self.updates = self.examples = 0
+        self.wall = 0.0
+        self.accuracy = 0.0
+        self.epochs_done = 0
+
+    def epoch(self, engine, model, test_x, test_y, loss_sample):
+        args, schedule, opt = self.args, self.schedule, self.opt
+        params = list(model.parameters())
+        with torch.no_grad():  # the bound parameters alias the engine's: load in place
+            for p, w in zip(params, self.weights):
+                p.copy_(w)
+        n = engine.dataset_size
+        perm = torch.randperm(n, generator=self.gen)
         pos = 0
         loss_sum = 0.0
         sizes, workers = set(), set()
         lr_factor = 1.0
+        t0 = time.perf_counter()
         while pos < n:
-            if isinstance(schedule, shmgrad.schedules.AdaDamp) and updates % args.loss_every == 0:
+            if isinstance(schedule, shmgrad.schedules.AdaDamp) and self.updates % args.loss_every == 0:
                 schedule.update_loss(engine, loss_sample)  # before this step's gradient
-            bs, lr_factor = schedule(step=updates, epoch=epoch)
+            bs, lr_factor = schedule(step=self.updates, epoch=self.epochs_done)
             for g in opt.param_groups:
                 g["lr"] = args.lr * lr_factor
             idx = perm[pos:pos + bs]
             stats = engine.gradient(idx, reduction="mean")
             opt.step()
             pos += len(idx)
-            updates += 1
-            examples += stats.num_examples
+            self.updates += 1
+            self.examples += stats.num_examples
             loss_sum += stats.loss_sum
             sizes.add(bs)
             workers.add(stats.workers)
-        wall += time.perf_counter() - t0
-        acc = accuracy(model, test_x, test_y)
-        print(f"  {label:8s} epoch {epoch + 1}: batch {'/'.join(map(str, sorted(sizes)))} "
+        self.wall += time.perf_counter() - t0
+        self.epochs_done += 1
+        with torch.no_grad():
+            for p, w in zip(params, self.weights):
+                w.copy_(p)
+        self.accuracy = accuracy(model, test_x, test_y)
+        print(f"  {self.label:8s} epoch {self.epochs_done}: batch {'/'.join(map(str, sorted(sizes)))} "
               f"(workers {'/'.join(map(str, sorted(workers)))}), lr x{lr_factor:.3g}, "
-              f"train loss {loss_sum / n:.4f}, test accuracy {acc * 100:.2f}%, "
-              f"{updates} updates, {wall:.1f} s", flush=True)
-    return {"label": label, "schedule": repr(schedule), "accuracy": acc, "updates": updates,
-            "examples": examples, "wall": wall}
+              f"train loss {loss_sum / n:.4f}, test accuracy {self.accuracy * 100:.2f}%, "
+              f"{self.updates} updates, {self.wall:.1f} s", flush=True)
 
 
 def main():
@@ -118,7 +134,6 @@ def main():
           f"min_examples_per_worker {args.min_examples_per_worker}, {args.epochs} epochs, "
           f"SGD lr {args.lr} momentum {args.momentum}; "
           + "; ".join(f"{label}: {sched!r}" for label, sched in runs), flush=True)
-    results = []
     with shmgrad.Engine(model=model, workers=args.workers, loss="cross_entropy",
                         dataset="fashion-mnist",
                         min_examples_per_worker=args.min_examples_per_worker) as engine:
@@ -126,27 +141,29 @@ def main():
         gen = torch.Generator().manual_seed(args.seed + 2)
         loss_sample = torch.randperm(engine.dataset_size, generator=gen)[:args.loss_sample]
         engine.gradient(torch.arange(args.batch_size))  # warm up the workers
-        for label, sched in runs:
-            results.append(train(engine, model, init, sched, args, label, test_x, test_y, loss_sample))
+        results = [Run(label, sched, model, init, args) for label, sched in runs]
+        for _ in range(args.epochs):  # alternate the runs epoch by epoch
+            for run in results:
+                run.epoch(engine, model, test_x, test_y, loss_sample)
 
     print()
-    print(f"{'run':9s} {'schedule':36s} {'test acc':>8s} {'updates':>8s} {'examples':>9s} {'wall s':>7s}")
+    print(f"{'run':9s} {'schedule':42s} {'test acc':>8s} {'updates':>8s} {'examples':>9s} {'wall s':>7s}")
     for r in results:
-        print(f"{r['label']:9s} {r['schedule']:36s} {r['accuracy'] * 100:7.2f}% {r['updates']:8d} "
-              f"{r['examples']:9d} {r['wall']:7.1f}")
+        print(f"{r.label:9s} {r.schedule!r:42s} {r.accuracy * 100:7.2f}% {r.updates:8d} "
+              f"{r.examples:9d} {r.wall:7.1f}")
     if len(results) < 2:
         return 0
     fixed, adaptive = results
     checks = [
         ("accuracy within 0.5 points of fixed",
-         adaptive["accuracy"] >= fixed["accuracy"] - 0.005,
-         f"{(adaptive['accuracy'] - fixed['accuracy']) * 100:+.2f} points"),
+         adaptive.accuracy >= fixed.accuracy - 0.005,
+         f"{(adaptive.accuracy - fixed.accuracy) * 100:+.2f} points"),
         ("at least 2x fewer model updates",
-         2 * adaptive["updates"] <= fixed["updates"],
-         f"{fixed['updates'] / adaptive['updates']:.2f}x fewer"),
+         2 * adaptive.updates <= fixed.updates,
+         f"{fixed.updates / adaptive.updates:.2f}x fewer"),
         ("less wall time",
-         adaptive["wall"] < fixed["wall"],
-         f"{fixed['wall'] / adaptive['wall']:.2f}x faster" if adaptive["wall"] > 0 else ""),
+         adaptive.wall < fixed.wall,
+         f"{fixed.wall / adaptive.wall:.2f}x faster" if adaptive.wall > 0 else ""),
     ]
     print()
     for what, ok, detail in checks:
