@@ -342,9 +342,14 @@ bool requestStop(const std::string& name, double timeout_s) {
     ipc::futexWake(&c.coordinator_wake);
     int pid = seg->header()->coordinator_pid;
     if (!ipc::processAlive(pid)) {
-      // The coordinator is gone (killed): clean up its leftovers ourselves.
-      ipc::Segment::remove(name);
-      return true;
+      // The coordinator is gone (killed): clean up its leftovers ourselves, unless a
+      // new coordinator has taken the name meanwhile (it holds the segment's lock).
+      try {
+        ipc::Segment::removeIfStale(name);
+        return true;
+      } catch (const Error& e) {
+        if (e.kind() != ErrorKind::kBusy) throw;
+      }
     }
   }
   const uint64_t deadline = ipc::monotonicNs() + static_cast<uint64_t>(timeout_s * 1e9);

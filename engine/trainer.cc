@@ -37,13 +37,17 @@ std::unique_ptr<Trainer> Trainer::attach(const std::string& name, const AttachOp
   for (;;) {
     try {
       seg = ipc::Segment::open(name);
-      if (seg->header()->control.engine_state.load() ==
-          static_cast<uint32_t>(ipc::EngineState::kServing)) {
+      const bool alive = ipc::processAlive(seg->header()->coordinator_pid);
+      if (alive && seg->header()->control.engine_state.load() ==
+                       static_cast<uint32_t>(ipc::EngineState::kServing)) {
         break;
       }
-      SHMGRAD_CHECK(ipc::processAlive(seg->header()->coordinator_pid), ErrorKind::kNotFound,
-                    "engine '", name, "' is not running: its coordinator (pid ",
-                    seg->header()->coordinator_pid, ") is gone; start it again with shmgrad serve");
+      // Starting, or left by a dead coordinator (a new `serve` may be replacing it).
+      SHMGRAD_CHECK(alive || ipc::monotonicNs() < deadline, ErrorKind::kNotFound, "engine '",
+                    name, "' is not running: its coordinator (pid ",
+                    seg->header()->coordinator_pid,
+                    ") is gone; start it again with shmgrad serve (the stale segment is "
+                    "removed then)");
       seg.reset();
     } catch (const Error& e) {
       // Not there yet, or its header is still being written: retry until the deadline.

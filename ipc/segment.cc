@@ -273,29 +273,7 @@ std::unique_ptr<Segment> Segment::create(const SegmentSpec& spec) {
                 "model path longer than ", kPathLen - 1, " characters");
 
   // A segment of this name may be left by a coordinator that was killed.
-  if (exists(spec.name)) {
-    // Stale only if no coordinator holds its lock (a live one holds it until it exits).
-    const std::string path = segmentPath(spec.name);
-    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
-    SHMGRAD_CHECK(fd >= 0 || errno == ENOENT, ErrorKind::kBusy, "cannot open ", path, " (",
-                  detail::errnoText(), "): it belongs to another user; pick another --name");
-    if (fd >= 0) {
-      const bool locked = ::flock(fd, LOCK_EX | LOCK_NB) != 0;
-      int pid = 0;
-      if (locked) {
-        try {
-          pid = open(spec.name)->header()->coordinator_pid;
-        } catch (const Error&) {
-        }
-      }
-      if (locked) ::close(fd);
-      SHMGRAD_CHECK(!locked, ErrorKind::kBusy, "an engine named '", spec.name,
-                    "' is already running (coordinator pid ", pid,
-                    "); stop it with `shmgrad stop ", spec.name, "` or pick another --name");
-      remove(spec.name);
-      ::close(fd);
-    }
-  }
+  removeIfStale(spec.name);
 
   uint64_t free_bytes = shmFreeBytes();
   SHMGRAD_CHECK(free_bytes >= l.total_size, ErrorKind::kNoSpace, "engine '", spec.name,
@@ -445,6 +423,34 @@ std::unique_ptr<Segment> Segment::open(const std::string& engine_name) {
   auto seg = std::unique_ptr<Segment>(new Segment(engine_name, static_cast<uint8_t*>(base), size));
   validateHeader(seg->header(), size);
   return seg;
+}
+
+bool Segment::removeIfStale(const std::string& engine_name) {
+  checkEngineName(engine_name);
+  // Stale only if no coordinator holds its lock (a live one holds it until it exits,
+  // and the kernel drops it when the coordinator dies, however it dies).
+  const std::string path = segmentPath(engine_name);
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+  if (fd < 0) {
+    SHMGRAD_CHECK(errno == ENOENT, ErrorKind::kBusy, "cannot open ", path, " (",
+                  detail::errnoText(), "): it belongs to another user; pick another --name");
+    return false;
+  }
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    ::close(fd);
+    int pid = 0;
+    try {
+      pid = open(engine_name)->header()->coordinator_pid;
+    } catch (const Error&) {
+    }
+    raise(ErrorKind::kBusy, "an engine named '", engine_name,
+          "' is already running (coordinator pid ", pid, "); stop it with `shmgrad stop ",
+          engine_name, "` or pick another --name");
+  }
+  // Holding the lock, unlink: a new coordinator creates a new file under the name.
+  bool removed = remove(engine_name);
+  ::close(fd);
+  return removed;
 }
 
 bool Segment::remove(const std::string& engine_name) {

@@ -69,6 +69,9 @@ class Segment {
   // Unlinks the segment name (mappings stay valid until unmapped). Returns false if
   // it did not exist.
   static bool remove(const std::string& engine_name);
+  // Removes the segment if no live coordinator holds it (its coordinator died).
+  // Throws Error(kBusy) naming the pid if one does. Returns true if it removed one.
+  static bool removeIfStale(const std::string& engine_name);
   // True if a segment of that name exists.
   static bool exists(const std::string& engine_name);
 

@@ -430,8 +430,7 @@ def build_parser():
                          "single process's threads and the reduction (default 1,2,4,... up "
                          "to os.cpu_count(); --quick/--tiny: 1,2)")
     ap.add_argument("--repeats", type=int, default=None,
-                    help="timed steps per configuration after warm-up (default 10; --quick: "
-                         "5; --tiny: 2)")
+                    help="timed steps per configuration after warm-up (default 10; --tiny: 2)")
     ap.add_argument("--warmup", type=int, default=3,
                     help="untimed steps first in every configuration (default 3: TorchScript's "
                          "profiling executor, which shmgrad's workers run, optimises the "
@@ -455,7 +454,7 @@ def build_parser():
     ap.add_argument("--seed", type=int, default=0, help="seed of the weights and batches")
     ap.add_argument("--quick", action="store_true",
                     help="a subset that runs in under two minutes on a 2-core machine: "
-                         "mlp,cnn, batch 128, workers 1,2, 5 repeats")
+                         "mlp,cnn, batch 128, workers 1,2, budget 10 s")
     ap.add_argument("--tiny", action="store_true",
                     help="for tests: the tiny MLP, 2 repeats, small reductions")
     ap.add_argument("--out", default="bench-out",
@@ -473,7 +472,7 @@ def resolve(args):
     if args.workers is None:
         args.workers = [1, 2] if quick else default_workers()
     if args.repeats is None:
-        args.repeats = 2 if args.tiny else (5 if quick else 10)
+        args.repeats = 2 if args.tiny else 10
     if args.budget is None:
         args.budget = 10.0 if quick else 60.0
     if args.reduce_repeats is None:
@@ -692,8 +691,9 @@ def plot(records, path):
 
     models = list(dict.fromkeys(r["model"] for r in records))
     batches = sorted(set(r["batch"] for r in records))
-    fig, axes = plt.subplots(len(models), len(batches), squeeze=False,
-                             figsize=(4.2 * len(batches), 3.4 * len(models)))
+    width = max(9.0, 4.2 * len(batches))
+    height = 3.4 * len(models) + 0.9
+    fig, axes = plt.subplots(len(models), len(batches), squeeze=False, figsize=(width, height))
     styles = {"single-1t": ("tab:gray", "--", ""), "single": ("tab:blue", "-", "o"),
               "shmgrad": ("tab:red", "-", "s"), "ddp": ("tab:green", "-", "^"),
               "dask": ("tab:purple", "-", "D")}
@@ -725,8 +725,8 @@ def plot(records, path):
                 ax.set_xticks(ns)
             ax.grid(True, which="both", alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=max(1, len(labels)), fontsize=8)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8)
+    fig.tight_layout(rect=(0, 0.75 / height, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

@@ -1,0 +1,230 @@
+"""Faults: killed workers, killed trainers, a killed coordinator, strangers, non-finite values."""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import shmgrad
+from conftest import Cnn, Mlp, reference_gradient, relative_error, segments
+
+
+class SlowCnn(torch.nn.Module):
+    """Big enough that a step over a few thousand examples takes a while on 2 cores."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(1, 16, 3, padding=1)
+        self.conv2 = torch.nn.Conv2d(16, 16, 3, padding=1)
+        self.fc = torch.nn.Linear(16 * 14 * 14, 5)
+
+    def forward(self, x):
+        x = torch.relu(self.conv2(torch.relu(self.conv1(x))))
+        return self.fc(torch.flatten(torch.max_pool2d(x, 2), 1))
+
+
+def worker_pids(engine):
+    return {int(m.group(1)): int(m.group(2))
+            for m in re.finditer(r"worker (\d+): pid (\d+), ready", engine.status()["text"])}
+
+
+def wait_for(cond, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_killed_idle_worker_is_replaced_and_gradient_stays_exact():
+    torch.manual_seed(0)
+    model = Mlp(d_in=10, d_out=3)
+    x, y = torch.randn(40, 10), torch.randint(0, 3, (40,))
+    with shmgrad.Engine(model=model, workers=3, loss="cross_entropy") as engine:
+        engine.bind(model)
+        before = worker_pids(engine)
+        os.kill(before[1], signal.SIGKILL)
+        # Detected and replaced within a bounded time.
+        wait_for(lambda: len(worker_pids(engine)) == 3 and worker_pids(engine)[1] != before[1], 30,
+                 "the replacement worker")
+        assert "worker restarts 1" in engine.status()["text"]
+        engine.gradient(inputs=x, targets=y)
+        assert relative_error([p.grad for p in model.parameters()],
+                              reference_gradient(model, "cross_entropy", x, y)) < 1e-5
+
+
+@pytest.mark.parametrize("delay", [0.02, 0.15, 0.4])
+def test_worker_killed_mid_step_step_is_rerun_exactly(delay):
+    torch.manual_seed(1)
+    model = SlowCnn()
+    x, y = torch.randn(1500, 1, 28, 28), torch.randint(0, 5, (1500,))
+    ref = reference_gradient(model, "cross_entropy", x, y)
+    with shmgrad.Engine(model=model, workers=2, loss="cross_entropy") as engine:
+        engine.bind(model)
+        engine.gradient(inputs=x[:8], targets=y[:8])  # warm up
+        victim = worker_pids(engine)[0]
+        killer = threading.Timer(delay, os.kill, (victim, signal.SIGKILL))
+        killer.start()
+        stats = engine.gradient(inputs=x, targets=y, timeout=120)
+        killer.join()
+        assert relative_error([p.grad for p in model.parameters()], ref) < 1e-5
+        # Either the kill hit the step (re-run) or the step had already finished.
+        text = engine.status()["text"]
+        if stats.retries:
+            assert "aborted 1" in text
+        # The engine keeps serving.
+        stats = engine.gradient(inputs=x[:64], targets=y[:64])
+        assert stats.num_examples == 64
+
+
+def test_workers_dying_on_every_try_give_a_clear_error():
+    torch.manual_seed(2)
+    model = SlowCnn()
+    x, y = torch.randn(1500, 1, 28, 28), torch.randint(0, 5, (1500,))
+    with shmgrad.Engine(model=model, workers=2, loss="cross_entropy") as engine:
+        engine.bind(model)
+        engine.gradient(inputs=x[:8], targets=y[:8])
+        victim = worker_pids(engine)[0]
+        killer = threading.Timer(0.05, os.kill, (victim, signal.SIGKILL))
+        killer.start()
+        with pytest.raises(shmgrad.WorkerError, match="died"):
+            engine.gradient(inputs=x, targets=y, max_retries=0)
+        killer.join()
+        wait_for(lambda: engine.workers == 2, 30, "the replacement worker")
+        engine.gradient(inputs=x[:32], targets=y[:32])
+        assert relative_error([p.grad for p in model.parameters()],
+                              reference_gradient(model, "cross_entropy", x[:32], y[:32])) < 1e-5
+
+
+TRAINER = """
+import sys, time, torch, shmgrad
+sys.path.insert(0, {tests!r})
+from test_faults import SlowCnn
+e = shmgrad.attach({name!r}, timeout=30)
+print("attached", flush=True)
+x, y = torch.randn(3000, 1, 28, 28), torch.randint(0, 5, (3000,))
+while True:
+    e.gradient(inputs=x, targets=y)
+"""
+
+
+def test_killed_trainer_frees_the_engine(tmp_path):
+    torch.manual_seed(3)
+    model = SlowCnn()
+    path = shmgrad.save_model(model, tmp_path / "m.pt")
+    serve = subprocess.Popen(["shmgrad", "serve", "--name", "trainer-kill", "--model", str(path),
+                              "--workers", "2", "--loss", "cross_entropy", "--quiet"])
+    try:
+        code = TRAINER.format(tests=os.path.dirname(__file__), name="trainer-kill")
+        child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline().strip() == "attached"
+        time.sleep(0.5)  # mid-step
+        child.kill()
+        child.wait()
+        t0 = time.monotonic()
+        engine = shmgrad.attach("trainer-kill", timeout=5)
+        assert time.monotonic() - t0 < 1.0
+        engine.bind(model)
+        x, y = torch.randn(20, 1, 28, 28), torch.randint(0, 5, (20,))
+        engine.gradient(inputs=x, targets=y)
+        assert relative_error([p.grad for p in model.parameters()],
+                              reference_gradient(model, "cross_entropy", x, y)) < 1e-5
+        engine.close()
+    finally:
+        subprocess.run(["shmgrad", "stop", "trainer-kill"], capture_output=True, timeout=60)
+        serve.wait(timeout=30)
+
+
+def test_killed_coordinator_workers_exit_and_name_is_reusable(tmp_path):
+    path = shmgrad.save_model(Mlp(d_in=4, d_out=2), tmp_path / "m.pt")
+    cmd = ["shmgrad", "serve", "--name", "coord-kill", "--model", str(path), "--workers", "2",
+           "--loss", "cross_entropy", "--quiet"]
+    serve = subprocess.Popen(cmd)
+    engine = shmgrad.attach("coord-kill", timeout=60)
+    pids = list(worker_pids(engine).values())
+    engine.close()
+    serve.kill()
+    serve.wait()
+    for pid in pids:
+        wait_for(lambda: not os.path.exists(f"/proc/{pid}") or
+                 open(f"/proc/{pid}/stat").read().split(")")[1].split()[0] == "Z", 10,
+                 f"worker {pid} to exit")
+    # The stale segment is detected, removed, and a new engine of the same name starts.
+    serve = subprocess.Popen(cmd)
+    try:
+        engine = shmgrad.attach("coord-kill", timeout=60)
+        x, y = torch.randn(3, 4), torch.randint(0, 2, (3,))
+        assert engine.gradient(inputs=x, targets=y).num_examples == 3
+        engine.close()
+    finally:
+        subprocess.run(["shmgrad", "stop", "coord-kill"], capture_output=True, timeout=60)
+        serve.wait(timeout=30)
+    assert not [s for s in segments() if s.endswith("-coord-kill")]
+
+
+def test_stranger_cannot_attach_or_read():
+    if os.getuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to act as another uid (CI runs as root)")
+    model = Mlp(d_in=4, d_out=2)
+    with shmgrad.Engine(model=model, workers=1, loss="cross_entropy", name="stranger") as engine:
+        path = shmgrad._C.segment_path("stranger")
+        assert os.stat(path).st_mode & 0o777 == 0o600
+        as_nobody = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
+        read = subprocess.run(as_nobody + ["cat", path], capture_output=True, timeout=30)
+        assert read.returncode != 0 and b"Permission denied" in read.stderr
+        # The stranger's own name lookup sees a different segment (the uid is in the name)...
+        other = subprocess.run(as_nobody + [shutil.which("shmgrad"), "status", "stranger"],
+                               capture_output=True, text=True, timeout=30)
+        assert other.returncode != 0 and "no engine named" in other.stderr, other.stderr
+        # ...and opening the owner's file directly is refused by the kernel.
+        code = f"import os\ntry:\n os.open({path!r}, os.O_RDWR)\nexcept PermissionError:\n print('denied')"
+        direct = subprocess.run(as_nobody + ["/usr/bin/python3", "-c", code], capture_output=True,
+                                text=True, timeout=30)
+        assert "denied" in direct.stdout
+        assert engine.gradient(inputs=torch.randn(2, 4), targets=torch.tensor([0, 1])).num_examples == 2
+
+
+def test_corrupt_segment_is_refused_not_crashed(tmp_path):
+    name = "corrupt-test"
+    path = f"/dev/shm/shmgrad-{os.getuid()}-{name}"
+    with open(path, "wb") as f:
+        f.write(b"\x00" * (1 << 20))
+    os.chmod(path, 0o600)
+    try:
+        with pytest.raises(shmgrad.CorruptSegmentError, match="magic"):
+            shmgrad.attach(name, timeout=0.1)
+        # serve replaces it (no live coordinator holds it).
+        model_path = shmgrad.save_model(Mlp(d_in=4, d_out=2), tmp_path / "m.pt")
+        with shmgrad.Engine(model=str(model_path), workers=1, loss="cross_entropy", name=name) as e:
+            assert e.gradient(inputs=torch.randn(2, 4), targets=torch.tensor([0, 1])).num_examples == 2
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def test_no_space_is_a_clear_error():
+    free = shutil.disk_usage("/dev/shm").free
+    with pytest.raises(shmgrad.NoSpaceError, match="/dev/shm") as info:
+        shmgrad.Engine(model=Mlp(d_in=4, d_out=2), workers=1, loss="mse",
+                       input_capacity_mb=free // (1 << 20) + 1024)
+    assert "free" in str(info.value)
+
+
+def test_nonfinite_values_are_reported_with_the_worker():
+    model = Mlp(d_in=4, d_out=2)
+    x, y = torch.randn(6, 4), torch.randint(0, 2, (6,))
+    x[5, 0] = float("nan")  # in the last worker's shard
+    with shmgrad.Engine(model=model, workers=2, loss="cross_entropy") as engine:
+        engine.bind(model)
+        stats = engine.gradient(inputs=x, targets=y)
+        assert stats.nonfinite and stats.nonfinite_workers == [1]
+        with pytest.raises(shmgrad.NonFiniteError, match="worker 1"):
+            engine.gradient(inputs=x, targets=y, raise_on_nonfinite=True)
+        stats = engine.gradient(inputs=x[:5], targets=y[:5], raise_on_nonfinite=True)
+        assert not stats.nonfinite
