@@ -307,6 +307,12 @@ GradientStats Trainer::run(int64_t B, const GradientOptions& o, uint32_t kind) {
     c.step_epoch.store(e, std::memory_order_release);  // publishes everything above
     ipc::futexWake(&c.step_epoch);
 
+    // A participant can die between being picked and the coordinator reaping it (a
+    // zombie still looks alive), so the coordinator may never see it as part of this
+    // step: check the participants' records in every wait slice (memory reads only).
+    int32_t pids[ipc::kMaxWorkers];
+    for (uint32_t k = 0; k < n; ++k) pids[k] = h->workers[r.participants[k]].pid.load();
+    bool lost_worker = false;
     const bool finished = ipc::waitUntil(
         &c.trainer_wake,
         [&] {
@@ -314,11 +320,26 @@ GradientStats Trainer::run(int64_t B, const GradientOptions& o, uint32_t kind) {
                  c.abort_epoch.load(std::memory_order_acquire) == e;
         },
         [&] {
+          for (uint32_t k = 0; k < n; ++k) {
+            const ipc::WorkerRecord& w = h->workers[r.participants[k]];
+            const uint32_t st = w.state.load();
+            if (w.pid.load() != pids[k] || st == static_cast<uint32_t>(WorkerState::kDead) ||
+                st == static_cast<uint32_t>(WorkerState::kExited)) {
+              lost_worker = true;
+              return false;
+            }
+          }
           return ipc::processAlive(coordinator) &&
                  c.engine_state.load() == static_cast<uint32_t>(ipc::EngineState::kServing);
         },
         deadline, std::chrono::milliseconds(100), /*spin=*/2000);
-    if (finished && c.done_epoch.load(std::memory_order_acquire) == e) {
+    if (!finished && lost_worker && c.done_epoch.load(std::memory_order_acquire) != e) {
+      c.abort_epoch.store(e, std::memory_order_release);
+      c.steps_aborted.fetch_add(1);
+      ipc::futexWake(&c.compute_barrier);
+      ipc::futexWake(&c.reduce_barrier);
+    }
+    if (c.done_epoch.load(std::memory_order_acquire) == e) {
       stats.num_examples = B;
       for (uint32_t k = 0; k < n; ++k) {
         const ipc::WorkerRecord& w = h->workers[r.participants[k]];
@@ -361,7 +382,7 @@ GradientStats Trainer::run(int64_t B, const GradientOptions& o, uint32_t kind) {
     }
     // Aborted (a worker died), timed out, or the engine went away.
     dirty_ = true;
-    if (!finished) {
+    if (!finished && !lost_worker) {
       c.abort_epoch.store(e, std::memory_order_release);
       ipc::futexWake(&c.compute_barrier);
       ipc::futexWake(&c.reduce_barrier);

@@ -40,11 +40,14 @@ def make_schedule(args):
 
 
 class Run:
-    """One training run: its schedule, its own copy of the weights, optimizer and data order.
+    """One training run: its schedule, its own weights, optimizer and data order.
 
-    The runs share one engine (so one bound module): :meth:`epoch` loads the run's weights
-    into the engine's parameters, trains one epoch and saves them back. Running the two
-    runs' epochs alternately makes background load on the machine hit both alike.
+    The runs share one engine, so one bound module whose parameters alias the engine's.
+    :meth:`train` is a generator that trains for ``epochs`` epochs and pauses (yields)
+    after every ``slice_examples`` examples; the caller swaps the run's weights in
+    before resuming it (:meth:`load`) and out after (:meth:`save`). Alternating the runs
+    slice by slice makes background load on the machine hit both alike; only the time
+    spent inside the training loop counts toward ``wall`` (not the test-set evaluation).
     """
 
     def __init__(self, label, schedule, model, init, args):
@@ -56,46 +59,55 @@ class Run:
         self.updates = self.examples = 0
         self.wall = 0.0
         self.accuracy = 0.0
-        self.epochs_done = 0
 
-    def epoch(self, engine, model, test_x, test_y, loss_sample):
+    @torch.no_grad()
+    def load(self, model):
+        for p, w in zip(model.parameters(), self.weights):
+            p.copy_(w)
+
+    @torch.no_grad()
+    def save(self, model):
+        for p, w in zip(model.parameters(), self.weights):
+            w.copy_(p)
+
+    def train(self, engine, model, test_x, test_y, loss_sample):
         args, schedule, opt = self.args, self.schedule, self.opt
-        params = list(model.parameters())
-        with torch.no_grad():  # the bound parameters alias the engine's: load in place
-            for p, w in zip(params, self.weights):
-                p.copy_(w)
         n = engine.dataset_size
-        perm = torch.randperm(n, generator=self.gen)
-        pos = 0
-        loss_sum = 0.0
-        sizes, workers = set(), set()
-        lr_factor = 1.0
-        t0 = time.perf_counter()
-        while pos < n:
-            if isinstance(schedule, shmgrad.schedules.AdaDamp) and self.updates % args.loss_every == 0:
-                schedule.update_loss(engine, loss_sample)  # before this step's gradient
-            bs, lr_factor = schedule(step=self.updates, epoch=self.epochs_done)
-            for g in opt.param_groups:
-                g["lr"] = args.lr * lr_factor
-            idx = perm[pos:pos + bs]
-            stats = engine.gradient(idx, reduction="mean")
-            opt.step()
-            pos += len(idx)
-            self.updates += 1
-            self.examples += stats.num_examples
-            loss_sum += stats.loss_sum
-            sizes.add(bs)
-            workers.add(stats.workers)
-        self.wall += time.perf_counter() - t0
-        self.epochs_done += 1
-        with torch.no_grad():
-            for p, w in zip(params, self.weights):
-                w.copy_(p)
-        self.accuracy = accuracy(model, test_x, test_y)
-        print(f"  {self.label:8s} epoch {self.epochs_done}: batch {'/'.join(map(str, sorted(sizes)))} "
-              f"(workers {'/'.join(map(str, sorted(workers)))}), lr x{lr_factor:.3g}, "
-              f"train loss {loss_sum / n:.4f}, test accuracy {self.accuracy * 100:.2f}%, "
-              f"{self.updates} updates, {self.wall:.1f} s", flush=True)
+        for epoch in range(args.epochs):
+            perm = torch.randperm(n, generator=self.gen)
+            pos = since_yield = 0
+            loss_sum = 0.0
+            sizes, workers = set(), set()
+            lr_factor = 1.0
+            t0 = time.perf_counter()
+            while pos < n:
+                if isinstance(schedule, shmgrad.schedules.AdaDamp) and self.updates % args.loss_every == 0:
+                    schedule.update_loss(engine, loss_sample)  # before this step's gradient
+                bs, lr_factor = schedule(step=self.updates, epoch=epoch)
+                for g in opt.param_groups:
+                    g["lr"] = args.lr * lr_factor
+                idx = perm[pos:pos + bs]
+                stats = engine.gradient(idx, reduction="mean")
+                opt.step()
+                pos += len(idx)
+                since_yield += len(idx)
+                self.updates += 1
+                self.examples += stats.num_examples
+                loss_sum += stats.loss_sum
+                sizes.add(bs)
+                workers.add(stats.workers)
+                if since_yield >= args.slice_examples and pos < n:
+                    self.wall += time.perf_counter() - t0
+                    yield
+                    since_yield = 0
+                    t0 = time.perf_counter()
+            self.wall += time.perf_counter() - t0
+            self.accuracy = accuracy(model, test_x, test_y)
+            print(f"  {self.label:8s} epoch {epoch + 1}: batch {'/'.join(map(str, sorted(sizes)))} "
+                  f"(workers {'/'.join(map(str, sorted(workers)))}), lr x{lr_factor:.3g}, "
+                  f"train loss {loss_sum / n:.4f}, test accuracy {self.accuracy * 100:.2f}%, "
+                  f"{self.updates} updates, {self.wall:.1f} s", flush=True)
+            yield
 
 
 def main():
@@ -116,6 +128,10 @@ def main():
                     help="batches under twice this run on one worker")
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--momentum", type=float, default=0.9)
+    ap.add_argument("--max-examples-per-pass", type=int, default=32,
+                    help="workers process their shard in passes of this many examples")
+    ap.add_argument("--slice-examples", type=int, default=6000,
+                    help="the runs alternate every this many examples")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", choices=("fixed", "adaptive"), help="run just one of the two")
     args = ap.parse_args()
@@ -131,20 +147,26 @@ def main():
     if args.only != "fixed":
         runs.append(("adaptive", make_schedule(args)))
     print(f"adaptive batch sizes: Fashion-MNIST CNN, {args.workers} workers, "
-          f"min_examples_per_worker {args.min_examples_per_worker}, {args.epochs} epochs, "
+          f"min_examples_per_worker {args.min_examples_per_worker}, "
+          f"max_examples_per_pass {args.max_examples_per_pass}, {args.epochs} epochs, "
           f"SGD lr {args.lr} momentum {args.momentum}; "
           + "; ".join(f"{label}: {sched!r}" for label, sched in runs), flush=True)
     with shmgrad.Engine(model=model, workers=args.workers, loss="cross_entropy",
                         dataset="fashion-mnist",
-                        min_examples_per_worker=args.min_examples_per_worker) as engine:
+                        min_examples_per_worker=args.min_examples_per_worker,
+                        max_examples_per_pass=args.max_examples_per_pass) as engine:
         engine.bind(model)
         gen = torch.Generator().manual_seed(args.seed + 2)
         loss_sample = torch.randperm(engine.dataset_size, generator=gen)[:args.loss_sample]
         engine.gradient(torch.arange(args.batch_size))  # warm up the workers
         results = [Run(label, sched, model, init, args) for label, sched in runs]
-        for _ in range(args.epochs):  # alternate the runs epoch by epoch
-            for run in results:
-                run.epoch(engine, model, test_x, test_y, loss_sample)
+        active = [(run, run.train(engine, model, test_x, test_y, loss_sample)) for run in results]
+        while active:  # alternate the runs slice by slice
+            for run, steps in list(active):
+                run.load(model)
+                if next(steps, StopIteration) is StopIteration:
+                    active.remove((run, steps))
+                run.save(model)
 
     print()
     print(f"{'run':9s} {'schedule':42s} {'test acc':>8s} {'updates':>8s} {'examples':>9s} {'wall s':>7s}")

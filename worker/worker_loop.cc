@@ -61,18 +61,21 @@ class WorkerProcess {
     me_.state.store(static_cast<uint32_t>(WorkerState::kReady), std::memory_order_release);
     wakeCoordinator();
 
-    uint32_t seen = c_.step_epoch.load(std::memory_order_acquire);
+    // A step is ours when step_epoch == assigned_epoch (the trainer stores the latter
+    // first). Comparing the two, rather than waiting for step_epoch to change from a
+    // value read at start-up, means a step published right after this worker became
+    // ready is not missed.
+    uint32_t last = 0;
     for (;;) {
       me_.heartbeat_ns.store(ipc::monotonicNs(), std::memory_order_relaxed);
       if (shouldExit()) return exit_code_;
-      uint32_t cur = c_.step_epoch.load(std::memory_order_acquire);
-      if (cur == seen) {
-        ipc::futexWait(&c_.step_epoch, seen, kIdleSlice);
+      const uint32_t cur = c_.step_epoch.load(std::memory_order_acquire);
+      if (cur != last && me_.assigned_epoch.load(std::memory_order_acquire) == cur) {
+        last = cur;
+        step(cur);
         continue;
       }
-      seen = cur;
-      if (me_.assigned_epoch.load(std::memory_order_acquire) != cur) continue;  // not taking part
-      step(cur);
+      ipc::futexWait(&c_.step_epoch, cur, kIdleSlice);
     }
   }
 
@@ -92,6 +95,11 @@ class WorkerProcess {
       return true;
     }
     return false;
+  }
+
+  bool engineGone() {
+    return c_.stop_requested.load(std::memory_order_acquire) != 0 ||
+           getppid() != opt_.parent_pid;
   }
 
   void wakeCoordinator() {
@@ -256,7 +264,9 @@ class WorkerProcess {
           return (v & 0xffff0000u) != ipc::barrierTag(e) || (v & 0xffffu) >= n ||
                  c_.abort_epoch.load(std::memory_order_acquire) == e;
         },
-        [&] { return !shouldExit(); }, deadline, std::chrono::milliseconds(200), /*spin=*/4000);
+        // A retiring worker finishes its step; only a stop or the coordinator's death
+        // ends the wait early.
+        [&] { return !engineGone(); }, deadline, std::chrono::milliseconds(200), /*spin=*/4000);
     uint32_t v = word.load(std::memory_order_acquire);
     return ok && (v & 0xffff0000u) == ipc::barrierTag(e) && (v & 0xffffu) >= n &&
            c_.abort_epoch.load(std::memory_order_acquire) != e;
