@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 
+#include "ipc/barrier.h"
 #include "ipc/error.h"
 #include "ipc/futex.h"
 #include "ipc/reduce.h"
@@ -28,16 +29,6 @@ constexpr uint64_t kBarrierTimeoutNs = 3600ull * 1000000000ull;  // the trainer'
 void setError(WorkerRecord& me, const std::string& text) {
   me.error = 1;
   std::snprintf(me.error_text, ipc::kErrorLen, "%s", text.c_str());
-}
-
-// Arrives at an epoch-tagged barrier. Returns the count after arriving, or 0 if the
-// barrier already belongs to another epoch (this step was aborted and replaced).
-uint32_t arrive(std::atomic<uint32_t>& barrier, uint32_t epoch) {
-  uint32_t v = barrier.load(std::memory_order_acquire);
-  for (;;) {
-    if ((v & 0xffff0000u) != ipc::barrierTag(epoch)) return 0;
-    if (barrier.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel)) return (v & 0xffffu) + 1;
-  }
 }
 
 class WorkerProcess {
@@ -243,33 +234,17 @@ class WorkerProcess {
     me_.barrier_wait_ns = t2 - t1;
 
     // Barrier 2: the last to finish its slice completes the step.
-    uint32_t count = arrive(c_.reduce_barrier, e);
+    uint32_t count = ipc::arriveBarrier(c_.reduce_barrier, e);
     if (count == n) completeStep(e, n);
     finish(true);
   }
 
   // Arrives and waits for all n participants. False if the step was aborted.
   bool barrier(std::atomic<uint32_t>& word, uint32_t e, uint32_t n) {
-    uint32_t count = arrive(word, e);
-    if (count == 0) return false;
-    if (count == n) {
-      ipc::futexWake(&word);
-      return true;
-    }
-    const uint64_t deadline = ipc::monotonicNs() + kBarrierTimeoutNs;
-    bool ok = ipc::waitUntil(
-        &word,
-        [&] {
-          uint32_t v = word.load(std::memory_order_acquire);
-          return (v & 0xffff0000u) != ipc::barrierTag(e) || (v & 0xffffu) >= n ||
-                 c_.abort_epoch.load(std::memory_order_acquire) == e;
-        },
-        // A retiring worker finishes its step; only a stop or the coordinator's death
-        // ends the wait early.
-        [&] { return !engineGone(); }, deadline, std::chrono::milliseconds(200), /*spin=*/4000);
-    uint32_t v = word.load(std::memory_order_acquire);
-    return ok && (v & 0xffff0000u) == ipc::barrierTag(e) && (v & 0xffffu) >= n &&
-           c_.abort_epoch.load(std::memory_order_acquire) != e;
+    // A retiring worker finishes its step; only a stop or the coordinator's death ends
+    // the wait early.
+    return ipc::barrierWait(word, e, n, c_.abort_epoch, ipc::monotonicNs() + kBarrierTimeoutNs,
+                            [&] { return !engineGone(); });
   }
 
   void completeStep(uint32_t e, uint32_t n) {

@@ -494,7 +494,7 @@ def measure(args):
     systems = args.systems
 
     def record(base, system, workers, fn, ref=None):
-        rec = dict(base, system=system, workers=workers)
+        rec = dict(base, system=system, workers=workers, load_average=os.getloadavg()[0])
         t0 = _now()
         try:
             out, grad = fn()

@@ -1,0 +1,59 @@
+// Epoch-tagged barriers on a futex word in shared memory (see layout.h, barrierTag).
+//
+// The word holds tag(epoch) in its high 16 bits and the arrivals in its low 16 bits.
+// The trainer resets it to tag(e) when it publishes step e, so an arrival from a stale
+// (aborted) step can never count towards a later one.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+
+#include "ipc/futex.h"
+#include "ipc/layout.h"
+
+namespace shmgrad::ipc {
+
+// Arrives at the barrier for `epoch`. Returns the arrival count including this one, or
+// 0 if the barrier already belongs to another epoch (this step was replaced).
+inline uint32_t arriveBarrier(std::atomic<uint32_t>& barrier, uint32_t epoch) {
+  uint32_t v = barrier.load(std::memory_order_acquire);
+  for (;;) {
+    if ((v & 0xffff0000u) != barrierTag(epoch)) return 0;
+    // acq_rel: this participant's writes (its slot, its slice) happen before the
+    // reads of whoever sees the completed count.
+    if (barrier.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel,
+                                      std::memory_order_acquire)) {
+      return (v & 0xffffu) + 1;
+    }
+  }
+}
+
+// Arrives and waits until all n participants of `epoch` have arrived. Returns false if
+// the step was aborted (abort_epoch == epoch), replaced (tag changed), poll() asked to
+// stop, or the deadline passed. The last arrival wakes the others.
+template <typename Poll>
+bool barrierWait(std::atomic<uint32_t>& barrier, uint32_t epoch, uint32_t n,
+                 const std::atomic<uint32_t>& abort_epoch, uint64_t deadline_ns, Poll poll,
+                 int spin = 4000) {
+  const uint32_t count = arriveBarrier(barrier, epoch);
+  if (count == 0) return false;
+  if (count == n) {
+    futexWake(&barrier);
+    return true;
+  }
+  auto complete = [&] {
+    uint32_t v = barrier.load(std::memory_order_acquire);
+    return (v & 0xffff0000u) == barrierTag(epoch) && (v & 0xffffu) >= n;
+  };
+  auto aborted = [&] {
+    uint32_t v = barrier.load(std::memory_order_acquire);
+    return (v & 0xffff0000u) != barrierTag(epoch) ||
+           abort_epoch.load(std::memory_order_acquire) == epoch;
+  };
+  waitUntil(&barrier, [&] { return complete() || aborted(); }, poll, deadline_ns,
+            std::chrono::milliseconds(200), spin);
+  return complete() && abort_epoch.load(std::memory_order_acquire) != epoch;
+}
+
+}  // namespace shmgrad::ipc
