@@ -11,6 +11,6 @@ echo "== C++ tests under AddressSanitizer+UBSan: ipc, replica, engine"
 bazel test --config=asan //tests:ipc_test //tests:sync_test //tests:replica_test //tests:engine_test 2>&1 | grep -Ev "$FILTER"
 echo "== synchronisation under ThreadSanitizer (clang; GCC 12's libtsan crashes on this kernel)"
 CC=clang bazel --output_base="${SHMGRAD_TSAN_OUTPUT_BASE:-$HOME/.cache/shmgrad-bazel-tsan}" \
-  test --config=tsan --repo_env=CC=clang //tests:sync_test //tests:ipc_test 2>&1 | grep -Ev "$FILTER"
+  test --config=tsan --repo_env=CC=clang --symlink_prefix=/ //tests:sync_test //tests:ipc_test 2>&1 | grep -Ev "$FILTER"
 echo "== Python tests: pytest tests/python"
 cd tests/python && /usr/bin/python3 -m pytest -q -p no:cacheprovider .
