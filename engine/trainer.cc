@@ -17,9 +17,11 @@ using ipc::WorkerState;
 
 namespace {
 
+// Memory reads only (no system call on the step's hot path): the coordinator marks a
+// dead worker within a wait slice, and run() watches its participants while it waits.
 bool isReady(const ipc::WorkerRecord& w) {
   return w.state.load(std::memory_order_acquire) == static_cast<uint32_t>(WorkerState::kReady) &&
-         ipc::processAlive(w.pid.load());
+         w.pid.load(std::memory_order_acquire) > 0;
 }
 
 std::string shapeText(c10::IntArrayRef s) {
@@ -270,7 +272,7 @@ GradientStats Trainer::run(int64_t B, const GradientOptions& o, uint32_t kind) {
   GradientStats stats;
   for (int attempt = 0;; ++attempt) {
     SHMGRAD_CHECK(c.engine_state.load() == static_cast<uint32_t>(ipc::EngineState::kServing) &&
-                      ipc::processAlive(coordinator),
+                      (attempt == 0 || ipc::processAlive(coordinator)),
                   ErrorKind::kNotFound, "engine '", name_, "' has stopped");
     // Participants: ready workers, at most one per min_examples_per_worker examples.
     uint8_t ready[ipc::kMaxWorkers];

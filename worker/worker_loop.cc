@@ -56,17 +56,21 @@ class WorkerProcess {
     // first). Comparing the two, rather than waiting for step_epoch to change from a
     // value read at start-up, means a step published right after this worker became
     // ready is not missed.
+    // Between steps only memory is read; getppid() (a system call) runs only after an
+    // idle slice passed with no step.
     uint32_t last = 0;
+    bool idle_timeout = true;
     for (;;) {
       me_.heartbeat_ns.store(ipc::monotonicNs(), std::memory_order_relaxed);
-      if (shouldExit()) return exit_code_;
+      if (stopRequested() || (idle_timeout && shouldExit())) return exit_code_;
       const uint32_t cur = c_.step_epoch.load(std::memory_order_acquire);
       if (cur != last && me_.assigned_epoch.load(std::memory_order_acquire) == cur) {
         last = cur;
         step(cur);
+        idle_timeout = false;
         continue;
       }
-      ipc::futexWait(&c_.step_epoch, cur, kIdleSlice);
+      idle_timeout = !ipc::futexWait(&c_.step_epoch, cur, kIdleSlice);
     }
   }
 
@@ -83,6 +87,15 @@ class WorkerProcess {
     }
     if (getppid() != opt_.parent_pid) {  // the coordinator died (PDEATHSIG backs this up)
       exit_code_ = 2;
+      return true;
+    }
+    return false;
+  }
+
+  bool stopRequested() {
+    if (c_.stop_requested.load(std::memory_order_acquire) != 0 ||
+        me_.state.load(std::memory_order_acquire) == static_cast<uint32_t>(WorkerState::kRetired)) {
+      exit_code_ = 0;
       return true;
     }
     return false;
