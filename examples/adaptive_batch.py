@@ -3,8 +3,8 @@
 
 Trains the demo CNN twice from the same initial weights, on the same data order, with
 SGD + momentum: once with a fixed batch (128) and once with an adaptive schedule from
-shmgrad.schedules (GeoDamp by default: the batch doubles every epoch up to
---max-batch-size; past it the learning rate shrinks instead). A growing batch reduces the
+shmgrad.schedules (GeoDamp by default: the batch starts at 128 and doubles every 2 epochs
+up to --max-batch-size 1024; past it the learning rate halves instead). A growing batch reduces the
 gradient noise as training proceeds -- the effect of a decaying learning rate -- with far
 fewer, larger model updates. The engine's min_examples_per_worker keeps small batches on
 fewer workers; max_examples_per_pass keeps a large shard's activations small.
@@ -108,10 +108,13 @@ class Run:
                     since_yield = 0
                     t0 = time.perf_counter()
             self.wall += time.perf_counter() - t0
+            torch.set_num_threads(os.cpu_count() or 1)  # the workers are idle now
             acc = accuracy(model, test_x, test_y)
+            torch.set_num_threads(1)
             self.history.append({"epoch": epoch + 1, "accuracy": acc, "updates": self.updates,
                                  "examples": self.examples, "wall": self.wall})
-            print(f"  {self.label:8s} epoch {epoch + 1}: batch {'/'.join(map(str, sorted(sizes)))} "
+            shown = sorted(sizes) if len(sizes) <= 3 else [f"{min(sizes)}..{max(sizes)}"]
+            print(f"  {self.label:8s} epoch {epoch + 1}: batch {'/'.join(map(str, shown))} "
                   f"(workers {'/'.join(map(str, sorted(workers)))}), lr {self.lr * lr_factor:.3g}, "
                   f"train loss {loss_sum / n:.4f}, test accuracy {acc * 100:.2f}%, "
                   f"{self.updates} updates, {self.wall:.1f} s", flush=True)
@@ -129,24 +132,25 @@ def row(label, schedule, h):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 2)
-    ap.add_argument("--epochs", type=int, default=5)
+    ap.add_argument("--epochs", type=int, default=8)
     ap.add_argument("--batch-size", type=int, default=128, help="the fixed run's batch")
     ap.add_argument("--lr", type=float, default=0.05, help="the fixed run's learning rate")
     ap.add_argument("--schedule", choices=("geodamp", "padadamp", "adadamp"), default="geodamp")
     ap.add_argument("--b0", type=int, default=128, help="the adaptive run's initial batch")
     ap.add_argument("--factor", type=float, default=2.0, help="GeoDamp growth factor")
-    ap.add_argument("--delay-epochs", type=float, default=1.0, help="GeoDamp epochs between growths")
+    ap.add_argument("--delay-epochs", type=float, default=2.0, help="GeoDamp epochs between growths")
     ap.add_argument("--rate", type=float, default=1.0, help="PadaDamp examples added per update")
     ap.add_argument("--loss-every", type=int, default=50,
                     help="AdaDamp: updates between loss estimates")
     ap.add_argument("--loss-sample", type=int, default=1000, help="AdaDamp: loss sample size")
-    ap.add_argument("--max-batch-size", type=int, default=512,
+    ap.add_argument("--max-batch-size", type=int, default=1024,
                     help="the adaptive batch stops growing here; the learning rate decays instead")
-    ap.add_argument("--adaptive-lr", type=float, default=0.1,
-                    help="the adaptive run's base learning rate")
+    ap.add_argument("--adaptive-lr", type=float, default=None,
+                    help="the adaptive run's base learning rate (default: --lr)")
     ap.add_argument("--momentum", type=float, default=0.9)
-    ap.add_argument("--min-examples-per-worker", type=int, default=32,
-                    help="batches under twice this run on one worker")
+    ap.add_argument("--min-examples-per-worker", type=int, default=4,
+                    help="at most one worker per this many examples (measured on 2 cores: "
+                         "batches under 8 are as fast or faster on one worker)")
     ap.add_argument("--max-examples-per-pass", type=int, default=32,
                     help="workers process their shard in passes of this many examples")
     ap.add_argument("--slice-examples", type=int, default=2048,
@@ -164,7 +168,8 @@ def main():
     if args.only != "adaptive":
         runs.append(("fixed", shmgrad.schedules.Constant(args.batch_size), args.lr))
     if args.only != "fixed":
-        runs.append(("adaptive", make_schedule(args), args.adaptive_lr))
+        runs.append(("adaptive", make_schedule(args),
+                     args.lr if args.adaptive_lr is None else args.adaptive_lr))
     print(f"adaptive batch sizes: Fashion-MNIST CNN, {args.workers} workers, "
           f"min_examples_per_worker {args.min_examples_per_worker}, "
           f"max_examples_per_pass {args.max_examples_per_pass}, {args.epochs} epochs, "

@@ -27,8 +27,8 @@ The contract, common to all four:
 of passes over the training set done so far (an int, or a float for a fractional epoch).
 Both are keyword-only; a schedule that needs one (``step`` for :class:`PadaDamp`,
 ``epoch`` for :class:`GeoDamp`) raises :class:`~shmgrad.InvalidArgumentError` without it,
-the others ignore them. Every option past the first one or two is keyword-only, and a bad
-argument raises :class:`~shmgrad.InvalidArgumentError` naming it.
+the others ignore them. ``max_batch_size`` is keyword-only, and a bad argument raises
+:class:`~shmgrad.InvalidArgumentError` naming it.
 
 Rounding up is tolerant of floating-point error: a value within ``1e-9`` (relative) of an
 integer counts as that integer, so ``ceil(32 + 0.1 * 30)`` is 35, not 36.
@@ -80,12 +80,12 @@ def _positive_int(name: str, v) -> int:
     return int(v)
 
 
-def _real(name: str, v, *, minimum: float, strict: bool = False, what: str = "") -> float:
+def _real(name: str, v, *, minimum: float, strict: bool = False) -> float:
     ok = _is_real(v) and math.isfinite(v) and (v > minimum if strict else v >= minimum)
     if not ok:
         cmp = ">" if strict else ">="
         raise errors.InvalidArgumentError(
-            f"{name} must be a finite number {cmp} {minimum:g}{what}, got {v!r}")
+            f"{name} must be a finite number {cmp} {minimum:g}, got {v!r}")
     return float(v)
 
 
@@ -232,7 +232,13 @@ class GeoDamp(Schedule):
         q = e / self.delay_epochs
         r = round(q)
         k = int(r) if abs(q - r) <= _REL_TOL * max(1.0, abs(q)) else int(math.floor(q))
-        return _ceil(self.B0 * self.factor ** k)
+        if self.factor.is_integer():  # exact, however large
+            return self.B0 * int(self.factor) ** k
+        try:
+            return _ceil(self.B0 * self.factor ** k)
+        except OverflowError:
+            raise errors.InvalidArgumentError(
+                f"epoch {epoch!r} is too large: the batch size overflows a float") from None
 
     def __repr__(self):
         return f"GeoDamp({self.B0}, {self.factor:g}, {self.delay_epochs:g}{self._cap_repr()})"

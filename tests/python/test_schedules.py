@@ -56,6 +56,9 @@ def test_geodamp():
     assert [s.batch_size(epoch=e) for e in range(4)] == [10, 15, 23, 34]  # ceil(22.5), ceil(33.75)
     # Fractional delays: floor(0.3 / 0.1) is 3 (not 2, as plain floating point says).
     assert GeoDamp(1, 2, 0.1).batch_size(epoch=0.3) == 8
+    # Integer factors stay exact however far the batch grows.
+    assert GeoDamp(64, 2, 1).virtual_batch_size(epoch=100) == 64 * 2 ** 100
+    assert GeoDamp(64, 2, 1, max_batch_size=512)(epoch=100) == (512, 512 / (64 * 2 ** 100))
 
 
 def test_adadamp_with_loss_values():
