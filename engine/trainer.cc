@@ -112,28 +112,26 @@ ipc::Segment& Trainer::segment() const {
 
 int Trainer::coordinatorPid() const { return segment().header()->coordinator_pid; }
 
-std::vector<torch::Tensor> Trainer::parameterViews() const {
-  checkUsable();
+// Tensors over one of the parameter-shaped buffers; each holds the mapping alive.
+std::vector<torch::Tensor> Trainer::views(float* base) const {
   std::vector<torch::Tensor> out;
   auto keep = seg_;
   const ipc::ParamEntry* table = seg_->paramTable();
   for (size_t i = 0; i < params_.size(); ++i) {
-    out.push_back(torch::from_blob(seg_->params() + table[i].offset, params_[i].shape,
-                                   [keep](void*) {}, torch::kFloat32));
+    out.push_back(torch::from_blob(base + table[i].offset, params_[i].shape, [keep](void*) {},
+                                   torch::kFloat32));
   }
   return out;
 }
 
+std::vector<torch::Tensor> Trainer::parameterViews() const {
+  checkUsable();
+  return views(seg_->params());
+}
+
 std::vector<torch::Tensor> Trainer::gradientViews() const {
   checkUsable();
-  std::vector<torch::Tensor> out;
-  auto keep = seg_;
-  const ipc::ParamEntry* table = seg_->paramTable();
-  for (size_t i = 0; i < params_.size(); ++i) {
-    out.push_back(torch::from_blob(seg_->reduced() + table[i].offset, params_[i].shape,
-                                   [keep](void*) {}, torch::kFloat32));
-  }
-  return out;
+  return views(seg_->reduced());
 }
 
 int64_t Trainer::datasetSize() const { return segment().header()->data_count; }

@@ -109,6 +109,7 @@ class Trainer {
   GradientStats run(int64_t batch, const GradientOptions& options, uint32_t kind);
   void waitIdle(uint64_t deadline_ns);
   void checkUsable() const;
+  std::vector<torch::Tensor> views(float* base) const;
 
   std::string name_;
   std::shared_ptr<ipc::Segment> seg_;
