@@ -279,7 +279,6 @@ class Coordinator {
   void shutdown() {
     c().engine_state.store(static_cast<uint32_t>(EngineState::kStopping), std::memory_order_release);
     c().stop_requested.store(1);
-    c().step_epoch.fetch_add(0);
     ipc::futexWake(&c().step_epoch);
     ipc::futexWake(&c().compute_barrier);
     ipc::futexWake(&c().reduce_barrier);

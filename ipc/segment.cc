@@ -57,19 +57,25 @@ void checkRegion(const char* what, const Region& r, uint64_t total, uint64_t min
                 describe(r), " is smaller than the ", min_size, " bytes its header implies");
 }
 
-// Returns numel of a checked shape, or throws kCorrupt.
-uint64_t checkShape(const char* what, const Shape& s) {
-  SHMGRAD_CHECK(s.ndim <= kMaxDims, ErrorKind::kCorrupt, "segment header: ", what, " has ndim ",
-                s.ndim);
+// Returns the element count of dims[0..ndim), or throws `kind` (kCorrupt for a header
+// read from shared memory, kInvalidArgument for a spec) naming `what`.
+uint64_t checkedNumel(ErrorKind kind, const std::string& what, const int64_t* dims,
+                      uint64_t ndim) {
+  SHMGRAD_CHECK(ndim <= kMaxDims, kind, what, " has ", ndim,
+                " dimensions; shmgrad supports at most ", kMaxDims);
   uint64_t n = 1;
-  for (uint32_t i = 0; i < s.ndim; ++i) {
-    SHMGRAD_CHECK(s.dims[i] >= 0 && s.dims[i] < kMaxDim, ErrorKind::kCorrupt, "segment header: ",
-                  what, " has dimension ", s.dims[i]);
-    SHMGRAD_CHECK(s.dims[i] == 0 || n <= (uint64_t{1} << 40) / static_cast<uint64_t>(s.dims[i]),
-                  ErrorKind::kCorrupt, "segment header: ", what, " is too large");
-    n *= static_cast<uint64_t>(s.dims[i]);
+  for (uint64_t i = 0; i < ndim; ++i) {
+    const int64_t d = dims[i];
+    SHMGRAD_CHECK(d >= 0 && d < kMaxDim, kind, what, " has dimension ", d);
+    SHMGRAD_CHECK(d == 0 || n <= (uint64_t{1} << 40) / static_cast<uint64_t>(d), kind, what,
+                  " is too large");
+    n *= static_cast<uint64_t>(d);
   }
   return n;
+}
+
+uint64_t checkShape(const char* what, const Shape& s) {
+  return checkedNumel(ErrorKind::kCorrupt, std::string("segment header: ") + what, s.dims, s.ndim);
 }
 
 bool terminated(const char* s, size_t n) { return std::memchr(s, '\0', n) != nullptr; }
@@ -115,17 +121,10 @@ Layout computeLayout(const SegmentSpec& spec) {
                 " is out of range: use 1 to 2^36");
   SHMGRAD_CHECK(spec.input_bytes < (uint64_t{1} << 44) && spec.target_bytes < (uint64_t{1} << 44),
                 ErrorKind::kInvalidArgument, "explicit-batch capacity is too large");
-  auto checkSpecShape = [](const char* what, const std::vector<int64_t>& shape) {
-    SHMGRAD_CHECK(shape.size() <= kMaxDims, ErrorKind::kInvalidArgument, what, " has ",
-                  shape.size(), " dimensions; shmgrad supports at most ", kMaxDims);
-    uint64_t n = 1;
-    for (int64_t d : shape) {
-      SHMGRAD_CHECK(d >= 0 && d < kMaxDim && (d == 0 || n <= (uint64_t{1} << 40) / d),
-                    ErrorKind::kInvalidArgument, what, " has an invalid or too large dimension ", d);
-      n *= static_cast<uint64_t>(d);
-    }
+  auto checkSpecShape = [](const std::string& what, const std::vector<int64_t>& shape) {
+    checkedNumel(ErrorKind::kInvalidArgument, what, shape.data(), shape.size());
   };
-  for (const auto& p : spec.params) checkSpecShape(("parameter " + p.name).c_str(), p.shape);
+  for (const auto& p : spec.params) checkSpecShape("parameter " + p.name, p.shape);
   if (spec.data_count > 0) {
     SHMGRAD_CHECK(spec.data_count < (int64_t{1} << 36), ErrorKind::kInvalidArgument,
                   "dataset of ", spec.data_count, " examples is too large");

@@ -10,7 +10,10 @@ FILTER='^(Loading|Analyzing|INFO: (Analyzed|Found|From)|\[)'
 echo "== C++ tests under AddressSanitizer+UBSan: ipc, replica, engine"
 bazel test --config=asan //tests:ipc_test //tests:sync_test //tests:replica_test //tests:engine_test 2>&1 | grep -Ev "$FILTER"
 echo "== synchronisation under ThreadSanitizer (clang; GCC 12's libtsan crashes on this kernel)"
-CC=clang bazel --output_base="${SHMGRAD_TSAN_OUTPUT_BASE:-$HOME/.cache/shmgrad-bazel-tsan}" \
+TSAN_BASE="${SHMGRAD_TSAN_OUTPUT_BASE:-$HOME/.cache/shmgrad-bazel-tsan}"
+CC=clang bazel --output_base="$TSAN_BASE" \
   test --config=tsan --repo_env=CC=clang --symlink_prefix=/ //tests:sync_test //tests:ipc_test 2>&1 | grep -Ev "$FILTER"
+bazel --output_base="$TSAN_BASE" shutdown  # this second Bazel server is ours to stop
 echo "== Python tests: pytest tests/python"
+trap 'bazel shutdown >/dev/null 2>&1 || true' EXIT  # leave no Bazel server behind
 cd tests/python && /usr/bin/python3 -m pytest -q -p no:cacheprovider .

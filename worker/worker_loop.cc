@@ -75,17 +75,11 @@ class WorkerProcess {
   }
 
  private:
+  // stopRequested(), or the coordinator died (PDEATHSIG backs this up). getppid() is a
+  // system call: the idle loop calls this only after a slice with no step.
   bool shouldExit() {
-    if (c_.stop_requested.load(std::memory_order_acquire) != 0 ||
-        c_.engine_state.load() == static_cast<uint32_t>(ipc::EngineState::kStopping)) {
-      exit_code_ = 0;
-      return true;
-    }
-    if (me_.state.load() == static_cast<uint32_t>(WorkerState::kRetired)) {
-      exit_code_ = 0;
-      return true;
-    }
-    if (getppid() != opt_.parent_pid) {  // the coordinator died (PDEATHSIG backs this up)
+    if (stopRequested()) return true;
+    if (getppid() != opt_.parent_pid) {
       exit_code_ = 2;
       return true;
     }
@@ -94,6 +88,7 @@ class WorkerProcess {
 
   bool stopRequested() {
     if (c_.stop_requested.load(std::memory_order_acquire) != 0 ||
+        c_.engine_state.load() == static_cast<uint32_t>(ipc::EngineState::kStopping) ||
         me_.state.load(std::memory_order_acquire) == static_cast<uint32_t>(WorkerState::kRetired)) {
       exit_code_ = 0;
       return true;
@@ -225,7 +220,7 @@ class WorkerProcess {
     me_.result_epoch = e;
 
     // Barrier 1: every participant's slot is complete before anyone reads it.
-    if (!valid || !barrier(c_.compute_barrier, e, n)) return finish(false);
+    if (!valid || !barrier(c_.compute_barrier, e, n)) return finish();
     const uint64_t t2 = ipc::monotonicNs();
 
     uint64_t b, end;
@@ -249,7 +244,7 @@ class WorkerProcess {
     // Barrier 2: the last to finish its slice completes the step.
     uint32_t count = ipc::arriveBarrier(c_.reduce_barrier, e);
     if (count == n) completeStep(e, n);
-    finish(true);
+    finish();
   }
 
   // Arrives and waits for all n participants. False if the step was aborted.
@@ -284,7 +279,7 @@ class WorkerProcess {
     ipc::futexWake(&c_.trainer_wake);
   }
 
-  void finish(bool) { me_.busy_epoch.store(0, std::memory_order_release); }
+  void finish() { me_.busy_epoch.store(0, std::memory_order_release); }
 
   WorkerOptions opt_;
   std::unique_ptr<ipc::Segment> seg_;
