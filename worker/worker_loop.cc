@@ -1,5 +1,6 @@
 #include "worker/worker_loop.h"
 
+#include <malloc.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <unistd.h>
@@ -8,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 
 #include "ipc/barrier.h"
 #include "ipc/error.h"
@@ -309,6 +311,14 @@ int runWorker(const WorkerOptions& o) {
     std::fprintf(stderr, "shmgrad worker: slot %u out of range\n", o.slot);
     return 3;
   }
+  // libtorch has no caching allocator on the CPU: every step frees and re-allocates its
+  // activations. glibc would hand large freed blocks back to the kernel (brk, munmap) and
+  // fault them in again, zeroed, on the next step: system calls and page faults in the
+  // hot path. Keep freed memory in the heap instead; the worker then holds its peak
+  // step memory (bounded by max_examples_per_pass), as a caching allocator would.
+  mallopt(M_MMAP_MAX, 0);
+  mallopt(M_TRIM_THRESHOLD, std::numeric_limits<int>::max());
+  mallopt(M_TOP_PAD, 16 << 20);
   const uint32_t threads = std::max<uint32_t>(1, seg->header()->threads_per_worker);
   torch::set_num_threads(static_cast<int>(threads));
   try {
