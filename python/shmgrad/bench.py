@@ -108,18 +108,34 @@ class Budget:
         return done < self.minimum or spent < self.seconds
 
 
-# -- 1. single process ----------------------------------------------------------------
-def run_single(model_name, batches, warmup, budget, threads, seed, deadline):
-    torch.set_num_threads(threads)
-    model = bench_models.make_model(model_name, seed)
-    model.train()
-    times, grad = [], None
-    spent = 0.0
+def timed_steps(batches, warmup, budget, deadline, what, step):
+    """The timing loop every system shares: ``step(i, x, y, left)`` runs batch ``i`` with
+    ``left`` seconds to the deadline and returns the seconds that count as its step time.
+    The first ``warmup`` steps are untimed; then steps run while ``budget`` allows.
+    Returns the timed steps' times."""
+    times, spent = [], 0.0
     for i, (x, y) in enumerate(batches):
         if i >= warmup and not budget.more(len(times), spent):
             break
-        if _now() > deadline:
-            raise TimeoutError("single-process run went past --timeout")
+        left = deadline - _now()
+        if left <= 0:
+            raise TimeoutError(f"{what} run went past --timeout")
+        dt = step(i, x, y, left)
+        if i >= warmup:
+            times.append(dt)
+            spent += dt
+    return times
+
+
+# -- 1. single process ----------------------------------------------------------------
+def run_single(model_name, batches, warmup, budget, threads, seed, deadline):
+    bench_models.set_threads(threads)
+    model = bench_models.make_model(model_name, seed)
+    model.train()
+    grad = None
+
+    def step(i, x, y, left):
+        nonlocal grad
         t0 = _now()
         for p in model.parameters():
             p.grad = None
@@ -128,9 +144,9 @@ def run_single(model_name, batches, warmup, budget, threads, seed, deadline):
         dt = _now() - t0
         if i == 0:
             grad = bench_models.flat_grad(model)
-        if i >= warmup:
-            times.append(dt)
-            spent += dt
+        return dt
+
+    times = timed_steps(batches, warmup, budget, deadline, "single-process", step)
     return {"times_s": times, "threads": threads}, grad
 
 
@@ -138,7 +154,7 @@ def run_single(model_name, batches, warmup, budget, threads, seed, deadline):
 def run_shmgrad(model_name, batches, warmup, budget, workers, seed, deadline, engine_name):
     from .engine import Engine  # imports the native module only when shmgrad is measured
 
-    torch.set_num_threads(1)  # the trainer only copies the batch in and waits
+    bench_models.set_threads(1)  # the trainer only copies the batch in and waits
     model = bench_models.make_model(model_name, seed)
     batch = batches[0][0].shape[0]
     in_mb = batches[0][0].numel() * 4 / 2**20
@@ -150,15 +166,11 @@ def run_shmgrad(model_name, batches, warmup, budget, workers, seed, deadline, en
                         input_capacity_mb=max(64, int(math.ceil(in_mb * 2)) + 1),
                         startup_timeout=max(10.0, min(120.0, deadline - _now())))
         startup = _now() - t_start
-        times, overheads, engine_overheads, compute, reduce_s, engine_wall = [], [], [], [], [], []
+        overheads, engine_overheads, compute, reduce_s, engine_wall = [], [], [], [], []
         grad = None
-        spent = 0.0
-        for i, (x, y) in enumerate(batches):
-            if i >= warmup and not budget.more(len(times), spent):
-                break
-            left = deadline - _now()
-            if left <= 0:
-                raise TimeoutError("shmgrad run went past --timeout")
+
+        def step(i, x, y, left):
+            nonlocal grad
             t0 = _now()
             st = engine.gradient(inputs=x, targets=y, reduction="sum", timeout=left)
             dt = _now() - t0
@@ -168,14 +180,15 @@ def run_shmgrad(model_name, batches, warmup, budget, workers, seed, deadline, en
                 grad = torch.cat([g.detach().reshape(-1).double() for g in engine.gradient_tensors()])
             if i >= warmup:
                 slowest = max(st.compute_seconds)
-                times.append(dt)
-                spent += dt
                 compute.append(slowest)
                 reduce_s.append(st.reduce_seconds)
                 engine_wall.append(st.wall_seconds)
                 overheads.append((dt - slowest) / dt)
                 engine_overheads.append((st.wall_seconds - slowest) / st.wall_seconds
                                         if st.wall_seconds > 0 else 0.0)
+            return dt
+
+        times = timed_steps(batches, warmup, budget, deadline, "shmgrad", step)
         return {
             "times_s": times,
             "threads": 1,
@@ -270,7 +283,7 @@ def ddp_repeats(budget, est_step):
 # -- 4. Dask --------------------------------------------------------------------------
 def _dask_gradient(model, x, y):
     """One gradient task: a private deep copy of the model, forward+backward on a shard."""
-    torch.set_num_threads(1)
+    bench_models.set_threads(1)
     m = copy.deepcopy(model)
     m.train()
     loss = F.cross_entropy(m(x), y, reduction="sum")
@@ -293,7 +306,7 @@ def _dask_sum(grads):
 def run_dask(model_name, batches, warmup, budget, workers, seed, deadline):
     from distributed import Client
 
-    torch.set_num_threads(1)  # the threads of the in-process Dask worker start with this
+    bench_models.set_threads(1)  # the threads of the in-process Dask worker start with this
     model = bench_models.make_model(model_name, seed)
     model.train()
     batch = batches[0][0].shape[0]
@@ -303,14 +316,10 @@ def run_dask(model_name, batches, warmup, budget, workers, seed, deadline):
         client = Client(processes=False, n_workers=1, threads_per_worker=workers,
                         dashboard_address=None, silence_logs=logging.ERROR)
     try:
-        times, grad = [], None
-        spent = 0.0
-        for i, (x, y) in enumerate(batches):
-            if i >= warmup and not budget.more(len(times), spent):
-                break
-            left = deadline - _now()
-            if left <= 0:
-                raise TimeoutError("Dask run went past --timeout")
+        grad = None
+
+        def step(i, x, y, left):
+            nonlocal grad
             t0 = _now()
             # The parameters change every step in training: the model is shipped every step.
             model_f = client.scatter(model, hash=False)
@@ -319,12 +328,11 @@ def run_dask(model_name, batches, warmup, budget, workers, seed, deadline):
             total = client.submit(_dask_sum, parts, pure=False)
             grads = total.result(timeout=left)
             dt = _now() - t0
-            del model_f, shards, parts, total
             if i == 0:
                 grad = torch.cat([g.reshape(-1).double() for g in grads])
-            if i >= warmup:
-                times.append(dt)
-                spent += dt
+            return dt
+
+        times = timed_steps(batches, warmup, budget, deadline, "Dask", step)
         return {"times_s": times, "threads": 1}, grad
     finally:
         with warnings.catch_warnings():
@@ -559,7 +567,7 @@ def measure(args):
                     record(base, "dask", n, lambda: run_dask(
                         model_name, batches, args.warmup, budget, n, args.seed,
                         _now() + args.timeout), ref)
-    torch.set_num_threads(1)
+    bench_models.set_threads(1)
 
     # Ratios to shmgrad, same model, batch and N.
     shm = {(r["model"], r["batch"], r["workers"]): r for r in records

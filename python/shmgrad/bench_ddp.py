@@ -25,7 +25,7 @@ def rank_main(rank, world, port, model_name, batch, warmup, repeats, seed, queue
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(port)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        torch.set_num_threads(1)  # like a shmgrad worker (threads_per_worker=1)
+        bench_models.set_threads(1)  # like a shmgrad worker (threads_per_worker=1)
         import datetime
         dist.init_process_group("gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))

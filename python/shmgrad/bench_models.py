@@ -6,6 +6,7 @@ the benchmark's processes (the trainer, DDP ranks, Dask tasks) all compute on th
 weights and the same batches without shipping them around.
 """
 
+import ctypes
 from typing import Dict, List, NamedTuple, Tuple
 
 import torch
@@ -121,6 +122,23 @@ def make_model(name: str, seed: int = 0) -> nn.Module:
     if name == "wrn":
         return WideResNet(16, 4)
     raise ValueError(f"unknown model {name!r}: use one of {', '.join(MODELS)}")
+
+
+def set_threads(n: int) -> None:
+    """Gives this process ``n`` intra-op threads, in PyTorch and in the BLAS beneath it.
+
+    ``torch.set_num_threads`` does not reach OpenBLAS's own thread pool, which Debian's
+    PyTorch uses for matrix products and which starts with one thread per core. Without
+    this a "1-thread" baseline would still multiply matrices on every core, while a
+    shmgrad worker (the engine sets ``OPENBLAS_NUM_THREADS``) uses one.
+    """
+    torch.set_num_threads(n)
+    with open("/proc/self/maps") as maps:
+        libs = {line.split()[-1] for line in maps if "openblas" in line}
+    for path in sorted(libs):
+        lib = ctypes.CDLL(path)  # already loaded: the same handle, no second copy
+        if hasattr(lib, "openblas_set_num_threads"):
+            lib.openblas_set_num_threads(ctypes.c_int(n))
 
 
 def num_parameters(model: nn.Module) -> int:
