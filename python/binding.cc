@@ -3,6 +3,7 @@
 // The public, documented surface is the pure-Python package (python/shmgrad).
 #include <torch/extension.h>
 
+#include <optional>
 #include <string>
 
 #include "engine/coordinator.h"
@@ -96,35 +97,26 @@ PYBIND11_MODULE(_C, m) {
       .def("closed", &shmgrad::Trainer::closed)
       .def("close", &shmgrad::Trainer::close)
       .def(
-          "gradient_indices",
-          [](shmgrad::Trainer& t, const at::Tensor& indices, bool mean, double timeout,
-             int max_retries, int64_t min_epw, int64_t max_epp, bool raise_nonfinite) {
-            auto o = makeOptions(mean, timeout, max_retries, min_epw, max_epp, raise_nonfinite);
-            shmgrad::GradientStats s;
-            {
-              py::gil_scoped_release nogil;
-              s = t.gradient(indices, o);
-            }
-            return statsToDict(s);
-          },
-          py::arg("indices"), py::arg("mean"), py::arg("timeout"), py::arg("max_retries"),
-          py::arg("min_examples_per_worker"), py::arg("max_examples_per_pass"),
-          py::arg("raise_on_nonfinite"))
-      .def(
-          "gradient_batch",
-          [](shmgrad::Trainer& t, const at::Tensor& inputs, const at::Tensor& targets, bool mean,
+          "gradient",
+          // One batch: `indices` into the engine's dataset, or `inputs` and `targets`.
+          [](shmgrad::Trainer& t, std::optional<at::Tensor> indices,
+             std::optional<at::Tensor> inputs, std::optional<at::Tensor> targets, bool mean,
              double timeout, int max_retries, int64_t min_epw, int64_t max_epp,
              bool raise_nonfinite) {
+            SHMGRAD_CHECK(indices.has_value() != (inputs.has_value() || targets.has_value()) &&
+                              inputs.has_value() == targets.has_value(),
+                          shmgrad::ErrorKind::kInvalidArgument,
+                          "give either indices or both inputs and targets");
             auto o = makeOptions(mean, timeout, max_retries, min_epw, max_epp, raise_nonfinite);
             shmgrad::GradientStats s;
             {
               py::gil_scoped_release nogil;
-              s = t.gradient(inputs, targets, o);
+              s = indices ? t.gradient(*indices, o) : t.gradient(*inputs, *targets, o);
             }
             return statsToDict(s);
           },
-          py::arg("inputs"), py::arg("targets"), py::arg("mean"), py::arg("timeout"),
-          py::arg("max_retries"), py::arg("min_examples_per_worker"),
+          py::arg("indices"), py::arg("inputs"), py::arg("targets"), py::arg("mean"),
+          py::arg("timeout"), py::arg("max_retries"), py::arg("min_examples_per_worker"),
           py::arg("max_examples_per_pass"), py::arg("raise_on_nonfinite"));
 
   m.def("status_text", &shmgrad::engine::statusText, py::arg("name"));

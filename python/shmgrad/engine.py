@@ -343,14 +343,14 @@ class Engine:
                 if idx.dim() != 1:
                     raise errors.InvalidArgumentError(
                         f"indices must be 1-D, got shape {tuple(idx.shape)}")
-            native = t.gradient_indices(idx.to(torch.int64), *args)
+            native = t.gradient(idx.to(torch.int64), None, None, *args)
         else:
             if inputs is None or targets is None:
                 raise errors.InvalidArgumentError(
                     "give indices into the engine's dataset, or both inputs and targets")
             x = inputs if isinstance(inputs, torch.Tensor) else torch.as_tensor(inputs)
             y = targets if isinstance(targets, torch.Tensor) else torch.as_tensor(targets)
-            native = t.gradient_batch(x.detach(), y.detach(), *args)
+            native = t.gradient(None, x.detach(), y.detach(), *args)
         self._relink_grads()
         return GradientStats._from_native(native)
 
