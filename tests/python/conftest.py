@@ -4,6 +4,7 @@ no test leaves a shared-memory segment behind."""
 import copy
 import glob
 import os
+import re
 
 import numpy as np
 import pytest
@@ -53,6 +54,19 @@ def relative_error(a, b):
     num = sum(float((x.double() - y.double()).pow(2).sum()) for x, y in zip(a, b))
     den = sum(float(y.double().pow(2).sum()) for y in b)
     return (num ** 0.5) / max(den ** 0.5, 1e-30)
+
+
+def worker_pids(engine):
+    """{slot: pid} of the engine's ready workers, from its status text."""
+    return {int(m.group(1)): int(m.group(2))
+            for m in re.finditer(r"worker (\d+): pid (\d+), ready", engine.status()["text"])}
+
+
+def proc_stat(pid):
+    """The fields of /proc/PID/stat after the command name: [0] state, [7] minor faults."""
+    with open(f"/proc/{pid}/stat") as f:
+        stat = f.read()
+    return stat[stat.rindex(")") + 2:].split()
 
 
 def segments():

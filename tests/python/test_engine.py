@@ -1,6 +1,5 @@
 """The Python trainer API against a plain PyTorch reference."""
 
-import os
 import subprocess
 import sys
 
@@ -8,7 +7,8 @@ import pytest
 import torch
 
 import shmgrad
-from conftest import Cnn, LogSoftmaxMlp, Mlp, reference_gradient, relative_error, segments
+from conftest import (Cnn, LogSoftmaxMlp, Mlp, proc_stat, reference_gradient, relative_error,
+                      segments, worker_pids)
 
 
 @pytest.mark.parametrize("workers", [1, 2, 3])
@@ -91,26 +91,6 @@ def test_optimizer_step_is_seen_by_workers():
         assert relative_error([p.grad for p in model.parameters()], ref) < 1e-5
 
 
-def _children(pid):
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:
-                out.append(int(entry))
-    return out
-
-
-def _minor_faults(pid):
-    with open(f"/proc/{pid}/stat") as f:
-        stat = f.read()
-    return int(stat[stat.rindex(")") + 2:].split()[7])
-
-
 def test_steady_steps_take_no_page_faults_in_workers():
     """The hot path allocates nothing from the kernel: once a batch size has been seen,
     a worker's steps take no page faults (glibc would otherwise trim the heap after each
@@ -123,16 +103,16 @@ def test_steady_steps_take_no_page_faults_in_workers():
         engine.bind(model)
         for _ in range(5):
             engine.gradient(inputs=x, targets=y)
-        workers = _children(engine.status()["coordinator_pid"])
+        workers = list(worker_pids(engine).values())
         assert len(workers) == 2
-        before = {w: _minor_faults(w) for w in workers}
+        before = {w: int(proc_stat(w)[7]) for w in workers}
         steps = 30
         for _ in range(steps):
             engine.gradient(inputs=x, targets=y)
         ref = reference_gradient(model, "cross_entropy", x, y)
         assert relative_error([p.grad for p in model.parameters()], ref) < 1e-5
         for w in workers:
-            faults = _minor_faults(w) - before[w]
+            faults = int(proc_stat(w)[7]) - before[w]
             assert faults < 20 * steps, f"worker {w}: {faults} page faults in {steps} steps"
 
 

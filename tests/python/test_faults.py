@@ -1,7 +1,6 @@
 """Faults: killed workers, killed trainers, a killed coordinator, strangers, non-finite values."""
 
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -13,7 +12,8 @@ import pytest
 import torch
 
 import shmgrad
-from conftest import Cnn, Mlp, reference_gradient, relative_error, segments
+from conftest import (Cnn, Mlp, proc_stat, reference_gradient, relative_error, segments,
+                      worker_pids)
 
 
 class SlowCnn(torch.nn.Module):
@@ -28,11 +28,6 @@ class SlowCnn(torch.nn.Module):
     def forward(self, x):
         x = torch.relu(self.conv2(torch.relu(self.conv1(x))))
         return self.fc(torch.flatten(torch.max_pool2d(x, 2), 1))
-
-
-def worker_pids(engine):
-    return {int(m.group(1)): int(m.group(2))
-            for m in re.finditer(r"worker (\d+): pid (\d+), ready", engine.status()["text"])}
 
 
 def wait_for(cond, timeout, what):
@@ -153,7 +148,7 @@ def test_killed_coordinator_workers_exit_and_name_is_reusable(tmp_path):
     serve.wait()
     for pid in pids:
         wait_for(lambda: not os.path.exists(f"/proc/{pid}") or
-                 open(f"/proc/{pid}/stat").read().split(")")[1].split()[0] == "Z", 10,
+                 proc_stat(pid)[0] == "Z", 10,
                  f"worker {pid} to exit")
     # The stale segment is detected, removed, and a new engine of the same name starts.
     serve = subprocess.Popen(cmd)
