@@ -103,8 +103,8 @@ PYBIND11_MODULE(_C, m) {
              std::optional<at::Tensor> inputs, std::optional<at::Tensor> targets, bool mean,
              double timeout, int max_retries, int64_t min_epw, int64_t max_epp,
              bool raise_nonfinite) {
-            SHMGRAD_CHECK(indices.has_value() != (inputs.has_value() || targets.has_value()) &&
-                              inputs.has_value() == targets.has_value(),
+            SHMGRAD_CHECK(inputs.has_value() == targets.has_value() &&
+                              indices.has_value() != inputs.has_value(),
                           shmgrad::ErrorKind::kInvalidArgument,
                           "give either indices or both inputs and targets");
             auto o = makeOptions(mean, timeout, max_retries, min_epw, max_epp, raise_nonfinite);

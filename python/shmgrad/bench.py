@@ -283,7 +283,9 @@ def ddp_repeats(budget, est_step):
 # -- 4. Dask --------------------------------------------------------------------------
 def _dask_gradient(model, x, y):
     """One gradient task: a private deep copy of the model, forward+backward on a shard."""
-    bench_models.set_threads(1)
+    # Per task thread (OpenMP's thread count is per thread); run_dask set OpenBLAS's,
+    # which is per process, once.
+    torch.set_num_threads(1)
     m = copy.deepcopy(model)
     m.train()
     loss = F.cross_entropy(m(x), y, reduction="sum")
