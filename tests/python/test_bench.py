@@ -76,3 +76,19 @@ def test_help_documents_every_option():
                 "--systems", "--reduce-floats", "--reduce-repeats", "--timeout", "--seed",
                 "--quick", "--tiny", "--out"):
         assert opt in p.stdout, opt
+
+
+def test_feed_breakdown_tiny():
+    """`python3 -m shmgrad.bench_feed` (the step breakdown behind BENCHMARKS.md's MLP b512
+    N=1 analysis) runs, times every kind of step and finds the three gradients equal."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "shmgrad.bench_feed", "--model", "tiny", "--batch", "64",
+         "--steps", "5", "--warmup", "2", "--batches", "3"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout
+    lines = proc.stdout.splitlines()
+    for label in ("eager, 1 thread", "shmgrad inputs=", "shmgrad indices=", "copying the batch"):
+        line = next((l for l in lines if l.strip().startswith(label)), None)
+        assert line is not None, (label, proc.stdout)
+        assert _finite_positive(float(line.split(label)[1].split()[0])), line
+    assert "inputs= " in lines[-1] and "indices= " in lines[-1], proc.stdout
