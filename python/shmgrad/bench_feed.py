@@ -38,6 +38,9 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--batches", type=int, default=8, help="distinct batches, used in turn")
     args = ap.parse_args(argv)
+    if args.warmup < 1 or args.steps < 1 or args.batch < 1 or args.batches < 1:
+        ap.error("--warmup, --steps, --batch and --batches must be at least 1 "
+                 "(the first, untimed step also checks the gradients)")
 
     bench_models.set_threads(1)
     batches = bench_models.make_batches(args.model, args.batch, args.batches)
