@@ -223,10 +223,11 @@ class Coordinator {
     for (;;) {
       if (g_signal != 0 || c().stop_requested.load(std::memory_order_acquire) != 0) return;
       reap();
-      resize();
+      const bool growing = resize();
       uint32_t v = c().coordinator_wake.load(std::memory_order_acquire);
       if (g_signal != 0 || c().stop_requested.load() != 0) return;
-      ipc::futexWait(&c().coordinator_wake, v, std::chrono::milliseconds(100));
+      // While a grow waits for a retired worker to exit, poll its exit quickly.
+      ipc::futexWait(&c().coordinator_wake, v, std::chrono::milliseconds(growing ? 2 : 100));
     }
   }
 
@@ -263,17 +264,53 @@ class Coordinator {
     }
   }
 
-  // Grows or shrinks the set of running workers to target_workers.
-  void resize() {
-    uint32_t target = c().target_workers.load(std::memory_order_acquire);
-    if (target < 1 || target > h()->num_slots || target == active_) return;
-    for (uint32_t i = active_; i < target; ++i) spawn(i);
-    for (uint32_t i = target; i < active_; ++i) {
-      h()->workers[i].state.store(static_cast<uint32_t>(WorkerState::kRetired),
-                                  std::memory_order_release);
+  // Grows or shrinks the set of running workers to target_workers. Returns true while a
+  // grow waits for a slot's retired worker to exit.
+  //
+  // A slot is reused only once its previous process has been reaped (pid 0). Until then
+  // the slot stays `retired`, so the old worker exits whenever it next runs. Spawning at
+  // once would overwrite that state: a retired worker not scheduled since (a loaded
+  // machine) would then read the new worker's state and keep serving the slot next to
+  // its replacement, two processes adding into one gradient slot.
+  bool resize() {
+    const uint32_t target = c().target_workers.load(std::memory_order_acquire);
+    if (target < 1 || target > h()->num_slots) return false;
+    if (target < active_) {
+      const uint64_t now = ipc::monotonicNs();
+      for (uint32_t i = target; i < active_; ++i) {
+        h()->workers[i].state.store(static_cast<uint32_t>(WorkerState::kRetired),
+                                    std::memory_order_release);
+        retired_ns_[i] = now;
+      }
+      ipc::futexWake(&c().step_epoch);
+      active_ = target;
     }
+    while (active_ < target) {
+      if (h()->workers[active_].pid.load() != 0) {
+        hurryRetired(active_);
+        return true;
+      }
+      spawn(active_++);
+    }
+    return false;
+  }
+
+  // A retired worker that a grow waits for: wake it again (it may have gone to sleep just
+  // before it was retired) and, if it still has not exited after kRetireGraceNs while idle
+  // (stopped, or hung), kill it. One that is finishing a step is left to finish it.
+  void hurryRetired(uint32_t slot) {
+    ipc::WorkerRecord& w = h()->workers[slot];
     ipc::futexWake(&c().step_epoch);
-    active_ = target;
+    const int pid = w.pid.load();
+    if (pid > 0 && w.busy_epoch.load() == 0 &&
+        ipc::monotonicNs() - retired_ns_[slot] > kRetireGraceNs) {
+      std::fprintf(stderr,
+                   "shmgrad: retired worker %u (pid %d) did not exit within %.0f s; killing it "
+                   "so its slot can be reused\n",
+                   slot, pid, kRetireGraceNs / 1e9);
+      kill(pid, SIGKILL);
+      retired_ns_[slot] = ipc::monotonicNs();  // once per grace period at most
+    }
   }
 
   void shutdown() {
@@ -320,9 +357,12 @@ class Coordinator {
     }
   }
 
+  static constexpr uint64_t kRetireGraceNs = 5000000000ull;
+
   ServeOptions opt_;
   std::unique_ptr<ipc::Segment> seg_;
   uint32_t active_ = 0;
+  uint64_t retired_ns_[ipc::kMaxWorkers] = {};  // when each slot was last retired
 };
 
 }  // namespace

@@ -52,7 +52,13 @@ class WorkerProcess {
     }
     replica_ = replica.get();
     me_.busy_epoch.store(0);
-    me_.state.store(static_cast<uint32_t>(WorkerState::kReady), std::memory_order_release);
+    // starting -> ready, unless a shrink retired this slot while we loaded the model:
+    // a plain store would overwrite `retired` and leave a worker beyond the target.
+    uint32_t starting = static_cast<uint32_t>(WorkerState::kStarting);
+    if (!me_.state.compare_exchange_strong(starting, static_cast<uint32_t>(WorkerState::kReady),
+                                           std::memory_order_acq_rel)) {
+      return 0;
+    }
     wakeCoordinator();
 
     // A step is ours when step_epoch == assigned_epoch (the trainer stores the latter

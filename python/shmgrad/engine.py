@@ -164,6 +164,7 @@ class Engine:
                  min_examples_per_worker: int = 1, max_examples_per_pass: int = 0,
                  _trainer=None):
         self._proc = None
+        self._log = None
         self._trainer = None
         self._tmpdir = None
         self._bound = []
@@ -231,8 +232,7 @@ class Engine:
         self._grad_views = self._trainer.gradient_views()
 
     def _startup_error(self):
-        self._log.seek(0)
-        text = self._log.read().decode(errors="replace")
+        text = self.log()
         for line in text.splitlines():
             m = _ERROR_LINE.search(line)
             if m:
@@ -374,6 +374,15 @@ class Engine:
                 raise errors.TimeoutError(
                     f"engine {self.name!r}: {t.worker_count()} workers ready, not {workers}, after {timeout} s")
             time.sleep(0.01)
+
+    def log(self) -> str:
+        """What the engine's coordinator and workers have printed so far (worker restarts,
+        retired workers that had to be killed), for an engine this object started; ``""``
+        for one it attached to."""
+        if self._log is None or self._log.closed:
+            return ""
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")
 
     def status(self) -> dict:
         """The engine's state: ``text`` (as ``shmgrad status`` prints it), ``workers`` ready,

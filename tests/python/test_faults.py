@@ -109,6 +109,78 @@ while True:
 """
 
 
+def slot_processes(engine, slot):
+    """Pids of the live (not zombie) processes that run as worker `slot` of `engine`."""
+    want = ["__worker", engine.name, str(slot)]
+    pids = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace").split("\0")
+            if argv[1:4] == want and proc_stat(int(d))[0] != "Z":
+                pids.append(int(d))
+        except (OSError, IndexError):
+            continue  # exited meanwhile
+    return pids
+
+
+@pytest.mark.parametrize("resume_after", [0.5, None])
+def test_slot_is_reused_only_after_its_retired_worker_exited(resume_after):
+    """A retired worker that has not run since it was retired (here: stopped) must not
+    share its slot with a replacement: it would read the new worker's state instead of
+    'retired' and serve the slot too, two processes adding into one gradient slot. Growing
+    back waits for it to exit; one that does not exit (never resumed) is killed."""
+    torch.manual_seed(2)
+    model = Mlp(d_in=10, d_out=3)
+    x, y = torch.randn(60, 10), torch.randint(0, 3, (60,))
+    with shmgrad.Engine(model=model, workers=3, loss="cross_entropy") as engine:
+        engine.bind(model)
+        old = worker_pids(engine)[2]
+        os.kill(old, signal.SIGSTOP)  # idle in its futex wait: it cannot see 'retired'
+        try:
+            engine.resize(2)
+            if resume_after is not None:
+                threading.Timer(resume_after, os.kill, (old, signal.SIGCONT)).start()
+            engine.resize(3, timeout=60)
+        finally:
+            try:
+                os.kill(old, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        assert worker_pids(engine)[2] != old
+        time.sleep(0.5)  # time for a stale process to act on what it sees
+        assert slot_processes(engine, 2) == [worker_pids(engine)[2]]
+        for _ in range(5):
+            stats = engine.gradient(inputs=x, targets=y, min_examples_per_worker=1)
+            assert stats.workers == 3
+            assert relative_error([p.grad for p in model.parameters()],
+                                  reference_gradient(model, "cross_entropy", x, y)) < 1e-5
+        if resume_after is None:
+            assert "did not exit" in engine.log()
+
+
+def test_worker_retired_while_starting_does_not_come_up():
+    """A shrink that arrives while a new worker is still starting retires that worker: it
+    exits instead of turning 'ready' over the retirement."""
+    torch.manual_seed(3)
+    model = Mlp(d_in=10, d_out=3)
+    x, y = torch.randn(30, 10), torch.randint(0, 3, (30,))
+    with shmgrad.Engine(model=model, workers=1, max_workers=2, loss="cross_entropy") as engine:
+        engine.bind(model)
+        shmgrad._C.request_resize(engine.name, 2)
+        wait_for(lambda: "worker 1: pid" in engine.status()["text"] and
+                 "starting" in engine.status()["text"], 30, "worker 1 to start")
+        shmgrad._C.request_resize(engine.name, 1)
+        wait_for(lambda: not slot_processes(engine, 1), 30, "the retired worker 1 to exit")
+        assert engine.workers == 1
+        stats = engine.gradient(inputs=x, targets=y, min_examples_per_worker=1)
+        assert stats.workers == 1
+        assert relative_error([p.grad for p in model.parameters()],
+                              reference_gradient(model, "cross_entropy", x, y)) < 1e-5
+
+
 def test_killed_trainer_frees_the_engine(tmp_path):
     torch.manual_seed(3)
     model = SlowCnn()
