@@ -3,8 +3,10 @@
 It starts an engine named NAME (a small CNN on a generated dataset), then for N steps:
 random batch sizes, indexed and explicit batches, every gradient checked against a
 plain PyTorch reference, SGD steps in between so the parameters move, workers killed
-(SIGKILL) at random moments, and the trainer restarted now and then (a child trainer
-killed mid-step, then this process attaches again). It ends by printing
+(SIGKILL) at random moments, the engine shrunk and grown back at once now and then (a
+retired worker must be gone before its slot is reused), and the trainer restarted now
+and then (a child trainer killed mid-step, then this process attaches again). It ends by
+printing
 
     steps, kills, recoveries, wrong gradients, hangs, leaked segments
 
@@ -90,14 +92,20 @@ def main(argv=None):
                     help="probability that a step has a worker killed at a random moment (default 0.1)")
     ap.add_argument("--trainer-restart-rate", type=float, default=0.02,
                     help="probability per step of a trainer restart with a child trainer killed mid-step")
+    ap.add_argument("--resize-rate", type=float, default=0.05,
+                    help="probability per step of shrinking to a random size and growing back at once")
     ap.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     ap.add_argument("--workers", type=int, default=3, help="worker processes (default 3)")
     ap.add_argument("--max-batch", type=int, default=400, help="largest random batch (default 400)")
     ap.add_argument("--step-timeout", type=float, default=120.0,
                     help="seconds after which a step counts as a hang (default 120)")
     args = ap.parse_args(argv)
-    if args.steps < 1 or not 0 <= args.kill_rate <= 1 or args.workers < 1 or args.max_batch < 1:
-        ap.error("--steps, --workers and --max-batch must be >= 1 and --kill-rate in [0, 1]")
+    if args.steps < 1 or args.workers < 1 or args.max_batch < 1:
+        ap.error("--steps, --workers and --max-batch must be >= 1")
+    for flag, rate in (("--kill-rate", args.kill_rate), ("--resize-rate", args.resize_rate),
+                       ("--trainer-restart-rate", args.trainer_restart_rate)):
+        if not 0 <= rate <= 1:
+            ap.error(f"{flag} must be a probability in [0, 1], got {rate:g}")
 
     rng = random.Random(args.seed)
     torch.manual_seed(args.seed)
@@ -108,7 +116,8 @@ def main(argv=None):
     np.save(os.path.join(tmp, "x.npy"), data_x.numpy())
     np.save(os.path.join(tmp, "y.npy"), data_y.numpy())
     model = StressNet()
-    counts = dict(steps=0, kills=0, recoveries=0, wrong=0, hangs=0, errors=0, trainer_restarts=0)
+    counts = dict(steps=0, kills=0, recoveries=0, wrong=0, hangs=0, errors=0, trainer_restarts=0,
+                  resizes=0)
     segment_glob = f"/dev/shm/shmgrad-{os.getuid()}-{args.name}"
     engine = Engine(model=model, workers=args.workers, loss="cross_entropy", name=args.name,
                     dataset=f"npy:{tmp}/x.npy,{tmp}/y.npy", max_batch=max(args.max_batch, 2000))
@@ -139,6 +148,12 @@ def main(argv=None):
                 trainer.bind(model)
                 opt = torch.optim.SGD(model.parameters(), lr=0.01)
                 counts["trainer_restarts"] += 1
+            if args.workers > 1 and rng.random() < args.resize_rate:
+                # Shrink, then grow back before the retired workers have had time to exit.
+                worker_pids_seen.update(_worker_pids(trainer))
+                trainer.resize(rng.randint(1, args.workers - 1), timeout=args.step_timeout)
+                trainer.resize(args.workers, timeout=args.step_timeout)
+                counts["resizes"] += 1
             batch = rng.randint(1, args.max_batch)
             mean = rng.random() < 0.5
             if rng.random() < 0.5:
@@ -180,6 +195,9 @@ def main(argv=None):
                     print(trainer.status()["text"], file=sys.stderr, flush=True)
             except errors.WorkerError:
                 counts["errors"] += 1  # a clear error after repeated deaths: allowed
+            except errors.CorruptSegmentError as exc:
+                counts["wrong"] += 1  # the step's bookkeeping is wrong: so may its gradient be
+                print(f"  step {step + 1}: WRONG: {exc}", file=sys.stderr, flush=True)
             finally:
                 if killer is not None:
                     killer.join()
@@ -202,7 +220,7 @@ def main(argv=None):
     elapsed = time.monotonic() - t_start
     print(f"stress {args.name}: {elapsed:.1f} s, trainer restarts {counts['trainer_restarts']}, "
           f"worker replacements {counts.get('worker_replacements', 0)}, "
-          f"errors after repeated deaths {counts['errors']}")
+          f"shrink-and-grow {counts['resizes']}, errors after repeated deaths {counts['errors']}")
     print(f"steps {counts['steps']}, kills {counts['kills']}, recoveries {counts['recoveries']}, "
           f"wrong gradients {counts['wrong']}, hangs {counts['hangs']}, leaked segments {leaked}")
     return 0 if counts["wrong"] == 0 and counts["hangs"] == 0 and leaked == 0 else 1
