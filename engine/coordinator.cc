@@ -9,18 +9,30 @@
 #include <cstdio>
 #include <cstring>
 #include <sstream>
+#include <thread>
 
 #include "engine/dataset.h"
 #include "ipc/error.h"
 #include "ipc/futex.h"
 #include "ipc/segment.h"
+#include "ipc/step.h"
 #include "worker/replica.h"
+#include "worker/step_protocol.h"
 
 namespace shmgrad::engine {
 namespace {
 
 using ipc::EngineState;
 using ipc::WorkerState;
+
+// Tunables of the coordinator's loop; every wait is bounded.
+constexpr auto kSuperviseSlice = std::chrono::milliseconds(100);  // reap/resize/stop checks
+constexpr auto kGrowPoll = std::chrono::milliseconds(2);     // a grow waits for a retired worker
+constexpr auto kReadyPoll = std::chrono::milliseconds(50);   // start-up: workers becoming ready
+constexpr auto kStopPoll = std::chrono::milliseconds(10);    // stop: workers exiting
+constexpr uint64_t kStopGraceNs = 5000000000ull;    // then SIGKILL
+constexpr int kExitExecFailed = 127;  // the forked child could not exec the worker
+constexpr uint64_t kRetireGraceNs = 5000000000ull;  // a retired, idle worker still there: SIGKILL
 
 volatile sig_atomic_t g_signal = 0;
 
@@ -34,18 +46,19 @@ class Coordinator {
     create();
     installSignals();
     for (uint32_t i = 0; i < opt_.workers; ++i) spawn(i);
-    if (!waitReady()) {
+    const std::string failure = waitReady();
+    if (!failure.empty()) {
       shutdown();
-      return 1;
+      raise(g_signal != 0 ? ErrorKind::kNotFound : ErrorKind::kWorkerFailed, failure);
     }
     c().engine_state.store(static_cast<uint32_t>(EngineState::kServing), std::memory_order_release);
-    c().coordinator_wake.fetch_add(1);
-    ipc::futexWake(&c().coordinator_wake);
+    ipc::bumpAndWake(&c().coordinator_wake);
+    writeServeReport(opt_.status_fd, "serving", "", "");
     if (!opt_.quiet) {
       std::printf("shmgrad: engine '%s' serving: %u workers, %u parameter tensors (%" PRIu64
                   " floats), loss %s, segment %s (%.1f MiB)%s%s\n",
                   opt_.name.c_str(), opt_.workers, h()->num_params, h()->param_floats,
-                  worker::lossName(static_cast<ipc::LossKind>(h()->loss)),
+                  ipc::lossName(static_cast<ipc::LossKind>(h()->loss)),
                   ipc::segmentPath(opt_.name).c_str(), seg_->size() / 1048576.0,
                   h()->data_count > 0 ? ", dataset " : "", h()->data_description);
       std::fflush(stdout);
@@ -60,7 +73,7 @@ class Coordinator {
   ipc::ControlBlock& c() { return seg_->header()->control; }
 
   void create() {
-    worker::parseLoss(opt_.loss);  // fail early with the list of losses
+    ipc::parseLoss(opt_.loss);  // fail early with the list of losses
     SHMGRAD_CHECK(opt_.workers >= 1 && opt_.workers <= ipc::kMaxWorkers,
                   ErrorKind::kInvalidArgument, "--workers ", opt_.workers,
                   " is out of range: use 1 to ", ipc::kMaxWorkers);
@@ -78,7 +91,7 @@ class Coordinator {
     spec.name = opt_.name;
     char resolved[PATH_MAX];
     spec.model_path = realpath(opt_.model_path.c_str(), resolved) ? resolved : opt_.model_path;
-    spec.loss = worker::parseLoss(opt_.loss);
+    spec.loss = ipc::parseLoss(opt_.loss);
     spec.num_slots = slots;
     spec.threads_per_worker = opt_.threads_per_worker;
     spec.params = model.specs;
@@ -118,18 +131,21 @@ class Coordinator {
     struct sigaction sa;
     std::memset(&sa, 0, sizeof(sa));
     sa.sa_handler = onSignal;
-    sigemptyset(&sa.sa_mask);
-    sigaction(SIGTERM, &sa, nullptr);
-    sigaction(SIGINT, &sa, nullptr);
-    sigaction(SIGHUP, &sa, nullptr);
-    signal(SIGPIPE, SIG_IGN);
+    SHMGRAD_SYSCHECK(sigemptyset(&sa.sa_mask), "sigemptyset");
+    for (int sig : {SIGTERM, SIGINT, SIGHUP}) {
+      SHMGRAD_SYSCHECK(sigaction(sig, &sa, nullptr), "sigaction");
+    }
+    struct sigaction ignore;
+    std::memset(&ignore, 0, sizeof(ignore));
+    ignore.sa_handler = SIG_IGN;
+    SHMGRAD_SYSCHECK(sigaction(SIGPIPE, &ignore, nullptr), "sigaction(SIGPIPE)");
   }
 
   std::string workerBinary() const {
     if (!opt_.worker_binary.empty()) return opt_.worker_binary;
     char buf[PATH_MAX];
-    ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-    SHMGRAD_CHECK(n > 0, ErrorKind::kSystem, "readlink /proc/self/exe failed");
+    const long n = SHMGRAD_SYSCHECK(readlink("/proc/self/exe", buf, sizeof(buf) - 1),
+                                    "readlink(/proc/self/exe)");
     buf[n] = '\0';
     return buf;
   }
@@ -165,16 +181,16 @@ class Coordinator {
     std::vector<char*> envp;
     for (auto& e : env_s) envp.push_back(e.data());
     envp.push_back(nullptr);
-    pid_t pid = fork();
-    SHMGRAD_CHECK(pid >= 0, ErrorKind::kSystem, "fork failed: ", detail::errnoText());
+    const pid_t pid = static_cast<pid_t>(SHMGRAD_SYSCHECK(fork(), "fork"));
     if (pid == 0) {
       execve(argv[0], argv.data(), envp.data());
-      _exit(127);
+      _exit(kExitExecFailed);
     }
     w.pid.store(pid, std::memory_order_release);
   }
 
-  bool waitReady() {
+  // Start-up: until every worker is ready. Returns "" when they are, else why not.
+  std::string waitReady() {
     const uint64_t deadline =
         ipc::monotonicNs() + static_cast<uint64_t>(opt_.startup_timeout_s * 1e9);
     for (;;) {
@@ -182,33 +198,47 @@ class Coordinator {
       for (uint32_t i = 0; i < active_; ++i) {
         if (h()->workers[i].state.load() == static_cast<uint32_t>(WorkerState::kReady)) ++ready;
       }
-      if (ready == active_) return true;
+      if (ready == active_) return "";
       int status = 0;
-      pid_t pid = waitpid(-1, &status, WNOHANG);
+      const pid_t pid = reapOne(&status);
       if (pid > 0) {
-        int slot = slotOf(pid);
-        std::fprintf(stderr, "shmgrad: worker %d failed to start (%s): %s\n", slot,
-                     describeExit(status).c_str(),
-                     slot >= 0 && h()->workers[slot].error_text[0] ? h()->workers[slot].error_text
-                                                                   : "see its output above");
+        const int slot = slotOf(pid);
+        const char* why = slot >= 0 && h()->workers[slot].error_text[0]
+                              ? h()->workers[slot].error_text
+                              : "see its output above";
         if (slot >= 0) h()->workers[slot].pid.store(0);
-        return false;
+        return "worker " + std::to_string(slot) + " failed to start (" + describeExit(status) +
+               "): " + why;
       }
-      if (g_signal != 0 || ipc::monotonicNs() > deadline) {
-        if (g_signal == 0) {
-          std::fprintf(stderr, "shmgrad: workers not ready after %.0f s (--startup-timeout)\n",
-                       opt_.startup_timeout_s);
-        }
-        return false;
+      if (g_signal != 0) return "interrupted by a signal while the workers started";
+      if (ipc::monotonicNs() > deadline) {
+        return "workers not ready after " + std::to_string(opt_.startup_timeout_s) +
+               " s (--startup-timeout)";
       }
-      uint32_t v = c().coordinator_wake.load();
-      ipc::futexWait(&c().coordinator_wake, v, std::chrono::milliseconds(50));
+      const uint32_t v = c().coordinator_wake.load();
+      ipc::futexWait(&c().coordinator_wake, v, kReadyPoll);
     }
   }
 
+  // waitpid(-1, WNOHANG), checked: the pid of a child that ended, 0 if none did.
+  static pid_t reapOne(int* status) {
+    const long pid = SHMGRAD_SYSCHECK_OK(waitpid(-1, status, WNOHANG), "waitpid", ECHILD);
+    return pid > 0 ? static_cast<pid_t>(pid) : 0;
+  }
+
+  // kill(pid, SIGKILL), checked; a process that is already gone is fine.
+  static void killWorker(pid_t pid) { SHMGRAD_SYSCHECK_OK(kill(pid, SIGKILL), "kill", ESRCH); }
+
   static std::string describeExit(int status) {
     if (WIFSIGNALED(status)) return std::string("killed by signal ") + std::to_string(WTERMSIG(status));
-    if (WIFEXITED(status)) return "exit code " + std::to_string(WEXITSTATUS(status));
+    if (WIFEXITED(status)) {
+      const int code = WEXITSTATUS(status);
+      const char* meaning = code == worker::kExitStartupFailed ? " (start-up failed)"
+                            : code == worker::kExitCoordinatorGone ? " (coordinator gone)"
+                            : code == kExitExecFailed ? " (could not exec the worker binary)"
+                                                      : "";
+      return "exit code " + std::to_string(code) + meaning;
+    }
     return "status " + std::to_string(status);
   }
 
@@ -227,7 +257,7 @@ class Coordinator {
       uint32_t v = c().coordinator_wake.load(std::memory_order_acquire);
       if (g_signal != 0 || c().stop_requested.load() != 0) return;
       // While a grow waits for a retired worker to exit, poll its exit quickly.
-      ipc::futexWait(&c().coordinator_wake, v, std::chrono::milliseconds(growing ? 2 : 100));
+      ipc::futexWait(&c().coordinator_wake, v, growing ? kGrowPoll : kSuperviseSlice);
     }
   }
 
@@ -236,7 +266,7 @@ class Coordinator {
   void reap() {
     int status = 0;
     pid_t pid;
-    while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
+    while ((pid = reapOne(&status)) > 0) {
       int slot = slotOf(pid);
       if (slot < 0) continue;
       ipc::WorkerRecord& w = h()->workers[slot];
@@ -245,14 +275,7 @@ class Coordinator {
       w.state.store(static_cast<uint32_t>(retired ? WorkerState::kExited : WorkerState::kDead),
                     std::memory_order_release);
       const uint32_t e = c().step_epoch.load(std::memory_order_acquire);
-      if (e != 0 && w.assigned_epoch.load() == e && c().done_epoch.load() != e) {
-        c().abort_epoch.store(e, std::memory_order_release);
-        c().steps_aborted.fetch_add(1);
-        c().trainer_wake.fetch_add(1);
-        ipc::futexWake(&c().trainer_wake);
-        ipc::futexWake(&c().compute_barrier);
-        ipc::futexWake(&c().reduce_barrier);
-      }
+      if (e != 0 && w.assigned_epoch.load() == e) ipc::abortStep(c(), e);
       if (retired) continue;
       if (!opt_.quiet) {
         std::fprintf(stderr, "shmgrad: worker %d (pid %d) died (%s); starting a replacement\n",
@@ -308,46 +331,55 @@ class Coordinator {
                    "shmgrad: retired worker %u (pid %d) did not exit within %.0f s; killing it "
                    "so its slot can be reused\n",
                    slot, pid, kRetireGraceNs / 1e9);
-      kill(pid, SIGKILL);
+      killWorker(pid);
       retired_ns_[slot] = ipc::monotonicNs();  // once per grace period at most
     }
   }
 
-  void shutdown() {
-    c().engine_state.store(static_cast<uint32_t>(EngineState::kStopping), std::memory_order_release);
-    c().stop_requested.store(1);
-    ipc::futexWake(&c().step_epoch);
-    ipc::futexWake(&c().compute_barrier);
-    ipc::futexWake(&c().reduce_barrier);
-    c().trainer_wake.fetch_add(1);
-    ipc::futexWake(&c().trainer_wake);
-    const uint64_t deadline = ipc::monotonicNs() + 5000000000ull;
+  void stopWorkers() {
+    const uint64_t deadline = ipc::monotonicNs() + kStopGraceNs;
     for (;;) {
       bool any = false;
       for (uint32_t i = 0; i < h()->num_slots; ++i) {
-        int pid = h()->workers[i].pid.load();
+        const int pid = h()->workers[i].pid.load();
         if (pid <= 0) continue;
         int status;
-        if (waitpid(pid, &status, WNOHANG) == pid) {
+        const long reaped = SHMGRAD_SYSCHECK_OK(waitpid(pid, &status, WNOHANG), "waitpid", ECHILD);
+        if (reaped == pid || reaped < 0) {  // exited now, or not our child any more
           h()->workers[i].pid.store(0);
           h()->workers[i].state.store(static_cast<uint32_t>(WorkerState::kExited));
         } else {
           any = true;
         }
       }
-      if (!any) break;
-      if (ipc::monotonicNs() > deadline) {
-        for (uint32_t i = 0; i < h()->num_slots; ++i) {
-          int pid = h()->workers[i].pid.load();
-          if (pid > 0) {
-            kill(pid, SIGKILL);
-            waitpid(pid, nullptr, 0);
-            h()->workers[i].pid.store(0);
-          }
-        }
-        break;
-      }
-      usleep(10000);
+      if (!any) return;
+      if (ipc::monotonicNs() > deadline) break;
+      std::this_thread::sleep_for(kStopPoll);
+    }
+    for (uint32_t i = 0; i < h()->num_slots; ++i) {
+      const int pid = h()->workers[i].pid.load();
+      if (pid <= 0) continue;
+      killWorker(pid);
+      SHMGRAD_SYSCHECK_OK(waitpid(pid, nullptr, 0), "waitpid", ECHILD);
+      h()->workers[i].pid.store(0);
+      h()->workers[i].state.store(static_cast<uint32_t>(WorkerState::kExited));
+    }
+  }
+
+  // Stops every worker (a bounded wait, then SIGKILL) and removes the segment. Never
+  // throws before the segment is gone: a failing system call is logged and the
+  // shutdown goes on.
+  void shutdown() {
+    c().engine_state.store(static_cast<uint32_t>(EngineState::kStopping), std::memory_order_release);
+    c().stop_requested.store(1);
+    ipc::futexWake(&c().step_epoch);
+    ipc::futexWake(&c().compute_barrier);
+    ipc::futexWake(&c().reduce_barrier);
+    ipc::bumpAndWake(&c().trainer_wake);
+    try {
+      stopWorkers();
+    } catch (const Error& e) {
+      std::fprintf(stderr, "shmgrad: while stopping the workers: %s\n", e.what());
     }
     ipc::Segment::remove(opt_.name);
     if (!opt_.quiet) {
@@ -357,8 +389,6 @@ class Coordinator {
     }
   }
 
-  static constexpr uint64_t kRetireGraceNs = 5000000000ull;
-
   ServeOptions opt_;
   std::unique_ptr<ipc::Segment> seg_;
   uint32_t active_ = 0;
@@ -367,93 +397,50 @@ class Coordinator {
 
 }  // namespace
 
+namespace {
+std::string jsonString(const std::string& text) {
+  std::string out = "\"";
+  for (unsigned char ch : text) {
+    switch (ch) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\t': out += "\\t"; break;
+      default:
+        if (ch < 0x20) {
+          char buf[8];
+          std::snprintf(buf, sizeof(buf), "\\u%04x", ch);
+          out += buf;
+        } else {
+          out += static_cast<char>(ch);
+        }
+    }
+  }
+  return out + "\"";
+}
+}  // namespace
+
+void writeServeReport(int fd, const std::string& event, const std::string& kind,
+                      const std::string& message) {
+  if (fd < 0) return;
+  std::string line = "{\"event\":" + jsonString(event) + ",\"pid\":" + std::to_string(getpid());
+  if (!kind.empty()) line += ",\"kind\":" + jsonString(kind);
+  if (!message.empty()) line += ",\"message\":" + jsonString(message);
+  line += "}\n";
+  // One line, once: the reader (the launcher) may be gone, which is not an error here
+  // (SIGPIPE is ignored by serve, so a closed pipe is EPIPE).
+  size_t done = 0;
+  while (done < line.size()) {
+    const long n = SHMGRAD_SYSCHECK_OK(write(fd, line.data() + done, line.size() - done),
+                                       "write(--status-fd)", EPIPE);
+    if (n < 0) return;
+    done += static_cast<size_t>(n);
+  }
+}
+
 int serve(const ServeOptions& options) {
   Coordinator c(options);
   return c.run();
-}
-
-bool requestStop(const std::string& name, double timeout_s) {
-  {
-    auto seg = ipc::Segment::open(name);
-    auto& c = seg->header()->control;
-    c.stop_requested.store(1, std::memory_order_release);
-    c.coordinator_wake.fetch_add(1);
-    ipc::futexWake(&c.coordinator_wake);
-    int pid = seg->header()->coordinator_pid;
-    if (!ipc::processAlive(pid)) {
-      // The coordinator is gone (killed): clean up its leftovers ourselves, unless a
-      // new coordinator has taken the name meanwhile (it holds the segment's lock).
-      try {
-        ipc::Segment::removeIfStale(name);
-        return true;
-      } catch (const Error& e) {
-        if (e.kind() != ErrorKind::kBusy) throw;
-      }
-    }
-  }
-  const uint64_t deadline = ipc::monotonicNs() + static_cast<uint64_t>(timeout_s * 1e9);
-  while (ipc::monotonicNs() < deadline) {
-    if (!ipc::Segment::exists(name)) return true;
-    usleep(20000);
-  }
-  return !ipc::Segment::exists(name);
-}
-
-void requestResize(const std::string& name, uint32_t n) {
-  auto seg = ipc::Segment::open(name);
-  SHMGRAD_CHECK(n >= 1 && n <= seg->header()->num_slots, ErrorKind::kInvalidArgument,
-                "cannot resize engine '", name, "' to ", n, " workers: it has ",
-                seg->header()->num_slots, " slots (start it with --max-workers N to allow more)");
-  auto& c = seg->header()->control;
-  c.target_workers.store(n, std::memory_order_release);
-  c.coordinator_wake.fetch_add(1);
-  ipc::futexWake(&c.coordinator_wake);
-}
-
-std::string statusText(const std::string& name) {
-  auto seg = ipc::Segment::open(name);
-  const ipc::SegmentHeader* h = seg->header();
-  const ipc::ControlBlock& c = h->control;
-  static const char* kStates[] = {"starting", "serving", "stopping", "failed"};
-  static const char* kWorkerStates[] = {"empty", "starting", "ready", "dead", "exited", "retired"};
-  std::ostringstream os;
-  uint32_t st = c.engine_state.load();
-  os << "engine " << name << " (" << (st < 4 ? kStates[st] : "?") << "), coordinator pid "
-     << h->coordinator_pid << ", segment " << ipc::segmentPath(name) << " ("
-     << h->total_size / 1048576.0 << " MiB)\n";
-  os << "model " << h->model_path << ", loss "
-     << worker::lossName(static_cast<ipc::LossKind>(h->loss)) << ", " << h->num_params
-     << " parameter tensors, " << h->param_floats << " floats\n";
-  if (h->data_count > 0) os << "dataset " << h->data_description << ": " << h->data_count << " examples\n";
-  int holder = c.trainer_pid.load();
-  os << "trainer: " << (holder > 0 ? "pid " + std::to_string(holder) : std::string("none"))
-     << "\nsteps served " << c.steps_served.load() << ", aborted " << c.steps_aborted.load()
-     << ", retried " << c.step_retries.load() << ", worker restarts " << c.worker_restarts.load()
-     << "\nworkers (target " << c.target_workers.load() << " of " << h->num_slots << " slots):\n";
-  for (uint32_t i = 0; i < h->num_slots; ++i) {
-    const ipc::WorkerRecord& w = h->workers[i];
-    uint32_t ws = w.state.load();
-    if (ws == 0) continue;
-    os << "  worker " << i << ": pid " << w.pid.load() << ", " << (ws < 6 ? kWorkerStates[ws] : "?")
-       << ", restarts " << w.restarts.load() << "\n";
-  }
-  uint64_t served = c.steps_served.load();
-  uint64_t shown = std::min<uint64_t>(served, ipc::kStatsRing);
-  if (shown > 0) {
-    os << "last " << shown << " steps (ms): wall = compute (slowest worker) + reduce + wait\n";
-    for (uint64_t k = served - shown; k < served; ++k) {
-      const ipc::StepRecord& r = h->stats[k % ipc::kStatsRing];
-      char line[256];
-      std::snprintf(line, sizeof(line),
-                    "  step %6u  batch %6" PRId64 "  workers %2u  wall %8.3f = compute %8.3f + "
-                    "reduce %7.3f + wait %7.3f  loss/ex %.4f\n",
-                    r.epoch, r.examples, r.workers, r.wall_ns / 1e6, r.compute_max_ns / 1e6,
-                    r.reduce_max_ns / 1e6, r.wait_ns / 1e6,
-                    r.examples > 0 ? r.loss_sum / r.examples : 0.0);
-      os << line;
-    }
-  }
-  return os.str();
 }
 
 }  // namespace shmgrad::engine

@@ -23,20 +23,21 @@ struct ServeOptions {
   // engine name and parent pid are appended. Default: this executable, "__worker".
   std::string worker_binary;
   bool quiet = false;
+  int status_fd = -1;              // >= 0: write the start-up report there (writeServeReport)
 };
 
 // Runs the engine until `shmgrad stop`, SIGTERM or SIGINT. Returns the exit code.
-// Throws shmgrad::Error for bad options before anything is created.
+// Throws shmgrad::Error for bad options (before anything is created) and for a failed
+// start (a worker could not start: kWorkerFailed, with its message; everything created
+// is removed first).
 int serve(const ServeOptions& options);
 
-// Asks a running engine to stop and waits (up to timeout) for its segment to vanish.
-// Returns true if it stopped.
-bool requestStop(const std::string& name, double timeout_s);
-
-// Asks a running engine to run n worker processes (1..slots).
-void requestResize(const std::string& name, uint32_t n);
-
-// Human-readable status of a running engine (workers, steps, time breakdown).
-std::string statusText(const std::string& name);
+// The structured start-up report on ServeOptions::status_fd (nothing when fd < 0): one
+// JSON line, {"event":"serving","pid":P} once every worker is ready (serve writes it),
+// or {"event":"failed","pid":P,"kind":K,"message":M} with K an errorKindName (the
+// command line writes it when serve throws). A launcher reads it instead of parsing
+// the log. The client operations (stop, resize, status) are in engine/control.h.
+void writeServeReport(int fd, const std::string& event, const std::string& kind,
+                      const std::string& message);
 
 }  // namespace shmgrad::engine

@@ -10,12 +10,20 @@
 #include "ipc/error.h"
 #include "ipc/futex.h"
 #include "ipc/segment.h"
+#include "ipc/step.h"
 
 namespace shmgrad {
 
 using ipc::WorkerState;
 
 namespace {
+
+// Tunables of the trainer's waits (every wait is also bounded by the call's timeout).
+constexpr auto kAwaitSlice = std::chrono::milliseconds(100);  // liveness checks while a step runs
+constexpr int kAwaitSpin = 2000;        // pause-loop turns before the first sleep on trainer_wake
+constexpr auto kIdlePoll = std::chrono::milliseconds(1);       // stale workers after an abort
+constexpr auto kNoWorkerPoll = std::chrono::milliseconds(5);   // every worker being replaced
+constexpr auto kAttachPoll = std::chrono::milliseconds(20);    // engine not serving yet
 
 // Memory reads only (no system call on the step's hot path): the coordinator marks a
 // dead worker within a wait slice, and run() watches its participants while it waits.
@@ -58,7 +66,7 @@ std::unique_ptr<Trainer> Trainer::attach(const std::string& name, const AttachOp
     }
     SHMGRAD_CHECK(ipc::monotonicNs() < deadline, ErrorKind::kTimeout, "engine '", name,
                   "' did not start serving within ", o.timeout_seconds, " s");
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    std::this_thread::sleep_for(kAttachPoll);
   }
   if (o.lease) {
     auto& c = seg->header()->control;
@@ -149,6 +157,7 @@ GradientStats Trainer::gradient(const torch::Tensor& indices, const GradientOpti
   checkUsable();
   ipc::SegmentHeader* h = seg_->header();
   SHMGRAD_CHECK(lease_, ErrorKind::kInvalidArgument, "this trainer attached without a lease");
+  checkStepOptions(o);
   SHMGRAD_CHECK(h->data_count > 0, ErrorKind::kInvalidArgument, "engine '", name_,
                 "' has no dataset: pass inputs and targets, or start it with --dataset");
   SHMGRAD_CHECK(indices.defined() && indices.dim() == 1, ErrorKind::kInvalidArgument,
@@ -169,9 +178,11 @@ GradientStats Trainer::gradient(const torch::Tensor& indices, const GradientOpti
                   src[i], " at position ", i, " is out of range: the dataset has ", h->data_count,
                   " examples (valid: 0 to ", h->data_count - 1, ")");
   }
-  waitIdle(ipc::monotonicNs() + 10000000000ull);
+  const uint64_t start = ipc::monotonicNs();
+  const uint64_t deadline = deadlineFor(o);
+  waitIdle(deadline);
   std::memcpy(seg_->region<int64_t>(h->req_indices), src, B * sizeof(int64_t));
-  return run(B, o, static_cast<uint32_t>(ipc::BatchKind::kIndices));
+  return run(B, o, static_cast<uint32_t>(ipc::BatchKind::kIndices), start, deadline);
 }
 
 GradientStats Trainer::gradient(const torch::Tensor& inputs, const torch::Tensor& targets,
@@ -179,6 +190,7 @@ GradientStats Trainer::gradient(const torch::Tensor& inputs, const torch::Tensor
   checkUsable();
   ipc::SegmentHeader* h = seg_->header();
   SHMGRAD_CHECK(lease_, ErrorKind::kInvalidArgument, "this trainer attached without a lease");
+  checkStepOptions(o);
   SHMGRAD_CHECK(inputs.defined() && targets.defined(), ErrorKind::kInvalidArgument,
                 "give both inputs and targets");
   SHMGRAD_CHECK(inputs.dim() >= 1 && targets.dim() >= 1, ErrorKind::kInvalidArgument,
@@ -216,7 +228,9 @@ GradientStats Trainer::gradient(const torch::Tensor& inputs, const torch::Tensor
                 " bytes; split the batch or restart with a larger --input-capacity-mb");
   SHMGRAD_CHECK(tg_bytes <= h->req_targets.size, ErrorKind::kInvalidArgument, "targets of ",
                 tg_bytes, " bytes exceed the engine's target capacity of ", h->req_targets.size);
-  waitIdle(ipc::monotonicNs() + 10000000000ull);
+  const uint64_t start = ipc::monotonicNs();
+  const uint64_t deadline = deadlineFor(o);
+  waitIdle(deadline);
   std::memcpy(seg_->region<float>(h->req_inputs), x.data_ptr<float>(), in_bytes);
   std::memcpy(seg_->region<uint8_t>(h->req_targets), y.data_ptr(), tg_bytes);
   ipc::StepRequest& r = h->request;
@@ -229,170 +243,216 @@ GradientStats Trainer::gradient(const torch::Tensor& inputs, const torch::Tensor
                                                                           : ipc::DType::kFloat32);
   r.target_shape.ndim = static_cast<uint32_t>(y.dim() - 1);
   for (int64_t d = 1; d < y.dim(); ++d) r.target_shape.dims[d - 1] = y.size(d);
-  return run(B, o, static_cast<uint32_t>(ipc::BatchKind::kExplicit));
+  return run(B, o, static_cast<uint32_t>(ipc::BatchKind::kExplicit), start, deadline);
 }
 
 // After an aborted or timed-out step, workers of that step may still be computing.
 // They never count in a later step's barriers (epoch tags), but they still read the
-// request region: wait for them before it is overwritten.
+// request region: wait for them before it is overwritten. Bounded by the caller's
+// deadline (the gradient call's timeout).
 void Trainer::waitIdle(uint64_t deadline_ns) {
   if (!dirty_) return;
   const ipc::SegmentHeader* h = seg_->header();
   for (;;) {
     bool busy = false;
-    for (uint32_t i = 0; i < h->num_slots; ++i) {
+    for (uint32_t i = 0; i < h->num_slots && !busy; ++i) {
       const auto& w = h->workers[i];
-      if (w.busy_epoch.load(std::memory_order_acquire) != 0 && ipc::processAlive(w.pid.load())) busy = true;
+      busy = w.busy_epoch.load(std::memory_order_acquire) != 0 && ipc::processAlive(w.pid.load());
     }
     if (!busy) break;
     SHMGRAD_CHECK(ipc::monotonicNs() < deadline_ns, ErrorKind::kTimeout, "engine '", name_,
-                  "': workers still busy with an abandoned step; try again or restart the engine");
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+                  "': workers still busy with an abandoned step after the call's timeout; "
+                  "try again with a larger timeout, or restart the engine");
+    std::this_thread::sleep_for(kIdlePoll);
   }
   dirty_ = false;
 }
 
-GradientStats Trainer::run(int64_t B, const GradientOptions& o, uint32_t kind) {
-  ipc::SegmentHeader* h = seg_->header();
-  ipc::ControlBlock& c = h->control;
-  ipc::StepRequest& r = h->request;
+void Trainer::checkStepOptions(const GradientOptions& o) const {
   SHMGRAD_CHECK(o.min_examples_per_worker >= 1, ErrorKind::kInvalidArgument,
                 "min_examples_per_worker must be >= 1");
   SHMGRAD_CHECK(o.max_examples_per_pass >= 0, ErrorKind::kInvalidArgument,
                 "max_examples_per_pass must be >= 0 (0: one pass)");
   SHMGRAD_CHECK(o.max_retries >= 0, ErrorKind::kInvalidArgument, "max_retries must be >= 0");
-  const int32_t holder = c.trainer_pid.load();
+  SHMGRAD_CHECK(o.timeout_seconds > 0, ErrorKind::kInvalidArgument, "timeout must be > 0 seconds");
+  const int32_t holder = seg_->header()->control.trainer_pid.load();
   SHMGRAD_CHECK(holder == getpid(), ErrorKind::kBusy, "this trainer no longer holds engine '",
                 name_, "' (held by pid ", holder, "); attach again");
-  const uint64_t start = ipc::monotonicNs();
-  const uint64_t deadline = start + static_cast<uint64_t>(o.timeout_seconds * 1e9);
+}
+
+uint64_t Trainer::deadlineFor(const GradientOptions& o) const {
+  return ipc::monotonicNs() + static_cast<uint64_t>(o.timeout_seconds * 1e9);
+}
+
+bool Trainer::serving() const {
+  return seg_->header()->control.engine_state.load(std::memory_order_acquire) ==
+         static_cast<uint32_t>(ipc::EngineState::kServing);
+}
+
+// Phase 1: the participants. Ready workers, at most one per min_examples_per_worker
+// examples and at most B. Waits (within the deadline) while every worker is being
+// replaced.
+Trainer::Participants Trainer::pickParticipants(int64_t B, const GradientOptions& o,
+                                                uint64_t deadline) const {
+  static_assert(sizeof(Participants::slots) == ipc::kMaxWorkers,
+                "Participants holds one entry per possible worker");
+  const ipc::SegmentHeader* h = seg_->header();
+  Participants p;
+  for (;;) {
+    for (uint32_t i = 0; i < h->num_slots; ++i) {
+      const ipc::WorkerRecord& w = h->workers[i];
+      if (isReady(w)) {
+        p.slots[p.n] = static_cast<uint8_t>(i);
+        p.pids[p.n] = w.pid.load(std::memory_order_acquire);
+        ++p.n;
+      }
+    }
+    if (p.n > 0) break;
+    SHMGRAD_CHECK(ipc::monotonicNs() < deadline, ErrorKind::kTimeout, "engine '", name_,
+                  "' has no ready worker");
+    std::this_thread::sleep_for(kNoWorkerPoll);
+  }
+  const int64_t by_size = std::max<int64_t>(1, B / o.min_examples_per_worker);
+  p.n = static_cast<uint32_t>(std::min<int64_t>({p.n, B, by_size}));
+  return p;
+}
+
+// Phase 2: publish. Writes the request, assigns ranks, resets both barriers to the new
+// epoch's tag, then stores step_epoch (release: publishes everything above) and wakes
+// the workers. Returns the step's epoch.
+uint32_t Trainer::publish(int64_t B, const GradientOptions& o, uint32_t kind,
+                          const Participants& p) {
+  ipc::SegmentHeader* h = seg_->header();
+  ipc::ControlBlock& c = h->control;
+  ipc::StepRequest& r = h->request;
+  uint32_t e = c.step_epoch.load() + 1;
+  if ((e & 0xffffu) == 0) ++e;  // keep barrier tags and "idle" (0) apart
+  r.epoch = e;
+  r.kind = kind;
+  r.num_examples = B;
+  r.num_participants = p.n;
+  r.reduction_scale_is_mean = o.mean ? 1 : 0;
+  r.scale = o.mean ? static_cast<float>(1.0 / static_cast<double>(B)) : 1.0f;
+  r.max_examples_per_pass = o.max_examples_per_pass;
+  for (uint32_t k = 0; k < p.n; ++k) {
+    r.participants[k] = p.slots[k];
+    h->workers[p.slots[k]].assigned_rank.store(k, std::memory_order_relaxed);
+    h->workers[p.slots[k]].assigned_epoch.store(e, std::memory_order_release);
+  }
+  c.compute_barrier.store(ipc::barrierTag(e), std::memory_order_relaxed);
+  c.reduce_barrier.store(ipc::barrierTag(e), std::memory_order_relaxed);
+  r.publish_ns = ipc::monotonicNs();
+  c.step_epoch.store(e, std::memory_order_release);
+  ipc::futexWake(&c.step_epoch);
+  return e;
+}
+
+// Phase 3: await. Sleeps on trainer_wake until the step is done or aborted. Once per
+// wait slice it checks, from memory, that every participant still runs: one can die
+// between being picked and the coordinator reaping it (a zombie still looks alive), so
+// the coordinator may never see it as part of this step. The coordinator's liveness and
+// the engine's state are checked in the same slice.
+Trainer::Outcome Trainer::await(uint32_t e, const Participants& p, uint64_t deadline) {
+  const ipc::SegmentHeader* h = seg_->header();
+  ipc::ControlBlock& c = seg_->header()->control;
   const int coordinator = h->coordinator_pid;
+  Outcome outcome = Outcome::kTimedOut;
+  const bool ended = ipc::waitUntil(
+      &c.trainer_wake, [&] { return ipc::stepEnded(c, e); },
+      [&] {
+        for (uint32_t k = 0; k < p.n; ++k) {
+          const ipc::WorkerRecord& w = h->workers[p.slots[k]];
+          const auto st = static_cast<WorkerState>(w.state.load(std::memory_order_acquire));
+          if (w.pid.load() != p.pids[k] || st == WorkerState::kDead || st == WorkerState::kExited) {
+            outcome = Outcome::kLostWorker;
+            return false;
+          }
+        }
+        if (!ipc::processAlive(coordinator) || !serving()) {
+          outcome = Outcome::kEngineGone;
+          return false;
+        }
+        return true;
+      },
+      deadline, kAwaitSlice, kAwaitSpin);
+  if (c.done_epoch.load(std::memory_order_acquire) == e) return Outcome::kDone;
+  if (ended) return Outcome::kLostWorker;  // aborted by the coordinator: it reaped a participant
+  return outcome;
+}
+
+// Phase 4: collect the participants' results into stats. A worker's error becomes
+// WorkerError with its message; non-finite values raise when asked to.
+void Trainer::collect(uint32_t e, const Participants& p, int64_t B, const GradientOptions& o,
+                      GradientStats* stats) const {
+  const ipc::SegmentHeader* h = seg_->header();
+  stats->num_examples = B;
+  stats->loss_sum = 0;
+  stats->reduce_seconds = 0;
+  stats->nonfinite = false;
+  stats->workers.clear();
+  for (uint32_t k = 0; k < p.n; ++k) {
+    const ipc::WorkerRecord& w = h->workers[p.slots[k]];
+    SHMGRAD_CHECK(w.result_epoch == e, ErrorKind::kCorrupt, "worker ", int(p.slots[k]),
+                  " reported a result for another step");
+    if (w.error != 0) {
+      char text[ipc::kErrorLen];
+      std::memcpy(text, w.error_text, sizeof(text));
+      text[ipc::kErrorLen - 1] = '\0';
+      raise(ErrorKind::kWorkerFailed, "worker ", int(p.slots[k]), " could not compute its shard: ",
+            text);
+    }
+    WorkerStepStats ws;
+    ws.slot = p.slots[k];
+    ws.examples = w.examples;
+    ws.loss_sum = w.loss_sum;
+    ws.compute_seconds = w.compute_ns / 1e9;
+    ws.reduce_seconds = w.reduce_ns / 1e9;
+    ws.wait_seconds = w.barrier_wait_ns / 1e9;
+    ws.nonfinite_loss = w.nonfinite_loss != 0;
+    ws.nonfinite_grad = w.nonfinite_grad.load() != 0;
+    stats->nonfinite = stats->nonfinite || ws.nonfinite_loss || ws.nonfinite_grad;
+    stats->loss_sum += ws.loss_sum;
+    stats->reduce_seconds = std::max(stats->reduce_seconds, ws.reduce_seconds);
+    stats->workers.push_back(ws);
+  }
+  stats->loss = o.mean ? stats->loss_sum / static_cast<double>(B) : stats->loss_sum;
+  if (stats->nonfinite && o.raise_on_nonfinite) {
+    std::ostringstream os;
+    for (const auto& w : stats->workers) {
+      if (w.nonfinite_loss || w.nonfinite_grad) {
+        os << " worker " << w.slot << (w.nonfinite_loss ? " (loss)" : "")
+           << (w.nonfinite_grad ? " (gradient)" : "");
+      }
+    }
+    raise(ErrorKind::kNonFinite, "non-finite values in the step:", os.str());
+  }
+}
+
+// The step, phase by phase; a step that lost a worker is aborted and re-run with the
+// workers that are ready (exact: every participant recomputes its shard).
+GradientStats Trainer::run(int64_t B, const GradientOptions& o, uint32_t kind, uint64_t start,
+                           uint64_t deadline) {
+  ipc::ControlBlock& c = seg_->header()->control;
   GradientStats stats;
   for (int attempt = 0;; ++attempt) {
-    SHMGRAD_CHECK(c.engine_state.load() == static_cast<uint32_t>(ipc::EngineState::kServing) &&
-                      (attempt == 0 || ipc::processAlive(coordinator)),
+    SHMGRAD_CHECK(serving() && (attempt == 0 || ipc::processAlive(seg_->header()->coordinator_pid)),
                   ErrorKind::kNotFound, "engine '", name_, "' has stopped");
-    // Participants: ready workers, at most one per min_examples_per_worker examples.
-    uint8_t ready[ipc::kMaxWorkers];
-    uint32_t nready = 0;
-    while (nready == 0) {
-      for (uint32_t i = 0; i < h->num_slots; ++i) {
-        if (isReady(h->workers[i])) ready[nready++] = static_cast<uint8_t>(i);
-      }
-      if (nready > 0) break;
-      // Every worker is being replaced: wait for one, within the deadline.
-      SHMGRAD_CHECK(ipc::monotonicNs() < deadline, ErrorKind::kTimeout, "engine '", name_,
-                    "' has no ready worker");
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
-    const int64_t by_size = std::max<int64_t>(1, B / o.min_examples_per_worker);
-    const uint32_t n = static_cast<uint32_t>(std::min<int64_t>({nready, B, by_size}));
-    uint32_t e = c.step_epoch.load() + 1;
-    if ((e & 0xffffu) == 0) ++e;  // keep barrier tags and "idle" (0) apart
-    r.epoch = e;
-    r.kind = kind;
-    r.num_examples = B;
-    r.num_participants = n;
-    r.reduction_scale_is_mean = o.mean ? 1 : 0;
-    r.scale = o.mean ? static_cast<float>(1.0 / static_cast<double>(B)) : 1.0f;
-    r.max_examples_per_pass = o.max_examples_per_pass;
-    for (uint32_t k = 0; k < n; ++k) {
-      r.participants[k] = ready[k];
-      h->workers[ready[k]].assigned_rank.store(k, std::memory_order_relaxed);
-      h->workers[ready[k]].assigned_epoch.store(e, std::memory_order_release);
-    }
-    c.compute_barrier.store(ipc::barrierTag(e), std::memory_order_relaxed);
-    c.reduce_barrier.store(ipc::barrierTag(e), std::memory_order_relaxed);
-    r.publish_ns = ipc::monotonicNs();
-    c.step_epoch.store(e, std::memory_order_release);  // publishes everything above
-    ipc::futexWake(&c.step_epoch);
-
-    // A participant can die between being picked and the coordinator reaping it (a
-    // zombie still looks alive), so the coordinator may never see it as part of this
-    // step: check the participants' records in every wait slice (memory reads only).
-    int32_t pids[ipc::kMaxWorkers];
-    for (uint32_t k = 0; k < n; ++k) pids[k] = h->workers[r.participants[k]].pid.load();
-    bool lost_worker = false;
-    const bool finished = ipc::waitUntil(
-        &c.trainer_wake,
-        [&] {
-          return c.done_epoch.load(std::memory_order_acquire) == e ||
-                 c.abort_epoch.load(std::memory_order_acquire) == e;
-        },
-        [&] {
-          for (uint32_t k = 0; k < n; ++k) {
-            const ipc::WorkerRecord& w = h->workers[r.participants[k]];
-            const uint32_t st = w.state.load();
-            if (w.pid.load() != pids[k] || st == static_cast<uint32_t>(WorkerState::kDead) ||
-                st == static_cast<uint32_t>(WorkerState::kExited)) {
-              lost_worker = true;
-              return false;
-            }
-          }
-          return ipc::processAlive(coordinator) &&
-                 c.engine_state.load() == static_cast<uint32_t>(ipc::EngineState::kServing);
-        },
-        deadline, std::chrono::milliseconds(100), /*spin=*/2000);
-    if (!finished && lost_worker && c.done_epoch.load(std::memory_order_acquire) != e) {
-      c.abort_epoch.store(e, std::memory_order_release);
-      c.steps_aborted.fetch_add(1);
-      ipc::futexWake(&c.compute_barrier);
-      ipc::futexWake(&c.reduce_barrier);
-    }
-    if (c.done_epoch.load(std::memory_order_acquire) == e) {
-      stats.num_examples = B;
-      for (uint32_t k = 0; k < n; ++k) {
-        const ipc::WorkerRecord& w = h->workers[r.participants[k]];
-        SHMGRAD_CHECK(w.result_epoch == e, ErrorKind::kCorrupt, "worker ", int(r.participants[k]),
-                      " reported a result for another step");
-        if (w.error != 0) {
-          char text[ipc::kErrorLen];
-          std::memcpy(text, w.error_text, sizeof(text));
-          text[ipc::kErrorLen - 1] = '\0';
-          raise(ErrorKind::kWorkerFailed, "worker ", int(r.participants[k]),
-                " could not compute its shard: ", text);
-        }
-        WorkerStepStats ws;
-        ws.slot = r.participants[k];
-        ws.examples = w.examples;
-        ws.loss_sum = w.loss_sum;
-        ws.compute_seconds = w.compute_ns / 1e9;
-        ws.reduce_seconds = w.reduce_ns / 1e9;
-        ws.wait_seconds = w.barrier_wait_ns / 1e9;
-        ws.nonfinite_loss = w.nonfinite_loss != 0;
-        ws.nonfinite_grad = w.nonfinite_grad.load() != 0;
-        stats.nonfinite = stats.nonfinite || ws.nonfinite_loss || ws.nonfinite_grad;
-        stats.loss_sum += ws.loss_sum;
-        stats.reduce_seconds = std::max(stats.reduce_seconds, ws.reduce_seconds);
-        stats.workers.push_back(ws);
-      }
-      stats.loss = o.mean ? stats.loss_sum / static_cast<double>(B) : stats.loss_sum;
+    const Participants p = pickParticipants(B, o, deadline);
+    const uint32_t e = publish(B, o, kind, p);
+    const Outcome outcome = await(e, p, deadline);
+    if (outcome == Outcome::kDone) {
+      collect(e, p, B, o, &stats);
       stats.wall_seconds = (ipc::monotonicNs() - start) / 1e9;
-      if (stats.nonfinite && o.raise_on_nonfinite) {
-        std::ostringstream os;
-        for (const auto& w : stats.workers) {
-          if (w.nonfinite_loss || w.nonfinite_grad) {
-            os << " worker " << w.slot << (w.nonfinite_loss ? " (loss)" : "")
-               << (w.nonfinite_grad ? " (gradient)" : "");
-          }
-        }
-        raise(ErrorKind::kNonFinite, "non-finite values in the step:", os.str());
-      }
       return stats;
     }
-    // Aborted (a worker died), timed out, or the engine went away.
+    // The step did not finish: end it for every waiter, the one abort path.
     dirty_ = true;
-    if (!finished && !lost_worker) {
-      c.abort_epoch.store(e, std::memory_order_release);
-      ipc::futexWake(&c.compute_barrier);
-      ipc::futexWake(&c.reduce_barrier);
-      SHMGRAD_CHECK(ipc::processAlive(coordinator), ErrorKind::kNotFound, "engine '", name_,
-                    "' stopped during the step");
-      SHMGRAD_CHECK(c.engine_state.load() == static_cast<uint32_t>(ipc::EngineState::kServing),
-                    ErrorKind::kNotFound, "engine '", name_, "' is stopping");
-      raise(ErrorKind::kTimeout, "engine '", name_, "': the step did not finish within ",
-            o.timeout_seconds, " s (timeout_seconds); the engine keeps serving");
-    }
+    ipc::abortStep(c, e);
+    SHMGRAD_CHECK(outcome != Outcome::kEngineGone, ErrorKind::kNotFound, "engine '", name_,
+                  "' stopped during the step");
+    SHMGRAD_CHECK(outcome != Outcome::kTimedOut, ErrorKind::kTimeout, "engine '", name_,
+                  "': the step did not finish within ", o.timeout_seconds,
+                  " s (timeout_seconds); the engine keeps serving");
     SHMGRAD_CHECK(attempt < o.max_retries, ErrorKind::kWorkerFailed, "engine '", name_,
                   "': a worker died during this batch ", attempt + 1,
                   " times (does the model crash on this input?); the engine keeps serving");

@@ -106,7 +106,27 @@ class Trainer {
 
  private:
   Trainer(std::string name, std::shared_ptr<ipc::Segment> seg, bool lease);
-  GradientStats run(int64_t batch, const GradientOptions& options, uint32_t kind);
+
+  // The step protocol's trainer side, in phases (docs/DESIGN.md): run() picks the
+  // participants, publishes, awaits, and collects, or aborts (ipc::abortStep) and retries.
+  struct Participants {
+    uint32_t n = 0;
+    uint8_t slots[64];   // ipc::kMaxWorkers, rank order
+    int32_t pids[64];    // their pids when picked: a change means the worker was lost
+  };
+  enum class Outcome { kDone, kLostWorker, kTimedOut, kEngineGone };
+  GradientStats run(int64_t batch, const GradientOptions& options, uint32_t kind, uint64_t start,
+                    uint64_t deadline);
+  Participants pickParticipants(int64_t batch, const GradientOptions& options,
+                                uint64_t deadline) const;
+  uint32_t publish(int64_t batch, const GradientOptions& options, uint32_t kind,
+                   const Participants& participants);
+  Outcome await(uint32_t epoch, const Participants& participants, uint64_t deadline);
+  void collect(uint32_t epoch, const Participants& participants, int64_t batch,
+               const GradientOptions& options, GradientStats* stats) const;
+  void checkStepOptions(const GradientOptions& options) const;
+  uint64_t deadlineFor(const GradientOptions& options) const;
+  bool serving() const;
   void waitIdle(uint64_t deadline_ns);
   void checkUsable() const;
   std::vector<torch::Tensor> views(float* base) const;

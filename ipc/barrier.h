@@ -39,7 +39,7 @@ bool barrierWait(std::atomic<uint32_t>& barrier, uint32_t epoch, uint32_t n,
   const uint32_t count = arriveBarrier(barrier, epoch);
   if (count == 0) return false;
   if (count == n) {
-    futexWake(&barrier);
+    if (n > 1) futexWake(&barrier);  // alone, nobody waits: no system call
     return true;
   }
   auto complete = [&] {

@@ -1,6 +1,7 @@
 // Typed errors. Every message names the problem and, where there is one, the fix.
 #pragma once
 
+#include <cerrno>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -53,15 +54,35 @@ template <typename... Args>
     if (!(cond)) ::shmgrad::raise(kind, __VA_ARGS__);     \
   } while (0)
 
-// Checks an OS call that returns -1 and sets errno.
-#define SHMGRAD_SYSCHECK(expr, what)                                              \
-  do {                                                                            \
-    if ((expr) == -1) ::shmgrad::raise(::shmgrad::ErrorKind::kSystem, what, ": ", \
-                                       ::shmgrad::detail::errnoText());           \
-  } while (0)
-
 namespace detail {
 std::string errnoText();
+
+// Runs an OS call that returns -1 and sets errno, again while it fails with EINTR.
+// Returns its result, or -errno on failure (so callers can accept an expected errno).
+template <typename Call>
+long retryEintr(Call call) {
+  for (;;) {
+    const long rc = static_cast<long>(call());
+    if (rc != -1) return rc;
+    if (errno != EINTR) return -errno;
+  }
 }
+}  // namespace detail
+
+// Every system call is checked one way: SHMGRAD_SYSCHECK(call(...), "call_name") retries
+// EINTR and throws Error(kSystem) naming the call and errno on any other failure; its
+// value is the call's result. SHMGRAD_SYSCHECK_OK(call, "name", EXPECTED_ERRNO) also
+// accepts that one errno (e.g. ESRCH from kill on a process that is already gone) and
+// then yields -1.
+#define SHMGRAD_SYSCHECK(expr, what) SHMGRAD_SYSCHECK_OK(expr, what, 0)
+#define SHMGRAD_SYSCHECK_OK(expr, what, accepted_errno)                                  \
+  ([&]() -> long {                                                                      \
+    const long shmgrad_rc_ = ::shmgrad::detail::retryEintr([&] { return (expr); });     \
+    if (shmgrad_rc_ >= 0) return shmgrad_rc_;                                           \
+    if ((accepted_errno) != 0 && -shmgrad_rc_ == (accepted_errno)) return -1;           \
+    errno = static_cast<int>(-shmgrad_rc_);                                             \
+    ::shmgrad::raise(::shmgrad::ErrorKind::kSystem, what, " failed: ",                  \
+                     ::shmgrad::detail::errnoText());                                   \
+  }())
 
 }  // namespace shmgrad

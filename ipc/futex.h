@@ -21,8 +21,15 @@ void futexWake(std::atomic<uint32_t>* word, int count = 0x7fffffff);
 
 uint64_t monotonicNs();
 
+// Bumps a wake-counter word and wakes everyone waiting on it: how a process tells
+// waiters "something changed, look again" (trainer_wake, coordinator_wake, ...).
+inline void bumpAndWake(std::atomic<uint32_t>* word) {
+  word->fetch_add(1, std::memory_order_acq_rel);
+  futexWake(word);
+}
+
 // Waits until pred() holds, sleeping on word between checks. Each sleep lasts at most
-// `slice`, after which `poll()` may decide to stop (returning false, e.g. a peer died).
+// `slice`; once per slice `poll()` may decide to stop (returning false, e.g. a peer died).
 // Returns true when pred() held, false on deadline or when poll() returned false.
 template <typename Pred, typename Poll>
 bool waitUntil(std::atomic<uint32_t>* word, Pred pred, Poll poll, uint64_t deadline_ns,
@@ -34,12 +41,21 @@ bool waitUntil(std::atomic<uint32_t>* word, Pred pred, Poll poll, uint64_t deadl
     __builtin_ia32_pause();
 #endif
   }
+  // poll() may make system calls (liveness checks): it runs once per slice, not before
+  // every sleep, so a wait that a wake ends promptly costs no call beyond the futex.
+  const uint64_t slice_ns = static_cast<uint64_t>(slice.count());
+  uint64_t next_poll = 0;
   for (;;) {
     uint32_t seen = word->load(std::memory_order_acquire);
     if (pred()) return true;
     uint64_t now = monotonicNs();
     if (now >= deadline_ns) return false;
-    if (!poll()) return false;
+    if (next_poll == 0) {
+      next_poll = now + slice_ns;
+    } else if (now >= next_poll) {
+      if (!poll()) return false;
+      next_poll = now + slice_ns;
+    }
     auto left = std::chrono::nanoseconds(deadline_ns - now);
     futexWait(word, seen, left < slice ? left : slice);
   }

@@ -42,11 +42,42 @@ constexpr uint32_t kPathLen = 512;         // model path, NUL-terminated
 constexpr uint32_t kStatsRing = 16;        // last steps kept for `shmgrad status`
 constexpr uint32_t kDeviceReserved = 8192; // bytes kept for CUDA IPC handles
 
+// Limits on what a header, a spec or a step request may say. One definition each:
+// creation (segment.cc), validation (validateHeader) and the worker's per-step checks
+// (worker/step_protocol.cc) all use these.
+constexpr int64_t kMaxBatch = int64_t{1} << 36;      // examples in one step / in a dataset
+constexpr int64_t kMaxDimSize = int64_t{1} << 40;    // one dimension of a shape
+constexpr uint64_t kMaxNumel = uint64_t{1} << 40;    // elements of one tensor or example
+constexpr uint64_t kMaxParamFloats = uint64_t{1} << 40;  // floats in the parameter buffer
+
+// Enumerations stored in the segment, each with its names right below it. A value read
+// from shared memory is checked with the *Valid() helper before it is used as an index.
 enum class LossKind : uint32_t { kCrossEntropy = 1, kNll = 2, kMse = 3 };
+constexpr const char* kLossNames[] = {nullptr, "cross_entropy", "nll", "mse"};
+constexpr uint32_t kNumLossKinds = 3;
+
 enum class DType : uint32_t { kNone = 0, kFloat32 = 1, kInt64 = 2 };
+constexpr const char* kDTypeNames[] = {"none", "float32", "int64"};
+
 enum class EngineState : uint32_t { kStarting = 0, kServing = 1, kStopping = 2, kFailed = 3 };
+constexpr const char* kEngineStateNames[] = {"starting", "serving", "stopping", "failed"};
+
 enum class WorkerState : uint32_t { kEmpty = 0, kStarting = 1, kReady = 2, kDead = 3, kExited = 4, kRetired = 5 };
+constexpr const char* kWorkerStateNames[] = {"empty", "starting", "ready", "dead", "exited", "retired"};
+
 enum class BatchKind : uint32_t { kIndices = 1, kExplicit = 2 };
+
+template <typename T, size_t N>
+constexpr const char* enumName(const char* const (&names)[N], T v) {
+  const auto i = static_cast<size_t>(v);
+  return i < N && names[i] != nullptr ? names[i] : "unknown";
+}
+inline const char* lossName(LossKind v) { return enumName(kLossNames, v); }
+inline const char* dtypeName(DType v) { return enumName(kDTypeNames, v); }
+inline const char* engineStateName(EngineState v) { return enumName(kEngineStateNames, v); }
+inline const char* workerStateName(WorkerState v) { return enumName(kWorkerStateNames, v); }
+inline bool lossKindValid(uint32_t v) { return v >= 1 && v <= kNumLossKinds; }
+inline bool dtypeValid(uint32_t v) { return v <= static_cast<uint32_t>(DType::kInt64); }
 
 // A byte range of the segment. Checked on attach: offset % kAlign == 0 and
 // offset + size <= total_size.

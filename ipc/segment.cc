@@ -21,8 +21,6 @@ namespace bip = boost::interprocess;
 namespace shmgrad::ipc {
 namespace {
 
-constexpr int64_t kMaxDim = int64_t{1} << 40;
-
 std::string bipName(const std::string& engine_name) {
   return "shmgrad-" + std::to_string(getuid()) + "-" + engine_name;
 }
@@ -57,30 +55,28 @@ void checkRegion(const char* what, const Region& r, uint64_t total, uint64_t min
                 describe(r), " is smaller than the ", min_size, " bytes its header implies");
 }
 
-// Returns the element count of dims[0..ndim), or throws `kind` (kCorrupt for a header
-// read from shared memory, kInvalidArgument for a spec) naming `what`.
-uint64_t checkedNumel(ErrorKind kind, const std::string& what, const int64_t* dims,
-                      uint64_t ndim) {
-  SHMGRAD_CHECK(ndim <= kMaxDims, kind, what, " has ", ndim,
-                " dimensions; shmgrad supports at most ", kMaxDims);
-  uint64_t n = 1;
-  for (uint64_t i = 0; i < ndim; ++i) {
-    const int64_t d = dims[i];
-    SHMGRAD_CHECK(d >= 0 && d < kMaxDim, kind, what, " has dimension ", d);
-    SHMGRAD_CHECK(d == 0 || n <= (uint64_t{1} << 40) / static_cast<uint64_t>(d), kind, what,
-                  " is too large");
-    n *= static_cast<uint64_t>(d);
-  }
-  return n;
-}
-
 uint64_t checkShape(const char* what, const Shape& s) {
-  return checkedNumel(ErrorKind::kCorrupt, std::string("segment header: ") + what, s.dims, s.ndim);
+  return checkedNumel(ErrorKind::kCorrupt, (std::string("segment header: ") + what).c_str(), s.dims,
+                      s.ndim);
 }
 
 bool terminated(const char* s, size_t n) { return std::memchr(s, '\0', n) != nullptr; }
 
 }  // namespace
+
+uint64_t checkedNumel(ErrorKind kind, const char* what, const int64_t* dims, uint64_t ndim) {
+  SHMGRAD_CHECK(ndim <= kMaxDims, kind, what, " has ", ndim,
+                " dimensions; shmgrad supports at most ", kMaxDims);
+  uint64_t n = 1;
+  for (uint64_t i = 0; i < ndim; ++i) {
+    const int64_t d = dims[i];
+    SHMGRAD_CHECK(d >= 0 && d < kMaxDimSize, kind, what, " has dimension ", d);
+    SHMGRAD_CHECK(d == 0 || n <= kMaxNumel / static_cast<uint64_t>(d), kind, what,
+                  " is too large");
+    n *= static_cast<uint64_t>(d);
+  }
+  return n;
+}
 
 void checkEngineName(const std::string& name) {
   bool ok = !name.empty() && name.size() <= 64;
@@ -90,6 +86,17 @@ void checkEngineName(const std::string& name) {
   }
   SHMGRAD_CHECK(ok, ErrorKind::kInvalidArgument, "engine name '", name,
                 "' is invalid: use 1 to 64 letters, digits, '_', '-' or '.'");
+}
+
+LossKind parseLoss(const std::string& name) {
+  for (uint32_t k = 1; k <= kNumLossKinds; ++k) {
+    if (name == kLossNames[k]) return static_cast<LossKind>(k);
+  }
+  if (name == "ce") return LossKind::kCrossEntropy;  // accepted short form
+  std::string choices;
+  for (uint32_t k = 1; k <= kNumLossKinds; ++k) choices += (k > 1 ? ", " : "") + std::string(kLossNames[k]);
+  raise(ErrorKind::kInvalidArgument, "unknown loss '", name, "': use one of ", choices,
+        " (each summed over the batch)");
 }
 
 std::string segmentName(const std::string& engine_name) { return "/" + bipName(engine_name); }
@@ -116,17 +123,17 @@ Layout computeLayout(const SegmentSpec& spec) {
                 "the model has no parameters: nothing to compute a gradient of");
   SHMGRAD_CHECK(spec.params.size() <= kMaxParams, ErrorKind::kInvalidArgument, "the model has ",
                 spec.params.size(), " parameter tensors; shmgrad supports at most ", kMaxParams);
-  SHMGRAD_CHECK(spec.max_batch >= 1 && spec.max_batch < (int64_t{1} << 36),
+  SHMGRAD_CHECK(spec.max_batch >= 1 && spec.max_batch < kMaxBatch,
                 ErrorKind::kInvalidArgument, "--max-batch ", spec.max_batch,
-                " is out of range: use 1 to 2^36");
+                " is out of range: use 1 to ", kMaxBatch - 1);
   SHMGRAD_CHECK(spec.input_bytes < (uint64_t{1} << 44) && spec.target_bytes < (uint64_t{1} << 44),
                 ErrorKind::kInvalidArgument, "explicit-batch capacity is too large");
   auto checkSpecShape = [](const std::string& what, const std::vector<int64_t>& shape) {
-    checkedNumel(ErrorKind::kInvalidArgument, what, shape.data(), shape.size());
+    checkedNumel(ErrorKind::kInvalidArgument, what.c_str(), shape.data(), shape.size());
   };
   for (const auto& p : spec.params) checkSpecShape("parameter " + p.name, p.shape);
   if (spec.data_count > 0) {
-    SHMGRAD_CHECK(spec.data_count < (int64_t{1} << 36), ErrorKind::kInvalidArgument,
+    SHMGRAD_CHECK(spec.data_count < kMaxBatch, ErrorKind::kInvalidArgument,
                   "dataset of ", spec.data_count, " examples is too large");
     checkSpecShape("dataset example shape", spec.data_example_shape);
     checkSpecShape("dataset target shape", spec.data_target_shape);
@@ -186,11 +193,10 @@ void validateHeader(const SegmentHeader* h, uint64_t size) {
                 "segment header: num_slots ", h->num_slots);
   SHMGRAD_CHECK(h->num_params >= 1 && h->num_params <= kMaxParams, ErrorKind::kCorrupt,
                 "segment header: num_params ", h->num_params);
-  SHMGRAD_CHECK(h->loss >= 1 && h->loss <= 3, ErrorKind::kCorrupt, "segment header: loss ",
-                h->loss);
-  SHMGRAD_CHECK(h->max_batch >= 1 && h->max_batch < (int64_t{1} << 40), ErrorKind::kCorrupt,
+  SHMGRAD_CHECK(lossKindValid(h->loss), ErrorKind::kCorrupt, "segment header: loss ", h->loss);
+  SHMGRAD_CHECK(h->max_batch >= 1 && h->max_batch < kMaxBatch, ErrorKind::kCorrupt,
                 "segment header: max_batch ", h->max_batch);
-  SHMGRAD_CHECK(h->param_floats % kAlignFloats == 0 && h->param_floats < (uint64_t{1} << 40),
+  SHMGRAD_CHECK(h->param_floats % kAlignFloats == 0 && h->param_floats < kMaxParamFloats,
                 ErrorKind::kCorrupt, "segment header: param_floats ", h->param_floats);
   SHMGRAD_CHECK(terminated(h->model_path, kPathLen) &&
                     terminated(h->data_description, sizeof(h->data_description)),
@@ -223,7 +229,7 @@ void validateHeader(const SegmentHeader* h, uint64_t size) {
       }
     }
   }
-  SHMGRAD_CHECK(h->data_count >= 0 && h->data_count < (int64_t{1} << 40), ErrorKind::kCorrupt,
+  SHMGRAD_CHECK(h->data_count >= 0 && h->data_count < kMaxBatch, ErrorKind::kCorrupt,
                 "segment header: data_count ", h->data_count);
   if (h->data_count > 0) {
     uint64_t in = checkShape("dataset example shape", h->data_example_shape);
@@ -295,9 +301,15 @@ std::unique_ptr<Segment> Segment::create(const SegmentSpec& spec) {
     bip::shared_memory_object::remove(name.c_str());
     raise(kind, msg);
   };
-  if (::fchmod(fd, 0600) != 0) fail(ErrorKind::kSystem, "fchmod 0600 failed: " + detail::errnoText());
+  if (detail::retryEintr([&] { return ::fchmod(fd, 0600); }) < 0) {
+    fail(ErrorKind::kSystem, "fchmod 0600 failed: " + detail::errnoText());
+  }
   // Reserve every page now: on tmpfs this fails with ENOSPC instead of a SIGBUS later.
-  int rc = ::posix_fallocate(fd, 0, static_cast<off_t>(l.total_size));
+  // posix_fallocate returns the error number itself (it does not set errno).
+  int rc;
+  do {
+    rc = ::posix_fallocate(fd, 0, static_cast<off_t>(l.total_size));
+  } while (rc == EINTR);
   if (rc != 0) {
     fail(rc == ENOSPC ? ErrorKind::kNoSpace : ErrorKind::kSystem,
          "cannot allocate " + std::to_string(l.total_size) + " bytes in /dev/shm (" +

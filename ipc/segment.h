@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "ipc/error.h"
 #include "ipc/layout.h"
 
 namespace shmgrad::ipc {
@@ -37,6 +38,14 @@ struct SegmentSpec {
 
 // Checks an engine name; throws InvalidArgument naming the rule otherwise.
 void checkEngineName(const std::string& name);
+// The one shape check for specs (kInvalidArgument), headers and step requests read from
+// shared memory (kCorrupt): ndim <= kMaxDims, every dim in [0, kMaxDimSize), and the
+// element count <= kMaxNumel. Returns the element count; throws `kind` naming `what`.
+// Allocates nothing unless it throws (a worker runs it on every step request).
+uint64_t checkedNumel(ErrorKind kind, const char* what, const int64_t* dims, uint64_t ndim);
+
+// Parses a loss name (ipc::kLossNames); throws InvalidArgument listing the choices.
+LossKind parseLoss(const std::string& name);
 // "/shmgrad-<uid>-<name>": the uid keeps two users' engines of the same name apart.
 std::string segmentName(const std::string& engine_name);
 // The file backing the segment, "/dev/shm/shmgrad-<uid>-<name>".

@@ -342,18 +342,18 @@ TEST(ReplicaErrorsTest, ModelFileErrors) {
 
 TEST(ReplicaErrorsTest, ParseLoss) {
   std::string message;
-  EXPECT_TRUE(throwsKind(ErrorKind::kInvalidArgument, [&] { worker::parseLoss("foo"); }, &message));
+  EXPECT_TRUE(throwsKind(ErrorKind::kInvalidArgument, [&] { ipc::parseLoss("foo"); }, &message));
   for (const char* choice : {"cross_entropy", "nll", "mse"}) {
     EXPECT_NE(message.find(choice), std::string::npos) << message;
   }
   EXPECT_NE(message.find("foo"), std::string::npos) << message;
-  EXPECT_EQ(worker::parseLoss("cross_entropy"), ipc::LossKind::kCrossEntropy);
-  EXPECT_EQ(worker::parseLoss("nll"), ipc::LossKind::kNll);
-  EXPECT_EQ(worker::parseLoss("mse"), ipc::LossKind::kMse);
+  EXPECT_EQ(ipc::parseLoss("cross_entropy"), ipc::LossKind::kCrossEntropy);
+  EXPECT_EQ(ipc::parseLoss("nll"), ipc::LossKind::kNll);
+  EXPECT_EQ(ipc::parseLoss("mse"), ipc::LossKind::kMse);
   for (auto k : {ipc::LossKind::kCrossEntropy, ipc::LossKind::kNll, ipc::LossKind::kMse}) {
-    EXPECT_EQ(worker::parseLoss(worker::lossName(k)), k);
+    EXPECT_EQ(ipc::parseLoss(ipc::lossName(k)), k);
   }
-  EXPECT_TRUE(throwsKind(ErrorKind::kInvalidArgument, [&] { worker::parseLoss(""); }));
+  EXPECT_TRUE(throwsKind(ErrorKind::kInvalidArgument, [&] { ipc::parseLoss(""); }));
 }
 
 }  // namespace

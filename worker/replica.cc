@@ -48,23 +48,6 @@ ModelParams describeModel(const std::string& path) {
   return out;
 }
 
-ipc::LossKind parseLoss(const std::string& name) {
-  if (name == "cross_entropy" || name == "ce") return ipc::LossKind::kCrossEntropy;
-  if (name == "nll") return ipc::LossKind::kNll;
-  if (name == "mse") return ipc::LossKind::kMse;
-  raise(ErrorKind::kInvalidArgument, "unknown loss '", name,
-        "': use one of cross_entropy, nll, mse");
-}
-
-const char* lossName(ipc::LossKind loss) {
-  switch (loss) {
-    case ipc::LossKind::kCrossEntropy: return "cross_entropy";
-    case ipc::LossKind::kNll: return "nll";
-    case ipc::LossKind::kMse: return "mse";
-  }
-  return "?";
-}
-
 torch::Tensor lossSum(ipc::LossKind loss, const torch::Tensor& output, const torch::Tensor& target) {
   switch (loss) {
     case ipc::LossKind::kCrossEntropy:
@@ -108,28 +91,43 @@ Replica::Replica(const ipc::Segment& segment, uint32_t slot)
     // The parameter's storage becomes the shared buffer: every worker and the trainer
     // see the same bytes, so an optimizer step is seen by all with no copy.
     p.set_data(torch::from_blob(params + e.offset, shape, opts));
-    // A defined .grad is accumulated into in place by autograd: backward writes
-    // straight into this worker's slot.
-    p.mutable_grad() = torch::from_blob(grads + e.offset, shape, opts);
     params_.push_back(p);
     ++i;
   }
   SHMGRAD_CHECK(i == h->num_params, ErrorKind::kInvalidArgument, "model ", h->model_path, " has ",
                 i, " parameters but the engine's table has ", h->num_params);
+  bindGradients(grads);
+}
+
+void Replica::bindGradients(float* base) {
+  if (base == grads_base_) return;
+  const ipc::ParamEntry* table = segment_.paramTable();
+  auto opts = torch::TensorOptions().dtype(torch::kFloat32);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    // A defined .grad is accumulated into in place by autograd: backward writes
+    // straight into shared memory.
+    params_[i].mutable_grad() = torch::from_blob(base + table[i].offset, params_[i].sizes(), opts);
+  }
+  grads_base_ = base;
 }
 
 void Replica::zeroGrad() {
   std::memset(segment_.slot(slot_), 0, segment_.header()->param_floats * sizeof(float));
 }
 
-double Replica::accumulate(const torch::Tensor& inputs, const torch::Tensor& targets) {
+double Replica::accumulate(const torch::Tensor& inputs, const torch::Tensor& targets,
+                           float grad_scale) {
   torch::jit::IValue out = module_.forward({inputs});
   SHMGRAD_CHECK(out.isTensor(), ErrorKind::kInvalidArgument,
                 "the model's forward returned ", out.tagKind(),
                 "; shmgrad needs a model whose forward returns one Tensor");
   torch::Tensor loss = lossSum(loss_, out.toTensor(), targets);
   double value = loss.item<double>();
-  loss.backward();
+  if (grad_scale == 1.0f) {
+    loss.backward();
+  } else {
+    (loss * grad_scale).backward();
+  }
   return value;
 }
 

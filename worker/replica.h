@@ -25,10 +25,6 @@ ModelParams describeModel(const std::string& path);
 // Sum of the loss over a batch (reduction "sum"), for the engine's loss kinds.
 torch::Tensor lossSum(ipc::LossKind loss, const torch::Tensor& output, const torch::Tensor& target);
 
-// Parses "cross_entropy" | "nll" | "mse"; throws InvalidArgument naming the choices.
-ipc::LossKind parseLoss(const std::string& name);
-const char* lossName(ipc::LossKind loss);
-
 class Replica {
  public:
   // Loads the segment's model and binds its parameters to the shared buffer and its
@@ -37,9 +33,14 @@ class Replica {
 
   // Zeroes the slot (the gradients stay defined, so autograd accumulates in place).
   void zeroGrad();
-  // Forward, loss (sum over the examples) and backward; gradients add into the slot.
-  // Returns the loss sum.
-  double accumulate(const torch::Tensor& inputs, const torch::Tensor& targets);
+  // Points every parameter's .grad at `base` (laid out like the parameters: the slot,
+  // or the reduced buffer when this worker is a step's only participant). A no-op when
+  // they already point there.
+  void bindGradients(float* base);
+  // Forward, loss (sum over the examples, times grad_scale) and backward; gradients add
+  // into the bound buffer. Returns the unscaled loss sum.
+  double accumulate(const torch::Tensor& inputs, const torch::Tensor& targets,
+                    float grad_scale = 1.0f);
 
   const std::vector<torch::Tensor>& parameters() const { return params_; }
   torch::jit::Module& module() { return module_; }
@@ -49,6 +50,7 @@ class Replica {
   uint32_t slot_;
   torch::jit::Module module_;
   std::vector<torch::Tensor> params_;
+  float* grads_base_ = nullptr;
   ipc::LossKind loss_;
 };
 

@@ -1,0 +1,34 @@
+// Step-level operations on the control block that more than one process performs.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+
+#include "ipc/futex.h"
+#include "ipc/layout.h"
+
+namespace shmgrad::ipc {
+
+// The one abort path of a step. Marks step `e` aborted so that every waiter gives up on
+// it: the trainer (trainer_wake) and the workers at either barrier (they re-check
+// abort_epoch when woken). Called by the trainer (a participant was lost, or its own
+// timeout passed) and by the coordinator (it reaped a participant). A step that is
+// already done is left alone; an abort is counted once however many callers race on it.
+// Returns true if this call aborted the step.
+inline bool abortStep(ControlBlock& c, uint32_t e) {
+  if (c.done_epoch.load(std::memory_order_acquire) == e) return false;
+  const uint32_t previous = c.abort_epoch.exchange(e, std::memory_order_acq_rel);
+  if (previous != e) c.steps_aborted.fetch_add(1, std::memory_order_relaxed);
+  bumpAndWake(&c.trainer_wake);
+  futexWake(&c.compute_barrier);
+  futexWake(&c.reduce_barrier);
+  return previous != e;
+}
+
+// True if step `e` ended, either way.
+inline bool stepEnded(const ControlBlock& c, uint32_t e) {
+  return c.done_epoch.load(std::memory_order_acquire) == e ||
+         c.abort_epoch.load(std::memory_order_acquire) == e;
+}
+
+}  // namespace shmgrad::ipc

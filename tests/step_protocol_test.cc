@@ -1,0 +1,247 @@
+// The step protocol end to end in one process: the real Trainer (engine/trainer.h)
+// drives StepParticipant threads (worker/step_protocol.h) whose compute phase is a
+// fake ShardComputer with a known gradient, so every sum can be checked exactly. This
+// is the contract any new kind of worker plugs into.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "engine/trainer.h"
+#include "ipc/error.h"
+#include "ipc/futex.h"
+#include "ipc/segment.h"
+#include "worker/step_protocol.h"
+
+namespace shmgrad {
+namespace {
+
+using ipc::Segment;
+using ipc::SegmentSpec;
+using worker::Shard;
+using worker::ShardComputer;
+using worker::StepParticipant;
+
+constexpr int64_t kDataCount = 50;
+
+std::string uniqueName() {
+  static int counter = 0;
+  return "steptest-" + std::to_string(getpid()) + "-" + std::to_string(counter++);
+}
+
+// Example i contributes value(i, j) = (i + 1) * (j + 1) to gradient float j and i to the
+// loss. With explicit batches the example's input value plays the part of i.
+class FakeComputer : public ShardComputer {
+ public:
+  FakeComputer(const Segment& seg, std::atomic<int>* calls) : seg_(seg), calls_(calls) {}
+  double compute(const Shard& s) override {
+    calls_->fetch_add(1);
+    const uint64_t floats = seg_.header()->param_floats;
+    double loss = 0;
+    for (int64_t k = 0; k < s.size(); ++k) {
+      int64_t i;
+      if (s.kind == ipc::BatchKind::kIndices) {
+        i = s.indices[k];
+      } else {
+        i = static_cast<int64_t>(static_cast<const float*>(s.inputs)[k]);
+      }
+      if (i == fail_on) throw std::runtime_error("example " + std::to_string(i) + " is poison");
+      for (uint64_t j = 0; j < floats; ++j) {
+        s.grads[j] += s.grad_scale * static_cast<float>((i + 1) * static_cast<int64_t>(j + 1));
+      }
+      loss += static_cast<double>(i);
+    }
+    last_grads = s.grads;
+    return loss;
+  }
+  int64_t fail_on = -1;
+  float* last_grads = nullptr;
+
+ private:
+  const Segment& seg_;
+  std::atomic<int>* calls_;
+};
+
+// A segment, n participant threads and an attached trainer.
+class Engine {
+ public:
+  explicit Engine(uint32_t workers) : name_(uniqueName()) {
+    SegmentSpec spec;
+    spec.name = name_;
+    spec.model_path = "/nonexistent/model.pt";
+    spec.num_slots = workers;
+    spec.params = {{"a", {5, 3}}, {"b", {70}}};  // 15 + 70 floats, padded per tensor
+    spec.max_batch = 64;
+    spec.input_bytes = 64 * 4;
+    spec.target_bytes = 64 * 8;
+    spec.data_count = kDataCount;
+    spec.data_example_shape = {1};
+    spec.data_target_dtype = ipc::DType::kInt64;
+    spec.data_description = "test";
+    seg_ = Segment::create(spec);
+    for (uint32_t i = 0; i < workers; ++i) {
+      seg_->header()->workers[i].state.store(static_cast<uint32_t>(ipc::WorkerState::kStarting));
+      seg_->header()->workers[i].pid.store(getpid());
+      computers_.push_back(std::make_unique<FakeComputer>(*seg_, &calls_));
+      participants_.push_back(std::make_unique<StepParticipant>(*seg_, i, getppid()));
+      if (!participants_[i]->becomeReady()) throw std::runtime_error("slot not starting");
+    }
+    for (uint32_t i = 0; i < workers; ++i) {
+      threads_.emplace_back([this, i] { exit_codes_[i] = participants_[i]->serve(*computers_[i]); });
+    }
+    seg_->header()->control.engine_state.store(static_cast<uint32_t>(ipc::EngineState::kServing));
+    AttachOptions o;
+    o.timeout_seconds = 5;
+    trainer_ = Trainer::attach(name_, o);
+  }
+  ~Engine() { stop(); }
+
+  void stop() {
+    if (!seg_) return;
+    trainer_.reset();
+    seg_->header()->control.stop_requested.store(1);
+    ipc::futexWake(&seg_->header()->control.step_epoch);
+    for (auto& t : threads_) t.join();
+    threads_.clear();
+    Segment::remove(name_);
+    seg_.reset();
+  }
+
+  // The expected reduced gradient for dataset indices (or explicit input values) `ids`.
+  std::vector<float> expected(const std::vector<int64_t>& ids, bool mean) const {
+    std::vector<float> out(seg_->header()->param_floats, 0.0f);
+    for (uint64_t j = 0; j < out.size(); ++j) {
+      double sum = 0;
+      for (int64_t i : ids) sum += static_cast<double>((i + 1) * static_cast<int64_t>(j + 1));
+      out[j] = static_cast<float>(mean ? sum / ids.size() : sum);
+    }
+    return out;
+  }
+  double maxRelError(const std::vector<float>& want) const {
+    const float* got = seg_->reduced();
+    double worst = 0;
+    for (uint64_t j = 0; j < want.size(); ++j) {
+      worst = std::max<double>(worst, std::abs(got[j] - want[j]) / std::max(1.0f, std::abs(want[j])));
+    }
+    return worst;
+  }
+
+  Trainer& trainer() { return *trainer_; }
+  Segment& segment() { return *seg_; }
+  FakeComputer& computer(int i) { return *computers_[i]; }
+  int calls() const { return calls_.load(); }
+  int exitCode(int i) const { return exit_codes_[i]; }
+
+ private:
+  std::string name_;
+  std::unique_ptr<Segment> seg_;
+  std::vector<std::unique_ptr<FakeComputer>> computers_;
+  std::vector<std::unique_ptr<StepParticipant>> participants_;
+  std::vector<std::thread> threads_;
+  int exit_codes_[ipc::kMaxWorkers] = {};
+  std::atomic<int> calls_{0};
+  std::unique_ptr<Trainer> trainer_;
+};
+
+torch::Tensor indexTensor(const std::vector<int64_t>& ids) {
+  return torch::tensor(c10::ArrayRef<int64_t>(ids), torch::kInt64);
+}
+
+class StepProtocolTest : public ::testing::TestWithParam<std::tuple<uint32_t, int64_t, bool>> {};
+
+TEST_P(StepProtocolTest, ReducedGradientIsTheExactSumOverShards) {
+  const auto [workers, batch, mean] = GetParam();
+  Engine engine(workers);
+  std::vector<int64_t> ids;
+  for (int64_t k = 0; k < batch; ++k) ids.push_back((k * 7 + 3) % kDataCount);
+  GradientOptions o;
+  o.mean = mean;
+  o.timeout_seconds = 20;
+  for (int step = 0; step < 3; ++step) {  // repeated: slots are zeroed between steps
+    GradientStats s = engine.trainer().gradient(indexTensor(ids), o);
+    EXPECT_EQ(s.num_examples, batch);
+    const uint32_t n = std::min<uint32_t>(workers, static_cast<uint32_t>(batch));
+    ASSERT_EQ(s.workers.size(), n);
+    double loss = 0;
+    for (int64_t i : ids) loss += i;
+    EXPECT_DOUBLE_EQ(s.loss_sum, loss);
+    EXPECT_LT(engine.maxRelError(engine.expected(ids, mean)), 1e-6);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(WorkersBatchesMean, StepProtocolTest,
+                         ::testing::Combine(::testing::Values(1u, 2u, 3u),
+                                            ::testing::Values(int64_t{1}, int64_t{7}, int64_t{40}),
+                                            ::testing::Bool()));
+
+TEST(StepProtocolAloneTest, TheOnlyParticipantWritesTheReducedBufferDirectly) {
+  Engine engine(2);
+  GradientOptions o;
+  o.timeout_seconds = 20;
+  o.min_examples_per_worker = 100;  // one participant for this batch
+  o.mean = true;
+  std::vector<int64_t> ids = {4, 9, 11};
+  GradientStats s = engine.trainer().gradient(indexTensor(ids), o);
+  ASSERT_EQ(s.workers.size(), 1u);
+  // No reduction copy: backward's buffer was the reduced one, scaled in backward.
+  EXPECT_EQ(engine.computer(s.workers[0].slot).last_grads, engine.segment().reduced());
+  EXPECT_LT(engine.maxRelError(engine.expected(ids, true)), 1e-6);
+  // With two participants the same worker writes its own slot again.
+  o.min_examples_per_worker = 1;
+  ids = {1, 2, 3, 4};
+  s = engine.trainer().gradient(indexTensor(ids), o);
+  ASSERT_EQ(s.workers.size(), 2u);
+  for (const auto& w : s.workers) {
+    EXPECT_EQ(engine.computer(w.slot).last_grads, engine.segment().slot(w.slot));
+  }
+  EXPECT_LT(engine.maxRelError(engine.expected(ids, true)), 1e-6);
+}
+
+TEST(StepProtocolErrorTest, ComputeErrorReachesTheTrainerAndTheEngineKeepsServing) {
+  Engine engine(3);
+  engine.computer(1).fail_on = 17;
+  GradientOptions o;
+  o.timeout_seconds = 20;
+  std::vector<int64_t> ids = {0, 1, 2, 17, 5, 6};  // rank 1 of 3 gets positions 2..3
+  try {
+    engine.trainer().gradient(indexTensor(ids), o);
+    FAIL() << "expected WorkerError";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kWorkerFailed);
+    EXPECT_NE(std::string(e.what()).find("example 17 is poison"), std::string::npos) << e.what();
+  }
+  ids = {0, 1, 2, 3, 5, 6};
+  engine.trainer().gradient(indexTensor(ids), o);
+  EXPECT_LT(engine.maxRelError(engine.expected(ids, false)), 1e-6);
+}
+
+TEST(StepProtocolExplicitTest, ExplicitBatchesAreReadFromTheRequestRegions) {
+  Engine engine(2);
+  GradientOptions o;
+  o.timeout_seconds = 20;
+  std::vector<int64_t> ids = {3, 8, 1, 0, 12};
+  auto inputs = indexTensor(ids).to(torch::kFloat32).reshape({5, 1});
+  auto targets = torch::zeros({5}, torch::kInt64);
+  engine.trainer().gradient(inputs, targets, o);
+  EXPECT_LT(engine.maxRelError(engine.expected(ids, false)), 1e-6);
+}
+
+TEST(StepProtocolExitTest, StopRequestEndsEveryParticipantWithTheStoppedCode) {
+  Engine engine(2);
+  GradientOptions o;
+  o.timeout_seconds = 20;
+  engine.trainer().gradient(indexTensor({1, 2}), o);
+  EXPECT_EQ(engine.calls(), 2);
+  engine.stop();
+  EXPECT_EQ(engine.exitCode(0), worker::kExitStopped);
+  EXPECT_EQ(engine.exitCode(1), worker::kExitStopped);
+}
+
+}  // namespace
+}  // namespace shmgrad

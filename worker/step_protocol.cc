@@ -1,0 +1,291 @@
+#include "worker/step_protocol.h"
+
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+
+#include "ipc/barrier.h"
+#include "ipc/error.h"
+#include "ipc/futex.h"
+#include "ipc/reduce.h"
+
+namespace shmgrad::worker {
+
+using ipc::WorkerState;
+
+StepParticipant::StepParticipant(const ipc::Segment& segment, uint32_t slot, int parent_pid)
+    : seg_(segment),
+      h_(segment.header()),
+      c_(segment.header()->control),
+      me_(segment.header()->workers[slot]),
+      slot_(slot),
+      parent_pid_(parent_pid) {
+  SHMGRAD_CHECK(slot < h_->num_slots, ErrorKind::kInvalidArgument, "worker slot ", slot,
+                " is out of range: the engine has ", h_->num_slots, " slots");
+}
+
+bool StepParticipant::becomeReady() {
+  me_.busy_epoch.store(0, std::memory_order_release);
+  // A plain store would overwrite `retired` (a shrink while the model loaded) and leave
+  // a worker beyond the target.
+  uint32_t starting = static_cast<uint32_t>(WorkerState::kStarting);
+  if (!me_.state.compare_exchange_strong(starting, static_cast<uint32_t>(WorkerState::kReady),
+                                         std::memory_order_acq_rel)) {
+    return false;
+  }
+  ipc::bumpAndWake(&c_.coordinator_wake);
+  return true;
+}
+
+void StepParticipant::reportStartupFailure(const std::string& text) { setError(text.c_str()); }
+
+void StepParticipant::setError(const char* text) {
+  me_.error = 1;
+  std::snprintf(me_.error_text, ipc::kErrorLen, "%s", text);
+}
+
+bool StepParticipant::stopRequested() {
+  if (c_.stop_requested.load(std::memory_order_acquire) != 0 ||
+      c_.engine_state.load(std::memory_order_acquire) ==
+          static_cast<uint32_t>(ipc::EngineState::kStopping) ||
+      me_.state.load(std::memory_order_acquire) == static_cast<uint32_t>(WorkerState::kRetired)) {
+    exit_code_ = kExitStopped;
+    return true;
+  }
+  return false;
+}
+
+// getppid() is a system call: called only after a wait slice passed with nothing to do
+// (PR_SET_PDEATHSIG kills the worker with its parent anyway; this covers the race in
+// which the parent died before the worker set it).
+bool StepParticipant::coordinatorGone() {
+  if (getppid() == parent_pid_) return false;
+  exit_code_ = kExitCoordinatorGone;
+  return true;
+}
+
+int StepParticipant::serve(ShardComputer& computer) {
+  for (;;) {
+    const uint32_t e = waitForStep();
+    if (e == 0) return exit_code_;
+    runStep(e, computer);
+  }
+}
+
+// A step is ours when step_epoch == assigned_epoch (the trainer stores the latter
+// first). Comparing the two, rather than waiting for step_epoch to change from a value
+// read at start-up, means a step published right after this worker became ready is not
+// missed. Between steps only memory is read.
+uint32_t StepParticipant::waitForStep() {
+  for (;;) {
+    me_.heartbeat_ns.store(ipc::monotonicNs(), std::memory_order_relaxed);
+    if (stopRequested()) return 0;
+    const uint32_t cur = c_.step_epoch.load(std::memory_order_acquire);
+    if (cur != last_epoch_ && me_.assigned_epoch.load(std::memory_order_acquire) == cur) {
+      last_epoch_ = cur;
+      return cur;
+    }
+    const bool woken = ipc::futexWait(&c_.step_epoch, cur, kIdleCheckSlice);
+    if (!woken && coordinatorGone()) return 0;
+  }
+}
+
+void StepParticipant::runStep(uint32_t e, ShardComputer& computer) {
+  me_.busy_epoch.store(e, std::memory_order_release);
+  me_.error = 0;
+  me_.error_text[0] = '\0';
+  me_.examples = 0;
+  me_.loss_sum = 0;
+  me_.nonfinite_loss = 0;
+  me_.nonfinite_grad.store(0, std::memory_order_relaxed);
+  me_.reduce_ns = 0;
+  me_.barrier_wait_ns = 0;
+  const uint64_t t0 = ipc::monotonicNs();
+
+  Shard shard;
+  const bool valid = prepareShard(e, &shard);
+  if (valid) computePhase(shard, computer);
+  const uint64_t t1 = ipc::monotonicNs();
+  me_.compute_ns = t1 - t0;
+  me_.result_epoch = e;
+
+  // Compute barrier: every participant's slot is complete before anyone reads it. An
+  // invalid request is not taken part in: the trainer's timeout or abort ends the step.
+  if (valid && barrier(c_.compute_barrier, e, shard.participants)) {
+    const uint64_t t2 = ipc::monotonicNs();
+    me_.barrier_wait_ns = t2 - t1;
+    reducePhase(shard);
+    me_.reduce_ns = ipc::monotonicNs() - t2;
+    // Reduce barrier: the last to finish its slice completes the step.
+    if (ipc::arriveBarrier(c_.reduce_barrier, e) == shard.participants) {
+      completeStep(e, shard.participants);
+    }
+  }
+  me_.busy_epoch.store(0, std::memory_order_release);
+}
+
+// Reads this worker's share of the request. Every field read from shared memory is
+// checked before use; a request that fails the structural checks is recorded as this
+// worker's error (the batch's contents are checked later, in computePhase).
+bool StepParticipant::prepareShard(uint32_t e, Shard* s) {
+  const ipc::StepRequest& r = h_->request;
+  const uint32_t n = r.num_participants;
+  const uint32_t rank = me_.assigned_rank.load(std::memory_order_acquire);
+  bool valid = n >= 1 && n <= h_->num_slots && rank < n && r.num_examples >= 1 &&
+               r.num_examples <= h_->max_batch && r.epoch == e &&
+               (r.kind == static_cast<uint32_t>(ipc::BatchKind::kIndices) ||
+                r.kind == static_cast<uint32_t>(ipc::BatchKind::kExplicit)) &&
+               r.max_examples_per_pass >= 0 && std::isfinite(r.scale);
+  for (uint32_t k = 0; valid && k < n; ++k) valid = r.participants[k] < h_->num_slots;
+  if (!valid) {
+    setError("corrupt step request (participants, rank, batch size or kind out of range)");
+    return false;
+  }
+  const int64_t B = r.num_examples;
+  s->epoch = e;
+  s->rank = rank;
+  s->participants = n;
+  s->begin = B * rank / n;
+  s->end = B * (rank + 1) / n;
+  s->max_examples_per_pass = r.max_examples_per_pass;
+  s->kind = static_cast<ipc::BatchKind>(r.kind);
+  // Alone, this worker's gradient is the result: backward writes into the reduced
+  // buffer and applies the mean's scale itself, and there is nothing to reduce.
+  const bool alone = n == 1;
+  s->grads = alone ? seg_.reduced() : seg_.slot(slot_);
+  s->grad_scale = alone ? r.scale : 1.0f;
+  return true;
+}
+
+namespace {
+
+uint64_t dtypeSize(uint32_t dtype) {
+  switch (static_cast<ipc::DType>(dtype)) {
+    case ipc::DType::kFloat32: return 4;
+    case ipc::DType::kInt64: return 8;
+    default: return 0;
+  }
+}
+
+// Points the shard at its examples of the request's batch, checking every index and
+// every size against the region it lies in. Throws (InvalidArgument for an index out of
+// range, Corrupt for sizes no trainer writes).
+void resolveBatch(const ipc::Segment& seg, Shard* s) {
+  const ipc::SegmentHeader* h = seg.header();
+  const ipc::StepRequest& r = h->request;
+  const int64_t n = s->size();
+  if (s->kind == ipc::BatchKind::kIndices) {
+    SHMGRAD_CHECK(h->data_count > 0, ErrorKind::kInvalidArgument,
+                  "this engine has no dataset: pass inputs and targets, or start it with --dataset");
+    const int64_t* idx = seg.region<int64_t>(h->req_indices) + s->begin;
+    for (int64_t i = 0; i < n; ++i) {
+      SHMGRAD_CHECK(idx[i] >= 0 && idx[i] < h->data_count, ErrorKind::kInvalidArgument, "index ",
+                    idx[i], " is out of range for the dataset of ", h->data_count, " examples");
+    }
+    s->indices = idx;
+    return;
+  }
+  const uint64_t in_size = dtypeSize(r.input_dtype), tg_size = dtypeSize(r.target_dtype);
+  SHMGRAD_CHECK(in_size != 0 && tg_size != 0, ErrorKind::kCorrupt,
+                "step request: unknown input or target dtype");
+  const uint64_t in_numel = ipc::checkedNumel(ErrorKind::kCorrupt, "step request: example shape",
+                                              r.example_shape.dims, r.example_shape.ndim);
+  const uint64_t tg_numel = ipc::checkedNumel(ErrorKind::kCorrupt, "step request: target shape",
+                                              r.target_shape.dims, r.target_shape.ndim);
+  const uint64_t B = static_cast<uint64_t>(r.num_examples);
+  SHMGRAD_CHECK(in_numel == 0 || B <= h->req_inputs.size / (in_numel * in_size),
+                ErrorKind::kCorrupt, "step request: inputs larger than the input region");
+  SHMGRAD_CHECK(tg_numel == 0 || B <= h->req_targets.size / (tg_numel * tg_size),
+                ErrorKind::kCorrupt, "step request: targets larger than the target region");
+  s->input_dtype = static_cast<ipc::DType>(r.input_dtype);
+  s->target_dtype = static_cast<ipc::DType>(r.target_dtype);
+  s->example_shape = &r.example_shape;
+  s->target_shape = &r.target_shape;
+  s->inputs = seg.region<uint8_t>(h->req_inputs) + static_cast<uint64_t>(s->begin) * in_numel * in_size;
+  s->targets = seg.region<uint8_t>(h->req_targets) + static_cast<uint64_t>(s->begin) * tg_numel * tg_size;
+}
+
+}  // namespace
+
+void StepParticipant::computePhase(const Shard& shard, ShardComputer& computer) {
+  me_.examples = shard.size();
+  // Zeroed, never released: autograd accumulates into a defined .grad in place.
+  std::memset(shard.grads, 0, h_->param_floats * sizeof(float));
+  if (shard.size() <= 0) return;
+  try {
+    Shard s = shard;
+    resolveBatch(seg_, &s);
+    const double loss = computer.compute(s);
+    me_.loss_sum = loss;
+    me_.nonfinite_loss = std::isfinite(loss) ? 0 : 1;
+  } catch (const std::exception& ex) {
+    setError(ex.what());
+  }
+}
+
+// Arrives and waits for all n participants. False if the step was aborted or replaced.
+// A retiring worker finishes its step; only a stop or the coordinator's death ends the
+// wait early.
+bool StepParticipant::barrier(std::atomic<uint32_t>& word, uint32_t e, uint32_t n) {
+  const uint64_t deadline =
+      ipc::monotonicNs() + std::chrono::duration_cast<std::chrono::nanoseconds>(kBarrierTimeout).count();
+  return ipc::barrierWait(word, e, n, c_.abort_epoch, deadline, [&] {
+    return c_.stop_requested.load(std::memory_order_acquire) == 0 && !coordinatorGone();
+  });
+}
+
+void StepParticipant::reducePhase(const Shard& shard) {
+  const ipc::StepRequest& r = h_->request;
+  const uint32_t n = shard.participants;
+  if (n == 1) {
+    // The gradient is already in the reduced buffer (prepareShard); only look for
+    // non-finite values, as the reducers of a larger step do.
+    if (ipc::anyNonFinite(shard.grads, 0, h_->param_floats)) {
+      me_.nonfinite_grad.store(1, std::memory_order_relaxed);
+    }
+    return;
+  }
+  uint64_t b, end;
+  ipc::sliceBounds(h_->param_floats, n, shard.rank, &b, &end);
+  const float* ins[ipc::kMaxWorkers];
+  for (uint32_t k = 0; k < n; ++k) ins[k] = seg_.slot(r.participants[k]);
+  float* out = seg_.reduced();
+  ipc::reduceSlice(out, ins, n, b, end, r.scale);
+  if (ipc::anyNonFinite(out, b, end)) {
+    // Name the culprits: whose slot holds the non-finite values in this slice.
+    for (uint32_t k = 0; k < n; ++k) {
+      if (ipc::anyNonFinite(ins[k], b, end)) {
+        h_->workers[r.participants[k]].nonfinite_grad.store(1, std::memory_order_relaxed);
+      }
+    }
+  }
+}
+
+// The last reducer: writes the step record, publishes done_epoch and wakes the trainer.
+void StepParticipant::completeStep(uint32_t e, uint32_t n) {
+  const ipc::StepRequest& r = h_->request;
+  ipc::StepRecord rec{};
+  rec.epoch = e;
+  rec.workers = n;
+  rec.examples = r.num_examples;
+  for (uint32_t k = 0; k < n; ++k) {
+    const ipc::WorkerRecord& w = h_->workers[r.participants[k]];
+    rec.loss_sum += w.loss_sum;
+    rec.compute_max_ns = std::max(rec.compute_max_ns, w.compute_ns);
+    rec.reduce_max_ns = std::max(rec.reduce_max_ns, w.reduce_ns);
+  }
+  const uint64_t now = ipc::monotonicNs();
+  rec.wall_ns = now > r.publish_ns ? now - r.publish_ns : 0;
+  const uint64_t busy = rec.compute_max_ns + rec.reduce_max_ns;
+  rec.wait_ns = rec.wall_ns > busy ? rec.wall_ns - busy : 0;
+  const uint64_t served = c_.steps_served.load(std::memory_order_relaxed);
+  h_->stats[served % ipc::kStatsRing] = rec;
+  c_.steps_served.store(served + 1, std::memory_order_release);
+  c_.done_epoch.store(e, std::memory_order_release);
+  ipc::bumpAndWake(&c_.trainer_wake);
+}
+
+}  // namespace shmgrad::worker

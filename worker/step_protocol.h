@@ -1,0 +1,119 @@
+// The worker side of the step protocol (docs/DESIGN.md, "The step protocol"), shared by
+// every kind of worker. A worker kind supplies only its compute phase (a ShardComputer:
+// the TorchScript replica in worker_loop.cc; an eager Python module later); waiting for
+// a step, validating the request, both barriers, the in-place reduction of its slice and
+// the result record are this code's, written once.
+//
+// No libtorch here: the protocol touches only the segment.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+#include "ipc/layout.h"
+#include "ipc/segment.h"
+
+namespace shmgrad::worker {
+
+// Exit codes of a worker process; the coordinator names them in its log.
+inline constexpr int kExitStopped = 0;          // stop request, retired slot, engine stopping
+inline constexpr int kExitCoordinatorGone = 2;  // the parent (coordinator) died
+inline constexpr int kExitStartupFailed = 3;    // could not map the segment or build the model
+
+// How often an idle worker (no step for this long) checks that its coordinator lives:
+// getppid() is a system call, so it never runs between steps that follow each other.
+inline constexpr std::chrono::milliseconds kIdleCheckSlice{200};
+// How long a worker waits at a barrier for the others before giving up on the step. The
+// trainer's own timeout aborts a step much sooner; this only bounds a wait that nobody
+// ends (every other participant and the trainer gone).
+inline constexpr std::chrono::seconds kBarrierTimeout{3600};
+
+// A participant's share of one step, validated against the segment, as its compute
+// phase sees it. Pointers point into the segment; nothing is copied.
+struct Shard {
+  uint32_t epoch = 0;
+  uint32_t rank = 0;           // among the step's participants
+  uint32_t participants = 0;
+  int64_t begin = 0, end = 0;  // examples [begin, end) of the step's batch
+  int64_t max_examples_per_pass = 0;  // > 0: compute in passes of at most this many
+  // Multiply the summed loss by this before backward: 1, or 1/B for a mean when this
+  // worker is the only participant (its gradient is then the result, see `grads`).
+  float grad_scale = 1.0f;
+  // Where backward must accumulate, already zeroed: this worker's slot, or the reduced
+  // buffer itself when it is the step's only participant (no reduction copy).
+  float* grads = nullptr;
+
+  ipc::BatchKind kind = ipc::BatchKind::kIndices;
+  // kIndices: indices[0 .. end-begin) into the engine's dataset, each checked in range.
+  const int64_t* indices = nullptr;
+  // kExplicit: the shard's inputs and targets, `*_example_numel` elements of
+  // `*_dtype` per example, checked to lie inside their request regions.
+  const void* inputs = nullptr;
+  const void* targets = nullptr;
+  ipc::DType input_dtype = ipc::DType::kNone;
+  ipc::DType target_dtype = ipc::DType::kNone;
+  const ipc::Shape* example_shape = nullptr;  // one input example
+  const ipc::Shape* target_shape = nullptr;   // one target (ndim 0: a class label)
+
+  int64_t size() const { return end - begin; }
+};
+
+// The compute phase of one kind of worker.
+class ShardComputer {
+ public:
+  virtual ~ShardComputer() = default;
+  // Forward and backward over the shard, gradients accumulated into shard.grads (its
+  // parameters' .grad must view that buffer: rebind when it changes). Returns the loss
+  // summed over the shard's examples, before grad_scale. Throws std::exception when the
+  // model rejects the input; what() reaches the trainer as a WorkerError.
+  virtual double compute(const Shard& shard) = 0;
+};
+
+// One worker slot's side of the protocol.
+class StepParticipant {
+ public:
+  StepParticipant(const ipc::Segment& segment, uint32_t slot, int parent_pid);
+
+  // starting -> ready (compare-and-swap, so a slot retired while the model loaded is
+  // not turned ready again) and wakes the coordinator. False: retired meanwhile; exit.
+  bool becomeReady();
+  // Records why start-up failed, for the coordinator's report.
+  void reportStartupFailure(const std::string& text);
+
+  // Serves steps until the engine stops, the slot is retired or the coordinator dies.
+  // Returns the process exit code (kExit*).
+  int serve(ShardComputer& computer);
+
+  // The phases of serve(), in order; public so that tests and other worker kinds can
+  // drive them one at a time.
+  //
+  // Waits for the next step this worker takes part in. Returns its epoch, or 0 when the
+  // worker must exit (exitCode() says why).
+  uint32_t waitForStep();
+  // Runs step e: validate, compute, compute barrier, reduce my slice, reduce barrier,
+  // record (the last reducer completes the step and wakes the trainer).
+  void runStep(uint32_t e, ShardComputer& computer);
+  int exitCode() const { return exit_code_; }
+
+ private:
+  bool prepareShard(uint32_t e, Shard* shard);
+  void computePhase(const Shard& shard, ShardComputer& computer);
+  bool barrier(std::atomic<uint32_t>& word, uint32_t e, uint32_t n);
+  void reducePhase(const Shard& shard);
+  void completeStep(uint32_t e, uint32_t n);
+  void setError(const char* text);
+  bool stopRequested();
+  bool coordinatorGone();
+
+  const ipc::Segment& seg_;
+  ipc::SegmentHeader* h_;
+  ipc::ControlBlock& c_;
+  ipc::WorkerRecord& me_;
+  const uint32_t slot_;
+  const int parent_pid_;
+  uint32_t last_epoch_ = 0;
+  int exit_code_ = kExitStopped;
+};
+
+}  // namespace shmgrad::worker
