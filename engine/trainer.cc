@@ -442,7 +442,18 @@ GradientStats Trainer::run(int64_t B, const GradientOptions& o, uint32_t kind, u
     const Outcome outcome = await(e, p, deadline);
     if (outcome == Outcome::kDone) {
       collect(e, p, B, o, &stats);
-      stats.wall_seconds = (ipc::monotonicNs() - start) / 1e9;
+      const ipc::SegmentHeader* h = seg_->header();
+      const uint64_t now = ipc::monotonicNs(), publish = h->request.publish_ns;
+      const uint64_t done = std::max(h->control.done_ns, publish);
+      uint64_t last_start = publish;
+      for (uint32_t k = 0; k < p.n; ++k) {
+        last_start = std::max(last_start, h->workers[p.slots[k]].start_ns);
+      }
+      stats.wall_seconds = (now - start) / 1e9;
+      stats.prepare_seconds = (publish - std::min(publish, start)) / 1e9;
+      stats.step_seconds = (done - publish) / 1e9;
+      stats.wake_seconds = (last_start - publish) / 1e9;
+      stats.finish_seconds = (now - std::min(now, done)) / 1e9;
       return stats;
     }
     // The step did not finish: end it for every waiter, the one abort path.

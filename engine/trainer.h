@@ -55,7 +55,13 @@ struct GradientStats {
   int64_t num_examples = 0;
   double loss_sum = 0;
   double loss = 0;             // loss_sum, or loss_sum / num_examples with mean
-  double wall_seconds = 0;     // this call, publish to return
+  double wall_seconds = 0;     // this call, entry to return
+  // Where the wall time went, for accounting the fixed cost of a step (CLOCK_MONOTONIC,
+  // comparable across processes): wall = prepare + step + finish.
+  double prepare_seconds = 0;  // entry to publish: checks, batch copy, stale workers
+  double step_seconds = 0;     // publish to the last reducer's done
+  double wake_seconds = 0;     // publish to the last participant starting (wake-up latency)
+  double finish_seconds = 0;   // done to return: the trainer's wake-up and collect
   double reduce_seconds = 0;   // slowest worker's slice of the reduction
   int retries = 0;             // re-runs after a worker died
   bool nonfinite = false;      // NaN or infinity somewhere (see workers)

@@ -30,7 +30,7 @@
 namespace shmgrad::ipc {
 
 constexpr uint64_t kMagic = 0x31444152474d4853ull;  // "SHMGRAD1", little endian
-constexpr uint32_t kLayoutVersion = 1;
+constexpr uint32_t kLayoutVersion = 2;
 constexpr uint64_t kAlign = 64;            // every region and tensor starts on a cache line
 constexpr uint32_t kAlignFloats = kAlign / sizeof(float);
 constexpr uint32_t kMaxWorkers = 64;       // gradient slots in one segment, at most
@@ -120,6 +120,7 @@ struct alignas(64) WorkerRecord {
   // the compute barrier (compute part) and at the reduce barrier (reduce_ns).
   uint32_t result_epoch;
   uint32_t error;                     // 1: error_text says why this shard failed
+  uint64_t start_ns;                  // CLOCK_MONOTONIC when it saw the step (wake-up latency)
   int64_t examples;                   // examples in this worker's shard
   double loss_sum;                    // sum of the loss over the shard
   uint64_t compute_ns;                // forward + backward
@@ -169,6 +170,7 @@ struct alignas(64) ControlBlock {
   alignas(64) std::atomic<uint32_t> reduce_barrier;  // tag | arrivals after the reduction
   alignas(64) std::atomic<uint32_t> trainer_wake;    // bumped on done/abort; trainer waits
   std::atomic<uint32_t> done_epoch;                  // last reducer: step finished
+  uint64_t done_ns;                                  // CLOCK_MONOTONIC of the last done_epoch store
   std::atomic<uint32_t> abort_epoch;                 // coordinator: step lost a worker
   alignas(64) std::atomic<uint32_t> coordinator_wake;  // bumped on stop/resize requests
   std::atomic<uint32_t> stop_requested;

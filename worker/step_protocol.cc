@@ -104,6 +104,7 @@ void StepParticipant::runStep(uint32_t e, ShardComputer& computer) {
   me_.reduce_ns = 0;
   me_.barrier_wait_ns = 0;
   const uint64_t t0 = ipc::monotonicNs();
+  me_.start_ns = t0;
 
   Shard shard;
   const bool valid = prepareShard(e, &shard);
@@ -284,7 +285,8 @@ void StepParticipant::completeStep(uint32_t e, uint32_t n) {
   const uint64_t served = c_.steps_served.load(std::memory_order_relaxed);
   h_->stats[served % ipc::kStatsRing] = rec;
   c_.steps_served.store(served + 1, std::memory_order_release);
-  c_.done_epoch.store(e, std::memory_order_release);
+  c_.done_ns = ipc::monotonicNs();
+  c_.done_epoch.store(e, std::memory_order_release);  // publishes done_ns
   ipc::bumpAndWake(&c_.trainer_wake);
 }
 
