@@ -20,9 +20,6 @@ namespace {
 // How often requestStop looks for the segment to vanish. The coordinator unlinks it as
 // its last act, after its workers have exited; nothing wakes us when it does.
 constexpr auto kStopPollInterval = std::chrono::milliseconds(20);
-// Longest stop wait requestStop accepts (a day): keeps timeout_s * 1e9 inside uint64_t.
-constexpr double kMaxStopTimeoutS = 86400;
-
 constexpr double kNsPerSecond = 1e9;
 constexpr double kMsPerSecond = 1e3;
 constexpr double kBytesPerMiB = 1048576.0;
@@ -163,6 +160,7 @@ std::string formatStatus(const EngineStatus& s) {
 }
 
 bool requestStop(const std::string& name, double timeout_s) {
+  // Bounded, so timeout_s in nanoseconds fits the deadline's uint64_t.
   SHMGRAD_CHECK(std::isfinite(timeout_s) && timeout_s >= 0 && timeout_s <= kMaxStopTimeoutS,
                 ErrorKind::kInvalidArgument, "stop timeout ", timeout_s,
                 " s is out of range: use 0 to ", kMaxStopTimeoutS, " s");

@@ -68,10 +68,12 @@ std::string formatStatus(const EngineStatus& status);
 // How long `shmgrad stop` and the Python package wait for an engine to stop, unless
 // told otherwise: the coordinator gives its workers 5 s, then reaps and unlinks.
 constexpr double kDefaultStopTimeoutS = 30;
+// The longest stop wait requestStop accepts (a day).
+constexpr double kMaxStopTimeoutS = 86400;
 
 // Asks a running engine to stop and waits (up to timeout_s) for its segment to vanish.
 // Removes the segment itself when the coordinator is already dead. Returns true if the
-// engine is gone. timeout_s outside 0..86400 (or NaN) is InvalidArgument.
+// engine is gone. timeout_s outside 0..kMaxStopTimeoutS (or NaN) is InvalidArgument.
 bool requestStop(const std::string& name, double timeout_s);
 
 // Asks a running engine to run n worker processes (1..slots); throws InvalidArgument

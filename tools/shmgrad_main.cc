@@ -1,215 +1,328 @@
-// The shmgrad command line: serve, stop, status, resize (and the hidden __worker
-// entry point the coordinator execs for each worker process).
+// The shmgrad command line: serve, stop, status, resize, stress and bench (and the
+// hidden __worker entry point the coordinator execs for each worker process), parsed
+// with CLI11. Each command's options are declared in its add*() function and run by its
+// run*() function; main() parses, dispatches, and turns errors into exit codes.
+#include <fcntl.h>
 #include <unistd.h>
 
+#include <CLI/CLI.hpp>
+#include <cerrno>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <map>
+#include <functional>
+#include <limits>
 #include <string>
 #include <vector>
 
+#include "engine/control.h"
 #include "engine/coordinator.h"
 #include "ipc/error.h"
+#include "ipc/layout.h"
 #include "worker/worker_loop.h"
 
 namespace {
 
-const char* kUsage =
-    "usage: shmgrad <command> [options]\n"
-    "\n"
+namespace engine = shmgrad::engine;
+
+// Exit codes. A usage error is anything CLI11 refuses (unknown option, bad value,
+// missing argument); a failure is a command that ran and failed (a shmgrad::Error).
+constexpr int kExitOk = 0;
+constexpr int kExitFailure = 1;
+constexpr int kExitUsage = 2;
+constexpr int kExitCannotExec = 127;  // as a shell reports a command it cannot run
+
+// Limits the command line checks itself; the coordinator checks them again.
+constexpr uint32_t kMaxThreadsPerWorker = 256;
+// segment.cc keeps an explicit batch's input capacity under 2^44 bytes.
+constexpr uint64_t kMaxInputCapacityMb = (uint64_t{1} << 24) - 1;
+// --startup-timeout: more than nothing, at most a day.
+constexpr double kMinStartupTimeoutS = 0.001;
+constexpr double kMaxStartupTimeoutS = 86400;
+
+// The interpreter that runs `stress` and `bench` (Debian's, with torch), unless the
+// environment names another.
+constexpr char kDefaultPython[] = "/usr/bin/python3";
+constexpr char kPythonEnv[] = "SHMGRAD_PYTHON";
+
+const char* kDescription =
     "A gradient engine for data-parallel training on one machine: worker processes\n"
     "with their own libtorch model write gradients straight into shared memory and\n"
-    "reduce them in place; trainers attach by name.\n"
-    "\n"
-    "commands:\n"
-    "  serve     start an engine and run until stopped\n"
-    "  stop      stop a running engine\n"
-    "  status    print an engine's workers, steps served and time breakdown\n"
-    "  resize    change the number of worker processes of a running engine\n"
-    "  stress    run the node-local stress test against an engine (Python package)\n"
-    "  bench     run the benchmarks (Python package)\n"
-    "\n"
-    "`shmgrad <command> --help` documents each command's options.\n";
+    "reduce them in place; trainers attach by name.";
 
-const char* kServeUsage =
-    "usage: shmgrad serve --name NAME --model PATH --workers N --loss LOSS [options]\n"
-    "\n"
-    "Starts an engine: creates its shared-memory segment (/dev/shm/shmgrad-<uid>-NAME,\n"
-    "mode 0600), forks N worker processes and serves gradients until `shmgrad stop NAME`,\n"
-    "SIGTERM or SIGINT, then removes everything.\n"
-    "\n"
-    "  --name NAME              engine name: 1-64 of [A-Za-z0-9_.-] (required)\n"
-    "  --model PATH             TorchScript model file, from torch.jit.save or\n"
-    "                           shmgrad.save_model (required)\n"
-    "  --workers N              worker processes (default 1)\n"
-    "  --max-workers N          gradient slots, the most workers `resize` may ask for\n"
-    "                           (default: --workers)\n"
-    "  --loss LOSS              cross_entropy | nll | mse (default cross_entropy); the loss\n"
-    "                           is summed over the batch\n"
-    "  --dataset SPEC           load a dataset once into shared memory: fashion-mnist\n"
-    "                           (Debian's dataset-fashion-mnist, train split),\n"
-    "                           fashion-mnist:test, or npy:INPUTS.npy,TARGETS.npy\n"
-    "  --threads-per-worker T   intra-op threads of each worker (default 1)\n"
-    "  --max-batch N            most examples in one step (default 65536)\n"
-    "  --input-capacity-mb M    room for an explicit batch's inputs (default 64)\n"
-    "  --startup-timeout S      seconds for all workers to load the model (default 120)\n"
-    "  --quiet                  print nothing but errors\n";
+// An integer option: CLI11 first checks that the value is an integer at all (its
+// message names the option and the value), then that it lies in [lo, hi].
+template <typename T>
+CLI::Option* integerIn(CLI::Option* option, T lo, T hi) {
+  return option->check(CLI::TypeValidator<int64_t>("").description(""))->check(CLI::Range(lo, hi));
+}
 
-const char* kStopUsage =
-    "usage: shmgrad stop NAME [--timeout S]\n\n"
-    "Asks engine NAME to stop and waits (default 30 s) until its segment is gone.\n";
-const char* kStatusUsage =
-    "usage: shmgrad status NAME\n\n"
-    "Prints the engine's workers, the trainer holding it, steps served, and the last\n"
-    "steps' time breakdown: wall = compute (slowest worker) + reduce + wait.\n";
-const char* kResizeUsage =
-    "usage: shmgrad resize NAME N\n\n"
-    "Runs N worker processes (1 to the engine's --max-workers). New workers map the\n"
-    "current parameters; removed ones exit after their current step.\n";
+// --status-fd must name a descriptor this process has open.
+const CLI::Validator kOpenDescriptor(
+    [](std::string& value) -> std::string {
+      int fd = -1;
+      if (!CLI::detail::lexical_cast(value, fd) || fd < 0) {
+        return "not a file descriptor: " + value + " (use an integer >= 0)";
+      }
+      if (::fcntl(fd, F_GETFD) == -1) {
+        return "file descriptor " + value + " is not open (" + std::strerror(errno) + ")";
+      }
+      return {};
+    },
+    "");
 
-bool wantsHelp(int argc, char** argv) {
-  for (int i = 2; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--help") == 0 || std::strcmp(argv[i], "-h") == 0) return true;
+// A parsed command: its CLI11 subcommand and what running it does.
+struct Command {
+  CLI::App* app = nullptr;
+  std::function<int()> run;
+};
+
+// ---------------------------------------------------------------------------------
+// serve
+
+// The one JSON line of --status-fd when serve fails (the coordinator writes it when
+// the engine is serving). A failure to write it is printed, not allowed to hide the
+// error being reported.
+void reportServeFailure(const engine::ServeOptions& o, const char* kind, const char* message) {
+  if (o.status_fd < 0) return;
+  try {
+    engine::writeServeReport(o.status_fd, "failed", kind, message);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "shmgrad serve: cannot write to --status-fd %d: %s\n", o.status_fd,
+                 e.what());
   }
-  return false;
 }
 
-[[noreturn]] void usageError(const std::string& msg, const char* usage) {
-  std::fprintf(stderr, "shmgrad: %s\n\n%s", msg.c_str(), usage);
-  std::exit(2);
-}
-
-long parseInt(const std::string& flag, const std::string& v, const char* usage) {
-  char* end = nullptr;
-  long x = std::strtol(v.c_str(), &end, 10);
-  if (v.empty() || *end != '\0') usageError(flag + " needs an integer, got '" + v + "'", usage);
-  return x;
-}
-
-int cmdServe(int argc, char** argv) {
-  shmgrad::engine::ServeOptions o;
-  bool have_name = false, have_model = false;
-  for (int i = 2; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a == "--quiet") {
-      o.quiet = true;
-      continue;
+int runServe(const engine::ServeOptions& o) {
+  try {
+    // The coordinator execs its workers: they must not hold the report's descriptor
+    // open (its reader would wait for their exit to see the end of the stream).
+    if (o.status_fd > STDERR_FILENO) {
+      const int flags = ::fcntl(o.status_fd, F_GETFD);
+      SHMGRAD_SYSCHECK(flags, "fcntl(--status-fd, F_GETFD)");
+      SHMGRAD_SYSCHECK(::fcntl(o.status_fd, F_SETFD, flags | FD_CLOEXEC),
+                       "fcntl(--status-fd, F_SETFD, FD_CLOEXEC)");
     }
-    std::string v;
-    size_t eq = a.find('=');
-    if (eq != std::string::npos) {
-      v = a.substr(eq + 1);
-      a = a.substr(0, eq);
-    } else {
-      if (i + 1 >= argc) usageError(a + " needs a value", kServeUsage);
-      v = argv[++i];
-    }
-    if (a == "--name") { o.name = v; have_name = true; }
-    else if (a == "--model") { o.model_path = v; have_model = true; }
-    else if (a == "--workers") o.workers = static_cast<uint32_t>(parseInt(a, v, kServeUsage));
-    else if (a == "--max-workers") o.max_workers = static_cast<uint32_t>(parseInt(a, v, kServeUsage));
-    else if (a == "--loss") o.loss = v;
-    else if (a == "--dataset") o.dataset = v;
-    else if (a == "--threads-per-worker") o.threads_per_worker = static_cast<uint32_t>(parseInt(a, v, kServeUsage));
-    else if (a == "--max-batch") o.max_batch = parseInt(a, v, kServeUsage);
-    else if (a == "--input-capacity-mb") o.input_capacity_mb = static_cast<uint64_t>(parseInt(a, v, kServeUsage));
-    else if (a == "--startup-timeout") o.startup_timeout_s = std::atof(v.c_str());
-    else if (a == "--worker-binary") o.worker_binary = v;
-    else usageError("unknown option " + a, kServeUsage);
+    return engine::serve(o);
+  } catch (const shmgrad::Error& e) {
+    reportServeFailure(o, shmgrad::errorKindName(e.kind()), e.what());
+    throw;
+  } catch (const std::exception& e) {
+    reportServeFailure(o, shmgrad::errorKindName(shmgrad::ErrorKind::kSystem), e.what());
+    throw;
   }
-  if (!have_name) usageError("--name is required", kServeUsage);
-  if (!have_model) usageError("--model is required", kServeUsage);
-  return shmgrad::engine::serve(o);
 }
 
-int cmdStop(int argc, char** argv) {
-  if (argc < 3) usageError("stop needs the engine NAME", kStopUsage);
-  double timeout = 30;
-  for (int i = 3; i + 1 < argc; ++i) {
-    if (std::strcmp(argv[i], "--timeout") == 0) timeout = std::atof(argv[i + 1]);
-  }
-  if (!shmgrad::engine::requestStop(argv[2], timeout)) {
-    std::fprintf(stderr, "shmgrad: engine '%s' did not stop within %.0f s\n", argv[2], timeout);
-    return 1;
-  }
-  std::printf("shmgrad: engine '%s' stopped\n", argv[2]);
-  return 0;
+Command addServe(CLI::App& app, engine::ServeOptions* o) {
+  CLI::App* cmd = app.add_subcommand("serve", "start an engine and run until stopped");
+  cmd->footer(
+      "Starts an engine: creates its shared-memory segment (/dev/shm/shmgrad-<uid>-NAME,\n"
+      "mode 0600), forks N worker processes and serves gradients until `shmgrad stop NAME`,\n"
+      "SIGTERM or SIGINT, then removes everything.");
+  cmd->add_option("--name", o->name, "engine name: 1-64 of [A-Za-z0-9_.-] (required)")
+      ->required()
+      ->type_name("NAME");
+  cmd->add_option("--model", o->model_path,
+                  "TorchScript model file, from torch.jit.save or\n"
+                  "shmgrad.save_model (required)")
+      ->required()
+      ->type_name("PATH");
+  integerIn(
+      cmd->add_option("--workers", o->workers, "worker processes (default 1)")->type_name("N"),
+      uint32_t{1}, shmgrad::ipc::kMaxWorkers);
+  integerIn(cmd->add_option("--max-workers", o->max_workers,
+                            "gradient slots, the most workers `resize` may ask for\n"
+                            "(default: --workers)")
+                ->type_name("N"),
+            uint32_t{0}, shmgrad::ipc::kMaxWorkers);
+  cmd->add_option("--loss", o->loss,
+                  "cross_entropy | nll | mse (default cross_entropy); the loss\n"
+                  "is summed over the batch")
+      ->type_name("LOSS");
+  cmd->add_option("--dataset", o->dataset,
+                  "load a dataset once into shared memory: fashion-mnist\n"
+                  "(Debian's dataset-fashion-mnist, train split),\n"
+                  "fashion-mnist:test, or npy:INPUTS.npy,TARGETS.npy")
+      ->type_name("SPEC");
+  integerIn(cmd->add_option("--threads-per-worker", o->threads_per_worker,
+                            "intra-op threads of each worker (default 1)")
+                ->type_name("T"),
+            uint32_t{1}, kMaxThreadsPerWorker);
+  integerIn(
+      cmd->add_option("--max-batch", o->max_batch, "most examples in one step (default 65536)")
+          ->type_name("N"),
+      int64_t{1}, shmgrad::ipc::kMaxBatch - 1);
+  integerIn(cmd->add_option("--input-capacity-mb", o->input_capacity_mb,
+                            "room for an explicit batch's inputs (default 64)")
+                ->type_name("M"),
+            uint64_t{0}, kMaxInputCapacityMb);
+  cmd->add_option("--startup-timeout", o->startup_timeout_s,
+                  "seconds for all workers to load the model (default 120)")
+      ->type_name("S")
+      ->check(CLI::Range(kMinStartupTimeoutS, kMaxStartupTimeoutS));
+  cmd->add_option("--status-fd", o->status_fd,
+                  "write one JSON line to this open file descriptor:\n"
+                  "{\"event\":\"serving\",...} once the workers are ready, or\n"
+                  "{\"event\":\"failed\",\"kind\":...,\"message\":...} if serve fails")
+      ->type_name("FD")
+      ->check(kOpenDescriptor);
+  cmd->add_flag("--quiet", o->quiet, "print nothing but errors");
+  // Tests run workers from another binary; not for users.
+  cmd->add_option("--worker-binary", o->worker_binary, "worker program (default: this one)")
+      ->group("");
+  return {cmd, [o] { return runServe(*o); }};
 }
 
-int cmdStatus(int argc, char** argv) {
-  if (argc < 3) usageError("status needs the engine NAME", kStatusUsage);
-  std::fputs(shmgrad::engine::statusText(argv[2]).c_str(), stdout);
-  return 0;
+// ---------------------------------------------------------------------------------
+// stop, status, resize
+
+struct StopArgs {
+  std::string name;
+  double timeout_s = engine::kDefaultStopTimeoutS;
+};
+
+Command addStop(CLI::App& app, StopArgs* a) {
+  CLI::App* cmd = app.add_subcommand("stop", "stop a running engine");
+  cmd->footer("Asks engine NAME to stop and waits (default 30 s) until its segment is gone.");
+  cmd->add_option("NAME", a->name, "engine name")->required();
+  cmd->add_option("--timeout", a->timeout_s, "seconds to wait for the engine to stop (default 30)")
+      ->type_name("S")
+      ->check(CLI::Range(0.0, engine::kMaxStopTimeoutS));
+  return {cmd, [a] {
+            if (!engine::requestStop(a->name, a->timeout_s)) {
+              std::fprintf(stderr, "shmgrad: engine '%s' did not stop within %.0f s\n",
+                           a->name.c_str(), a->timeout_s);
+              return kExitFailure;
+            }
+            std::printf("shmgrad: engine '%s' stopped\n", a->name.c_str());
+            return kExitOk;
+          }};
 }
 
-int cmdResize(int argc, char** argv) {
-  if (argc < 4) usageError("resize needs NAME and N", kResizeUsage);
-  long n = parseInt("N", argv[3], kResizeUsage);
-  if (n < 1) usageError("N must be >= 1", kResizeUsage);
-  shmgrad::engine::requestResize(argv[2], static_cast<uint32_t>(n));
-  std::printf("shmgrad: engine '%s' asked to run %ld workers\n", argv[2], n);
-  return 0;
+Command addStatus(CLI::App& app, std::string* name) {
+  CLI::App* cmd =
+      app.add_subcommand("status", "print an engine's workers, steps served and time breakdown");
+  cmd->footer(
+      "Prints the engine's workers, the trainer holding it, steps served, and the last\n"
+      "steps' time breakdown: wall = compute (slowest worker) + reduce + wait.");
+  cmd->add_option("NAME", *name, "engine name")->required();
+  return {cmd, [name] {
+            std::fputs(engine::formatStatus(engine::readStatus(*name)).c_str(), stdout);
+            return kExitOk;
+          }};
 }
 
-int cmdWorker(int argc, char** argv) {
-  if (argc != 5) {
-    std::fprintf(stderr, "shmgrad __worker is started by `shmgrad serve`, not by hand\n");
-    return 2;
-  }
-  shmgrad::worker::WorkerOptions o;
-  o.engine_name = argv[2];
-  o.slot = static_cast<uint32_t>(std::atoi(argv[3]));
-  o.parent_pid = std::atoi(argv[4]);
-  return shmgrad::worker::runWorker(o);
+struct ResizeArgs {
+  std::string name;
+  uint32_t workers = 0;
+};
+
+Command addResize(CLI::App& app, ResizeArgs* a) {
+  CLI::App* cmd =
+      app.add_subcommand("resize", "change the number of worker processes of a running engine");
+  cmd->footer(
+      "Runs N worker processes (1 to the engine's --max-workers). New workers map the\n"
+      "current parameters; removed ones exit after their current step.");
+  cmd->add_option("NAME", a->name, "engine name")->required();
+  integerIn(cmd->add_option("N", a->workers, "worker processes")->required(), uint32_t{1},
+            shmgrad::ipc::kMaxWorkers);
+  return {cmd, [a] {
+            engine::requestResize(a->name, a->workers);
+            std::printf("shmgrad: engine '%s' asked to run %u workers\n", a->name.c_str(),
+                        a->workers);
+            return kExitOk;
+          }};
 }
 
-// stress and bench live in the Python package (they drive trainers and compare
-// against PyTorch); run them through Debian's python3.
-int cmdPython(const char* module, int argc, char** argv) {
-  std::vector<std::string> args = {"/usr/bin/python3", "-m", module};
-  const char* py = std::getenv("SHMGRAD_PYTHON");
+// ---------------------------------------------------------------------------------
+// __worker (hidden): what the coordinator execs for each worker process
+
+Command addWorker(CLI::App& app, shmgrad::worker::WorkerOptions* o) {
+  CLI::App* cmd =
+      app.add_subcommand("__worker", "a worker process: started by `shmgrad serve`, not by hand");
+  cmd->group("");  // hidden from --help
+  cmd->add_option("NAME", o->engine_name, "engine name")->required();
+  integerIn(cmd->add_option("SLOT", o->slot, "gradient slot")->required(), uint32_t{0},
+            shmgrad::ipc::kMaxWorkers - 1);
+  integerIn(cmd->add_option("PPID", o->parent_pid, "the coordinator's pid")->required(), 1,
+            std::numeric_limits<int>::max());
+  return {cmd, [o] { return shmgrad::worker::runWorker(*o); }};
+}
+
+// ---------------------------------------------------------------------------------
+// stress, bench: the Python package's tools (they drive trainers and compare against
+// PyTorch). Every argument after the command, --help included, goes to Python as is.
+
+int execPython(const char* module, const std::vector<std::string>& rest) {
+  std::vector<std::string> args = {kDefaultPython, "-m", module};
+  const char* py = std::getenv(kPythonEnv);
   if (py != nullptr && *py != '\0') args[0] = py;
-  for (int i = 2; i < argc; ++i) args.push_back(argv[i]);
-  std::vector<char*> av;
-  for (auto& a : args) av.push_back(a.data());
-  av.push_back(nullptr);
-  execv(av[0], av.data());
-  std::fprintf(stderr, "shmgrad: cannot run %s: %s\n", av[0], std::strerror(errno));
-  return 127;
+  args.insert(args.end(), rest.begin(), rest.end());
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  ::execv(argv[0], argv.data());  // returns only on failure
+  std::fprintf(stderr, "shmgrad: cannot run %s: %s\n", argv[0], std::strerror(errno));
+  return kExitCannotExec;
+}
+
+Command addPythonTool(CLI::App& app, const char* name, const char* description,
+                      const char* module) {
+  CLI::App* cmd = app.add_subcommand(name, description);
+  cmd->prefix_command();  // stop parsing at the first argument: all of them are Python's
+  cmd->allow_extras();
+  cmd->set_help_flag();  // --help too: the Python tool documents its own options
+  return {cmd, [cmd, module] { return execPython(module, cmd->remaining()); }};
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 2 || std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0) {
-    std::fputs(kUsage, argc < 2 ? stderr : stdout);
-    return argc < 2 ? 2 : 0;
-  }
-  const std::string cmd = argv[1];
-  static const std::map<std::string, const char*> usages = {
-      {"serve", kServeUsage}, {"stop", kStopUsage}, {"status", kStatusUsage}, {"resize", kResizeUsage}};
-  auto u = usages.find(cmd);
-  if (u != usages.end() && wantsHelp(argc, argv)) {
-    std::fputs(u->second, stdout);
-    return 0;
-  }
+  CLI::App app(kDescription, "shmgrad");
+  app.require_subcommand(0, 1);  // none is an error below, with CLI11's message
+  app.get_formatter()->column_width(34);
+
+  engine::ServeOptions serve_options;
+  StopArgs stop_args;
+  std::string status_name;
+  ResizeArgs resize_args;
+  shmgrad::worker::WorkerOptions worker_options;
+  const std::vector<Command> commands = {
+      addServe(app, &serve_options),
+      addStop(app, &stop_args),
+      addStatus(app, &status_name),
+      addResize(app, &resize_args),
+      addPythonTool(app, "stress",
+                    "run the node-local stress test against an engine (Python package)",
+                    "shmgrad.stress"),
+      addPythonTool(app, "bench", "run the benchmarks (Python package)", "shmgrad.bench"),
+      addWorker(app, &worker_options),
+  };
+  // After the commands: a subcommand inherits its parent's footer when it is added.
+  app.footer("`shmgrad <command> --help` documents each command's options.");
+
   try {
-    if (cmd == "serve") return cmdServe(argc, argv);
-    if (cmd == "stop") return cmdStop(argc, argv);
-    if (cmd == "status") return cmdStatus(argc, argv);
-    if (cmd == "resize") return cmdResize(argc, argv);
-    if (cmd == "__worker") return cmdWorker(argc, argv);
-    if (cmd == "stress") return cmdPython("shmgrad.stress", argc, argv);
-    if (cmd == "bench") return cmdPython("shmgrad.bench", argc, argv);
-  } catch (const shmgrad::Error& e) {
-    std::fprintf(stderr, "shmgrad %s: error (%s): %s\n", cmd.c_str(),
-                 shmgrad::errorKindName(e.kind()), e.what());
-    return 1;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "shmgrad %s: error: %s\n", cmd.c_str(), e.what());
-    return 1;
+    app.parse(argc, argv);
+    if (app.get_subcommands().empty()) throw CLI::RequiredError("A command");
+  } catch (const CLI::ParseError& e) {
+    // CLI11 prints --help to stdout (exit 0) and errors to stderr.
+    return app.exit(e) == static_cast<int>(CLI::ExitCodes::Success) ? kExitOk : kExitUsage;
   }
-  std::fprintf(stderr, "shmgrad: unknown command '%s'\n\n%s", cmd.c_str(), kUsage);
-  return 2;
+
+  for (const Command& c : commands) {
+    if (!c.app->parsed()) continue;
+    const std::string& cmd = c.app->get_name();
+    try {
+      return c.run();
+    } catch (const shmgrad::Error& e) {
+      std::fprintf(stderr, "shmgrad %s: error (%s): %s\n", cmd.c_str(),
+                   shmgrad::errorKindName(e.kind()), e.what());
+      return kExitFailure;
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "shmgrad %s: error: %s\n", cmd.c_str(), e.what());
+      return kExitFailure;
+    }
+  }
+  return kExitUsage;  // unreachable: one command was required and parsed
 }
