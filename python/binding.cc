@@ -6,9 +6,10 @@
 #include <optional>
 #include <string>
 
-#include "engine/coordinator.h"
+#include "engine/control.h"
 #include "engine/trainer.h"
 #include "ipc/error.h"
+#include "ipc/layout.h"
 #include "ipc/segment.h"
 
 namespace py = pybind11;
@@ -39,6 +40,70 @@ py::dict statsToDict(const shmgrad::GradientStats& s) {
   }
   d["workers"] = workers;
   return d;
+}
+
+// engine::EngineStatus as a dict: keys are the struct's field names, `workers` and
+// `recent_steps` lists of dicts keyed by WorkerStatus's and StepSummary's field names.
+py::dict statusToDict(const shmgrad::engine::EngineStatus& s) {
+  py::list workers;
+  for (const auto& w : s.workers) {
+    py::dict wd;
+    wd["slot"] = w.slot;
+    wd["pid"] = w.pid;
+    wd["state"] = w.state;
+    wd["restarts"] = w.restarts;
+    wd["busy_epoch"] = w.busy_epoch;
+    wd["assigned_epoch"] = w.assigned_epoch;
+    workers.append(wd);
+  }
+  py::list steps;
+  for (const auto& r : s.recent_steps) {
+    py::dict rd;
+    rd["epoch"] = r.epoch;
+    rd["workers"] = r.workers;
+    rd["examples"] = r.examples;
+    rd["loss_sum"] = r.loss_sum;
+    rd["wall_seconds"] = r.wall_seconds;
+    rd["compute_seconds"] = r.compute_seconds;
+    rd["reduce_seconds"] = r.reduce_seconds;
+    rd["wait_seconds"] = r.wait_seconds;
+    steps.append(rd);
+  }
+  py::dict d;
+  d["name"] = s.name;
+  d["state"] = s.state;
+  d["coordinator_pid"] = s.coordinator_pid;
+  d["coordinator_alive"] = s.coordinator_alive;
+  d["segment_path"] = s.segment_path;
+  d["segment_bytes"] = s.segment_bytes;
+  d["model_path"] = s.model_path;
+  d["loss"] = s.loss;
+  d["num_params"] = s.num_params;
+  d["param_floats"] = s.param_floats;
+  d["dataset"] = s.dataset;
+  d["dataset_size"] = s.dataset_size;
+  d["max_batch"] = s.max_batch;
+  d["threads_per_worker"] = s.threads_per_worker;
+  d["trainer_pid"] = s.trainer_pid;
+  d["step_epoch"] = s.step_epoch;
+  d["steps_served"] = s.steps_served;
+  d["steps_aborted"] = s.steps_aborted;
+  d["step_retries"] = s.step_retries;
+  d["worker_restarts"] = s.worker_restarts;
+  d["target_workers"] = s.target_workers;
+  d["slots"] = s.slots;
+  d["workers"] = workers;
+  d["recent_steps"] = steps;
+  return d;
+}
+
+// The loss names the engine accepts (ipc::kLossNames, whose index 0 is no loss).
+py::list lossNames() {
+  py::list names;
+  for (const char* name : shmgrad::ipc::kLossNames) {
+    if (name != nullptr) names.append(name);
+  }
+  return names;
 }
 
 shmgrad::GradientOptions makeOptions(bool mean, double timeout, int max_retries,
@@ -119,15 +184,26 @@ PYBIND11_MODULE(_C, m) {
           py::arg("timeout"), py::arg("max_retries"), py::arg("min_examples_per_worker"),
           py::arg("max_examples_per_pass"), py::arg("raise_on_nonfinite"));
 
-  m.def("status_text", &shmgrad::engine::statusText, py::arg("name"));
+  // The client side of a running engine (engine/control.h).
+  m.def(
+      "status",
+      [](const std::string& name) { return statusToDict(shmgrad::engine::readStatus(name)); },
+      py::arg("name"));
+  m.def(
+      "format_status",
+      [](const std::string& name) {
+        return shmgrad::engine::formatStatus(shmgrad::engine::readStatus(name));
+      },
+      py::arg("name"));
   m.def(
       "request_stop",
       [](const std::string& name, double timeout) {
-        py::gil_scoped_release nogil;
+        py::gil_scoped_release nogil;  // waits up to timeout for the engine to go
         return shmgrad::engine::requestStop(name, timeout);
       },
-      py::arg("name"), py::arg("timeout") = 30.0);
+      py::arg("name"), py::arg("timeout") = shmgrad::engine::kDefaultStopTimeoutS);
   m.def("request_resize", &shmgrad::engine::requestResize, py::arg("name"), py::arg("workers"));
+  m.def("loss_names", &lossNames);
   m.def("segment_path", &shmgrad::ipc::segmentPath, py::arg("name"));
   m.def("segment_exists", &shmgrad::ipc::Segment::exists, py::arg("name"));
   m.def("check_engine_name", &shmgrad::ipc::checkEngineName, py::arg("name"));
