@@ -80,8 +80,9 @@ class Coordinator {
     uint32_t slots = opt_.max_workers == 0 ? opt_.workers : opt_.max_workers;
     SHMGRAD_CHECK(slots >= opt_.workers && slots <= ipc::kMaxWorkers, ErrorKind::kInvalidArgument,
                   "--max-workers ", slots, " must be between --workers and ", ipc::kMaxWorkers);
-    SHMGRAD_CHECK(opt_.threads_per_worker >= 1 && opt_.threads_per_worker <= 256,
-                  ErrorKind::kInvalidArgument, "--threads-per-worker must be 1 to 256");
+    SHMGRAD_CHECK(opt_.threads_per_worker >= 1 && opt_.threads_per_worker <= ipc::kMaxThreadsPerWorker,
+                  ErrorKind::kInvalidArgument, "--threads-per-worker must be 1 to ",
+                  ipc::kMaxThreadsPerWorker);
     ipc::checkEngineName(opt_.name);
     worker::ModelParams model = worker::describeModel(opt_.model_path);
     Dataset data;

@@ -34,6 +34,7 @@ constexpr uint32_t kLayoutVersion = 2;
 constexpr uint64_t kAlign = 64;            // every region and tensor starts on a cache line
 constexpr uint32_t kAlignFloats = kAlign / sizeof(float);
 constexpr uint32_t kMaxWorkers = 64;       // gradient slots in one segment, at most
+constexpr uint32_t kMaxThreadsPerWorker = 256;  // intra-op threads of one worker, at most
 constexpr uint32_t kMaxParams = 1024;      // parameter tensors in one model, at most
 constexpr uint32_t kMaxDims = 8;           // dimensions of a tensor, at most
 constexpr uint32_t kNameLen = 128;         // parameter name, NUL-terminated

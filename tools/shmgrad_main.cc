@@ -34,7 +34,6 @@ constexpr int kExitUsage = 2;
 constexpr int kExitCannotExec = 127;  // as a shell reports a command it cannot run
 
 // Limits the command line checks itself; the coordinator checks them again.
-constexpr uint32_t kMaxThreadsPerWorker = 256;
 // segment.cc keeps an explicit batch's input capacity under 2^44 bytes.
 constexpr uint64_t kMaxInputCapacityMb = (uint64_t{1} << 24) - 1;
 // --startup-timeout: more than nothing, at most a day.
@@ -148,7 +147,7 @@ Command addServe(CLI::App& app, engine::ServeOptions* o) {
   integerIn(cmd->add_option("--threads-per-worker", o->threads_per_worker,
                             "intra-op threads of each worker (default 1)")
                 ->type_name("T"),
-            uint32_t{1}, kMaxThreadsPerWorker);
+            uint32_t{1}, shmgrad::ipc::kMaxThreadsPerWorker);
   integerIn(
       cmd->add_option("--max-batch", o->max_batch, "most examples in one step (default 65536)")
           ->type_name("N"),
