@@ -67,7 +67,7 @@ def main():
             print(f"{cr}epoch {epoch}: test accuracy {acc * 100:.2f}%, {n / elapsed:.0f} examples/s, "
                   f"train loss {loss_sum / n:.4f}, share of step time not forward+backward "
                   f"{100 * (wall - compute) / wall:.1f}%")
-        print(engine.status()["text"].rstrip())
+        print(engine.status().text.rstrip())
     return 0 if acc >= 0.85 else 1
 
 

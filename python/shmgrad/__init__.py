@@ -1,7 +1,7 @@
 """shmgrad: data-parallel gradients on one machine through shared memory.
 
-An engine (``shmgrad serve`` or :class:`Engine`) runs worker processes that each keep
-their own copy of a TorchScript model. The model's parameters live in one shared-memory
+An engine (``shmgrad serve``, or :class:`Engine` from Python) runs worker processes that
+each keep their own copy of a TorchScript model. The model's parameters live in one shared-memory
 buffer; every worker's ``.grad`` tensors are views of its own gradient slot, so backward
 writes gradients straight into shared memory, and the workers then sum the slots in
 place, each a slice. Nothing is pickled or copied per step.
@@ -32,13 +32,23 @@ from .errors import (  # noqa: F401
     TimeoutError,
     WorkerError,
 )
-from .engine import Engine, GradientStats, attach, save_model  # noqa: F401
+from .client import Client, GradientStats, attach  # noqa: F401
+from .engine import Engine, save_model  # noqa: F401
+from .status import EngineStatus, StepSummary, WorkerStatus, read_status  # noqa: F401
 from . import schedules  # noqa: F401
+
+# The benchmarks (shmgrad.bench) and the stress test (shmgrad.stress) are tools beside the
+# library: importing shmgrad loads neither.
 
 __all__ = [
     "Engine",
+    "Client",
     "GradientStats",
+    "EngineStatus",
+    "WorkerStatus",
+    "StepSummary",
     "attach",
+    "read_status",
     "save_model",
     "Error",
     "InvalidArgumentError",

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from . import bench_models
+from ._numerics import relative_error
 
 SYSTEMS = ("single", "shmgrad", "ddp", "dask", "reduce")
 ALTERNATIVES = ("single", "single-1t", "ddp", "dask")
@@ -80,17 +81,6 @@ def summarize(times):
         q1 = q3 = s[0]
     return {"median_s": statistics.median(s), "min_s": s[0], "max_s": s[-1],
             "q1_s": q1, "q3_s": q3, "n": len(s)}
-
-
-def rel_err(g, ref):
-    if g is None or ref is None:
-        return None
-    g = torch.as_tensor(g, dtype=torch.float64).reshape(-1)
-    if g.numel() != ref.numel():
-        return None
-    d = float(torch.linalg.vector_norm(g - ref))
-    n = float(torch.linalg.vector_norm(ref))
-    return d / n if n > 0 else d
 
 
 class Budget:
@@ -514,7 +504,8 @@ def measure(args):
             out, grad = fn()
             rec.update(out)
             rec.update(summarize(out["times_s"]))
-            rec["grad_rel_err"] = rel_err(grad, ref)
+            rec["grad_rel_err"] = (None if grad is None or ref is None
+                                   else relative_error(grad, ref))
         except Exception as exc:  # one failed system must not stop the others
             rec["error"] = f"{type(exc).__name__}: {exc}"
             log(f"  {system} N={workers}: FAILED {rec['error']}")

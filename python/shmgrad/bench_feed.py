@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from . import bench_models
-from .bench import rel_err
+from ._numerics import relative_error
 from .engine import Engine
 
 
@@ -105,8 +105,7 @@ def main(argv=None):
 
 def _rel_err(engine, ref):
     """||engine gradient - eager gradient|| / ||eager gradient|| for the current batch."""
-    got = torch.cat([g.reshape(-1) for g in engine.gradient_tensors()])
-    return rel_err(got, bench_models.flat_grad(ref))
+    return relative_error(engine.gradient_tensors(), bench_models.flat_grad(ref))
 
 
 if __name__ == "__main__":

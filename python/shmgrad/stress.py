@@ -20,7 +20,6 @@ import copy
 import glob
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -32,7 +31,9 @@ import numpy as np
 import torch
 
 from . import errors
-from .engine import Engine, attach
+from ._numerics import relative_error
+from .client import attach
+from .engine import Engine
 
 
 class StressNet(torch.nn.Module):
@@ -66,21 +67,12 @@ def _reference(model, x, y, mean):
     return [p.grad for p in m.parameters()]
 
 
-def _relative_error(a, b):
-    num = sum(float((x.double() - y.double()).pow(2).sum()) for x, y in zip(a, b))
-    den = sum(float(y.double().pow(2).sum()) for y in b)
-    return (num ** 0.5) / max(den ** 0.5, 1e-30)
-
-
 def _worker_pids(engine):
-    return [int(m.group(1)) for m in re.finditer(r"worker \d+: pid (\d+), ready",
-                                                 engine.status()["text"])]
+    return [w.pid for w in engine.status().ready_workers]
 
 
 def _restart_counts(engine):
-    text = engine.status()["text"]
-    m = re.search(r"worker restarts (\d+)", text)
-    return int(m.group(1)) if m else 0
+    return engine.status().worker_restarts
 
 
 def main(argv=None):
@@ -185,14 +177,14 @@ def main(argv=None):
             try:
                 stats = call()
                 counts["recoveries"] += stats.retries
-                if _relative_error([p.grad for p in model.parameters()], ref) > 1e-4:
+                if relative_error([p.grad for p in model.parameters()], ref) > 1e-4:
                     counts["wrong"] += 1
                 opt.step()
             except errors.TimeoutError as exc:
                 counts["hangs"] += 1
                 print(f"  step {step + 1}: HANG: {exc}", file=sys.stderr, flush=True)
                 if os.environ.get("SHMGRAD_STRESS_DEBUG"):
-                    print(trainer.status()["text"], file=sys.stderr, flush=True)
+                    print(trainer.status().text, file=sys.stderr, flush=True)
             except errors.WorkerError:
                 counts["errors"] += 1  # a clear error after repeated deaths: allowed
             except errors.CorruptSegmentError as exc:

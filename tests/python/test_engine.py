@@ -1,7 +1,9 @@
 """The Python trainer API against a plain PyTorch reference."""
 
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -205,8 +207,12 @@ def test_attach_to_served_engine_and_busy(tmp_path):
                 f" assert 'pid {__import__('os').getpid()}' in str(e), str(e); print('busy-ok')\n")
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
         assert "busy-ok" in out.stdout, out.stdout + out.stderr
+        st = shmgrad.read_status("cli-engine")
+        assert st.steps_served == 1 and st.trainer_pid == os.getpid(), st
+        assert [w.slot for w in st.ready_workers] == [0, 1]
+        # `shmgrad status` prints the same status as text.
         status = subprocess.run(["shmgrad", "status", "cli-engine"], capture_output=True, text=True, timeout=30)
-        assert "steps served 1" in status.stdout and "worker 1" in status.stdout, status.stdout
+        assert status.returncode == 0 and status.stdout == st.text, status.stdout + status.stderr
         engine.close()
         # Released: the next attach succeeds at once.
         shmgrad.attach("cli-engine", timeout=5).close()
@@ -243,3 +249,47 @@ def test_cli_help_documents_options():
     out = subprocess.run(["shmgrad", "--help"], capture_output=True, text=True, timeout=30)
     for cmd in ("serve", "stop", "status", "resize", "stress", "bench"):
         assert cmd in out.stdout
+
+
+def test_status_is_data(npy_dataset):
+    spec, x, y = npy_dataset
+    model = Cnn()
+    with shmgrad.Engine(model=model, workers=2, max_workers=3, loss="cross_entropy",
+                        dataset=spec) as engine:
+        st = engine.status()
+        assert isinstance(st, shmgrad.EngineStatus)
+        assert (st.name, st.state, st.loss) == (engine.name, "serving", "cross_entropy")
+        assert st.coordinator_alive and os.path.exists(f"/proc/{st.coordinator_pid}")
+        assert st.segment_path == shmgrad._C.segment_path(engine.name) and st.segment_bytes > 0
+        assert st.num_params == len(list(model.parameters()))
+        assert st.param_floats >= sum(p.numel() for p in model.parameters())  # padded
+        assert st.dataset_size == 120 and st.max_batch == 65536 and st.threads_per_worker == 1
+        assert (st.target_workers, st.slots) == (2, 3)
+        assert st.trainer_pid == os.getpid()
+        assert (st.steps_served, st.steps_aborted, st.step_retries, st.worker_restarts) == (0, 0, 0, 0)
+        assert st.recent_steps == []
+        assert [(w.slot, w.state, w.busy_epoch) for w in st.workers] == [(0, "ready", 0), (1, "ready", 0)]
+        assert all(isinstance(w, shmgrad.WorkerStatus) and os.path.exists(f"/proc/{w.pid}")
+                   for w in st.workers)
+        assert engine.name in st.text
+
+        engine.gradient(list(range(33)))
+        st = engine.status()
+        assert st.steps_served == 1
+        (step,) = st.recent_steps
+        assert isinstance(step, shmgrad.StepSummary)
+        assert (step.epoch, step.workers, step.examples) == (st.step_epoch, 2, 33)
+        assert step.wall_seconds > 0 and step.compute_seconds > 0 and step.reduce_seconds >= 0
+        assert all(w.assigned_epoch == st.step_epoch for w in st.workers)
+        # A worker marks itself idle just after the step it took part in.
+        deadline = time.monotonic() + 10
+        while any(w.busy_epoch for w in engine.status().workers):
+            assert time.monotonic() < deadline, engine.status()
+            time.sleep(0.01)
+
+        engine.resize(1)
+        st = shmgrad.read_status(engine.name)  # the same, without the trainer
+        assert st.target_workers == 1 and [w.slot for w in st.ready_workers] == [0]
+    with pytest.raises(shmgrad.EngineNotFoundError):
+        shmgrad.read_status(engine.name)
+

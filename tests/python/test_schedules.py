@@ -2,7 +2,6 @@
 min_examples_per_worker, resize and max_examples_per_pass, against plain PyTorch."""
 
 import copy
-import math
 
 import numpy as np
 import pytest
@@ -10,6 +9,7 @@ import torch
 
 import shmgrad
 from shmgrad import InvalidArgumentError
+from shmgrad._numerics import relative_error
 from shmgrad.schedules import AdaDamp, Constant, GeoDamp, PadaDamp
 
 
@@ -204,12 +204,6 @@ def reference_gradient(reference, x, y, reduction="sum"):
     m.zero_grad()
     torch.nn.functional.cross_entropy(m(x), y, reduction=reduction).backward()
     return [p.grad.clone() for p in m.parameters()]
-
-
-def relative_error(got, want):
-    num = sum(float((a.double() - b.double()).pow(2).sum()) for a, b in zip(got, want))
-    den = sum(float(b.double().pow(2).sum()) for b in want)
-    return math.sqrt(num) / max(math.sqrt(den), 1e-30)
 
 
 def assert_matches_reference(engine, model, reference, x, y, idx, reduction="sum", **kw):

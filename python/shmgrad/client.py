@@ -1,0 +1,275 @@
+"""A trainer's handle on a running engine: bind a module, ask for gradients, resize,
+read the status. :func:`attach` returns one for an engine started elsewhere
+(``shmgrad serve``); :class:`shmgrad.Engine` is one that also started its engine."""
+
+import dataclasses
+import time
+from typing import List, Optional
+
+import torch
+
+from . import errors
+from ._native import _C
+from .status import EngineStatus, read_status
+
+REDUCTIONS = ("sum", "mean")
+RESIZE_POLL_S = 0.01  # how often resize() looks at the ready worker count
+
+
+@dataclasses.dataclass
+class GradientStats:
+    """What one :meth:`Client.gradient` call did.
+
+    ``compute_seconds``, ``reduce_seconds_per_worker`` and ``wait_seconds`` have one entry
+    per worker that took part, in rank order.
+    """
+
+    num_examples: int
+    loss: float                 # sum (or mean, with reduction="mean") of the loss over the batch
+    loss_sum: float
+    compute_seconds: List[float]
+    reduce_seconds: float       # slowest worker's slice of the reduction
+    reduce_seconds_per_worker: List[float]
+    wait_seconds: List[float]
+    wall_seconds: float
+    workers: int
+    worker_examples: List[int]
+    retries: int
+    nonfinite: bool
+    nonfinite_workers: List[int]
+
+    @classmethod
+    def _from_native(cls, d):
+        ws = d["workers"]
+        return cls(
+            num_examples=d["num_examples"],
+            loss=d["loss"],
+            loss_sum=d["loss_sum"],
+            compute_seconds=[w["compute_seconds"] for w in ws],
+            reduce_seconds=d["reduce_seconds"],
+            reduce_seconds_per_worker=[w["reduce_seconds"] for w in ws],
+            wait_seconds=[w["wait_seconds"] for w in ws],
+            wall_seconds=d["wall_seconds"],
+            workers=len(ws),
+            worker_examples=[w["examples"] for w in ws],
+            retries=d["retries"],
+            nonfinite=d["nonfinite"],
+            nonfinite_workers=[w["slot"] for w in ws if w["nonfinite_loss"] or w["nonfinite_grad"]],
+        )
+
+class Client:
+    """A trainer attached to a running engine; :func:`attach` makes one.
+
+    Only one trainer holds an engine at a time (the lease is released by :meth:`close`,
+    at the end of a ``with`` block, or when this process dies). Closing a client does
+    not stop the engine.
+    """
+
+    # Class-level defaults, so that close() works on an object whose __init__ failed.
+    _trainer = None
+    _closed = False
+
+    def __init__(self, name: str, trainer, *, min_examples_per_worker: int = 1,
+                 max_examples_per_pass: int = 0):
+        """Wraps ``trainer``, a native ``_C.Trainer`` attached to engine ``name``. Use
+        :func:`attach` (or :class:`shmgrad.Engine`) rather than this."""
+        self.name = name
+        self._trainer = trainer
+        self._bound = []
+        self.min_examples_per_worker = min_examples_per_worker
+        self.max_examples_per_pass = max_examples_per_pass
+        self._param_info = [(n, tuple(s)) for n, s in trainer.parameters()]
+        self._param_views = trainer.parameter_views()
+        self._grad_views = trainer.gradient_views()
+
+    @property
+    def parameters(self):
+        """The engine's parameters as ``(name, shape)`` pairs, in the model's order."""
+        return list(self._param_info)
+
+    @property
+    def dataset_size(self) -> int:
+        """Examples in the engine's dataset (0 without one)."""
+        return self._check_open().dataset_size()
+
+    @property
+    def workers(self) -> int:
+        """Worker processes ready now."""
+        return self._check_open().worker_count()
+
+    def parameter_tensors(self):
+        """Tensors aliasing the engine's shared parameters (writes are seen by every worker)."""
+        return list(self._param_views)
+
+    def gradient_tensors(self):
+        """Tensors aliasing the engine's reduced gradient (filled by :meth:`gradient`)."""
+        return list(self._grad_views)
+
+    def bind(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Makes ``module``'s parameters views of the engine's shared parameters (their
+        current values are copied in once) and their ``.grad`` views of the reduced gradient.
+
+        Afterwards any ``torch.optim`` optimizer works unchanged: :meth:`gradient` fills
+        ``.grad``, ``optimizer.step()`` updates the shared parameters in place, and every
+        worker sees the update with no copy. The module must have the engine's parameters
+        (same names, shapes, order). Buffers (e.g. BatchNorm statistics) are not shared.
+        Returns ``module``.
+        """
+        self._check_open()
+        if not isinstance(module, torch.nn.Module):
+            raise errors.InvalidArgumentError(f"bind needs a torch.nn.Module, got {type(module).__name__}")
+        named = list(module.named_parameters())
+        if len(named) != len(self._param_info):
+            raise errors.InvalidArgumentError(
+                f"the module has {len(named)} parameters but the engine has {len(self._param_info)}: "
+                "bind the module the engine was started with")
+        for i, ((name, p), (ename, eshape)) in enumerate(zip(named, self._param_info)):
+            if name != ename or tuple(p.shape) != eshape or p.dtype != torch.float32:
+                raise errors.InvalidArgumentError(
+                    f"module parameter {i} {name!r} {tuple(p.shape)} ({p.dtype}) does not match the "
+                    f"engine's {ename!r} {eshape} (float32): bind the module the engine was started with")
+        with torch.no_grad():
+            for (_, p), view, grad in zip(named, self._param_views, self._grad_views):
+                view.copy_(p.detach())
+                p.data = view
+                p.grad = grad
+        self._bound = [p for _, p in named]
+        return module
+
+    def gradient(self, indices=None, *, inputs=None, targets=None, reduction: str = "sum",
+                 timeout: float = 600.0, max_retries: int = 3,
+                 min_examples_per_worker: Optional[int] = None,
+                 max_examples_per_pass: Optional[int] = None,
+                 raise_on_nonfinite: bool = False) -> GradientStats:
+        """Computes the gradient of the loss over a batch into the reduced gradient (and so
+        into the ``.grad`` of a bound module).
+
+        Give either ``indices`` (positions in the engine's dataset: a sequence, array or
+        integer tensor) or ``inputs`` and ``targets`` (tensors with a batch dimension;
+        class labels as integers for cross_entropy/nll, float targets for mse).
+        ``reduction="sum"`` gives the gradient of the summed loss, ``"mean"`` of its mean.
+
+        .. warning:: Blocks until every worker has finished its slice of the reduction
+           (a synchronisation point of all workers), an error is raised, or ``timeout``
+           seconds pass. A step that loses a worker is re-run (up to ``max_retries``) and
+           still returns the exact gradient.
+
+        Raises:
+            InvalidArgumentError: bad indices, shapes, dtypes, an empty batch.
+            WorkerError: the model rejected the input (the worker's message follows).
+            TimeoutError: the step did not finish in time. The engine keeps serving.
+            NonFiniteError: NaN/inf in loss or gradient, when ``raise_on_nonfinite``.
+        """
+        t = self._check_open()
+        if reduction not in REDUCTIONS:
+            raise errors.InvalidArgumentError(f"unknown reduction {reduction!r}: use 'sum' or 'mean'")
+        mean = reduction == "mean"
+        mepw = self.min_examples_per_worker if min_examples_per_worker is None else min_examples_per_worker
+        mepp = self.max_examples_per_pass if max_examples_per_pass is None else max_examples_per_pass
+        args = (mean, float(timeout), int(max_retries), int(mepw), int(mepp), bool(raise_on_nonfinite))
+        if indices is not None:
+            if inputs is not None or targets is not None:
+                raise errors.InvalidArgumentError("give either indices or inputs and targets, not both")
+            idx = indices if isinstance(indices, torch.Tensor) else torch.as_tensor(indices)
+            if idx.numel() == 0:
+                raise errors.InvalidArgumentError("empty batch: give at least one index")
+            if idx.dtype.is_floating_point or idx.dtype == torch.bool or idx.is_complex():
+                raise errors.InvalidArgumentError(f"indices must be integers, got {idx.dtype}")
+            if idx.dim() != 1:
+                idx = idx.reshape(-1) if idx.dim() == 0 else idx
+                if idx.dim() != 1:
+                    raise errors.InvalidArgumentError(
+                        f"indices must be 1-D, got shape {tuple(idx.shape)}")
+            native = t.gradient(idx.to(torch.int64), None, None, *args)
+        else:
+            if inputs is None or targets is None:
+                raise errors.InvalidArgumentError(
+                    "give indices into the engine's dataset, or both inputs and targets")
+            x = inputs if isinstance(inputs, torch.Tensor) else torch.as_tensor(inputs)
+            y = targets if isinstance(targets, torch.Tensor) else torch.as_tensor(targets)
+            native = t.gradient(None, x.detach(), y.detach(), *args)
+        self._relink_grads()
+        return GradientStats._from_native(native)
+
+    def _relink_grads(self):
+        # optimizer.zero_grad(set_to_none=True) (the default in newer PyTorch) drops .grad;
+        # point it at the reduced gradient again.
+        for p, g in zip(self._bound, self._grad_views):
+            if p.grad is None or p.grad.data_ptr() != g.data_ptr():
+                p.grad = g
+
+    def resize(self, workers: int, *, timeout: float = 120.0):
+        """Runs ``workers`` worker processes (1 to ``max_workers``). New workers map the
+        current parameters; removed ones exit cleanly. Blocks until that many are ready."""
+        t = self._check_open()
+        if not isinstance(workers, int) or workers < 1:
+            raise errors.InvalidArgumentError(f"workers must be a positive int, got {workers!r}")
+        _C.request_resize(self.name, workers)
+        deadline = time.monotonic() + timeout
+        while t.worker_count() != workers:
+            if time.monotonic() > deadline:
+                raise errors.TimeoutError(
+                    f"engine {self.name!r}: {t.worker_count()} workers ready, not {workers}, after {timeout} s")
+            time.sleep(RESIZE_POLL_S)
+
+    def log(self) -> str:
+        """What the engine's coordinator and workers have printed so far: ``""`` for an
+        engine this process attached to (its output goes where ``shmgrad serve``'s
+        does); see :meth:`shmgrad.Engine.log` for one this process started."""
+        return ""
+
+    def status(self) -> EngineStatus:
+        """The engine's state as data (:class:`shmgrad.EngineStatus`: workers with their
+        pids, states and the step each works on, steps served, aborted and retried,
+        recent steps' time breakdown) and as ``text``, the way ``shmgrad status`` prints
+        it. Reads the segment only: safe from another thread while :meth:`gradient`
+        runs."""
+        self._check_open()
+        return read_status(self.name)
+
+    def close(self):
+        """Releases the engine (the next trainer may attach); idempotent.
+
+        Bound modules keep working tensors (the shared memory stays mapped while they
+        exist), but further gradients need a new client.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self._trainer is not None:
+            self._trainer.close()
+
+    def _check_open(self):
+        if self._closed or self._trainer is None:
+            raise errors.InvalidArgumentError(f"engine {getattr(self, 'name', '?')!r} is closed")
+        return self._trainer
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self):
+        state = "closed" if self._closed else "open"
+        return f"<shmgrad.{type(self).__name__} {getattr(self, 'name', '?')!r} {state}>"
+
+
+def attach(name: str, *, timeout: float = 30.0, min_examples_per_worker: int = 1,
+           max_examples_per_pass: int = 0) -> Client:
+    """Attaches to an engine started with ``shmgrad serve --name NAME``.
+
+    Waits up to ``timeout`` seconds for it to serve. Raises :class:`EngineNotFoundError`
+    if there is none, :class:`BusyError` (naming the holder's pid) if another trainer
+    holds it. :meth:`Client.close` releases it without stopping it.
+    """
+    _C.check_engine_name(name)
+    trainer = _C.Trainer.attach(name, timeout=timeout)
+    return Client(name, trainer, min_examples_per_worker=min_examples_per_worker,
+                  max_examples_per_pass=max_examples_per_pass)
