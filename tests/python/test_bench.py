@@ -79,10 +79,10 @@ def test_help_documents_every_option():
 
 
 def test_feed_breakdown_tiny():
-    """`python3 -m shmgrad.bench_feed` (the step breakdown behind BENCHMARKS.md's MLP b512
+    """`python3 -m shmgrad.bench.feed` (the step breakdown behind BENCHMARKS.md's MLP b512
     N=1 analysis) runs, times every kind of step and finds the three gradients equal."""
     proc = subprocess.run(
-        [sys.executable, "-m", "shmgrad.bench_feed", "--model", "tiny", "--batch", "64",
+        [sys.executable, "-m", "shmgrad.bench.feed", "--model", "tiny", "--batch", "64",
          "--steps", "5", "--warmup", "2", "--batches", "3"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout

@@ -293,3 +293,14 @@ def test_status_is_data(npy_dataset):
     with pytest.raises(shmgrad.EngineNotFoundError):
         shmgrad.read_status(engine.name)
 
+
+def test_import_loads_the_engine_alone():
+    """`import shmgrad` loads the library, not the tools beside it or what only they need."""
+    code = "import sys, shmgrad; print(' '.join(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    modules = out.stdout.split()
+    assert "shmgrad.engine" in modules
+    tools = [m for m in modules if m.startswith(("shmgrad.bench", "shmgrad.stress"))]
+    heavy = [m for m in modules if m.split(".")[0] in ("matplotlib", "distributed", "dask")]
+    assert tools == [] and heavy == []

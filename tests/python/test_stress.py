@@ -2,30 +2,34 @@
 no leaked segment, while workers and trainers are killed and the engine is shrunk and
 grown back."""
 
-import re
+import json
 import subprocess
 
 
-def test_stress_short_run():
+def test_stress_short_run(tmp_path):
+    counts_path = tmp_path / "stress.json"
     out = subprocess.run(["shmgrad", "stress", "--name", "stress-test", "--steps", "40",
                           "--kill-rate", "0.3", "--trainer-restart-rate", "0.05",
-                          "--resize-rate", "0.2", "--seed", "7", "--step-timeout", "30"],
+                          "--resize-rate", "0.2", "--seed", "7", "--step-timeout", "30",
+                          "--json", str(counts_path)],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
-    m = re.search(r"steps (\d+), kills (\d+), recoveries (\d+), wrong gradients (\d+), hangs (\d+), "
-                  r"leaked segments (\d+)", out.stdout)
-    assert m, out.stdout
-    steps, kills, recoveries, wrong, hangs, leaked = map(int, m.groups())
-    assert steps == 40
-    assert kills > 0, "the run must actually kill workers"
-    resizes = int(re.search(r"shrink-and-grow (\d+)", out.stdout).group(1))
-    assert resizes > 0, "the run must actually shrink and grow the engine"
-    assert (wrong, hangs, leaked) == (0, 0, 0)
+    with open(counts_path) as f:
+        counts = json.load(f)
+    assert counts["ok"] is True, counts
+    assert counts["steps"] == 40
+    assert counts["kills"] > 0, "the run must actually kill workers"
+    assert counts["worker_replacements"] > 0, counts
+    assert counts["resizes"] > 0, "the run must actually shrink and grow the engine"
+    for key in ("wrong", "hangs", "leaked_segments", "leftover_workers"):
+        assert counts[key] == 0, (key, counts)
 
 
 def test_stress_help_and_bad_arguments():
     out = subprocess.run(["shmgrad", "stress", "--help"], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0 and "--kill-rate" in out.stdout and "--seed" in out.stdout
+    assert out.returncode == 0
+    for opt in ("--kill-rate", "--seed", "--json"):
+        assert opt in out.stdout, opt
     out = subprocess.run(["shmgrad", "stress", "--name", "x", "--kill-rate", "2"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "--kill-rate must be a probability in [0, 1], got 2" in out.stderr

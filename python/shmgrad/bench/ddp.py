@@ -1,21 +1,17 @@
 """The DistributedDataParallel side of ``shmgrad bench``: one rank of a gloo process group
-on 127.0.0.1, started by torch.multiprocessing (spawn). Kept apart from bench.py so that
-spawned ranks import only this and the models."""
+on 127.0.0.1, started by torch.multiprocessing (spawn). Kept apart from the runners so that
+a spawned rank imports only this, the models and the clock, not Dask or the report."""
 
+import datetime
 import os
-import time
 import traceback
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from . import bench_models
-
-
-def _now():
-    # CLOCK_MONOTONIC is system-wide: times from different ranks are comparable.
-    return time.clock_gettime(time.CLOCK_MONOTONIC)
+from . import models
+from .timing import now
 
 
 def rank_main(rank, world, port, model_name, batch, warmup, repeats, seed, queue, timeout_s):
@@ -25,32 +21,31 @@ def rank_main(rank, world, port, model_name, batch, warmup, repeats, seed, queue
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(port)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        bench_models.set_threads(1)  # like a shmgrad worker (threads_per_worker=1)
-        import datetime
+        models.set_threads(1)  # like a shmgrad worker (threads_per_worker=1)
         dist.init_process_group("gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         try:
-            model = bench_models.make_model(model_name, seed)
+            model = models.make_model(model_name, seed)
             model.train()
             ddp = torch.nn.parallel.DistributedDataParallel(model)
-            batches = bench_models.make_batches(model_name, batch, warmup + repeats, seed)
+            batches = models.make_batches(model_name, batch, warmup + repeats, seed)
             lo, hi = batch * rank // world, batch * (rank + 1) // world
             starts, ends = [], []
             grad = None
             for i, (x, y) in enumerate(batches):
                 dist.barrier()  # every rank starts the step together
-                t0 = _now()
+                t0 = now()
                 for p in model.parameters():
                     p.grad = None
                 loss = F.cross_entropy(ddp(x[lo:hi]), y[lo:hi], reduction="sum")
                 loss.backward()  # DDP all-reduces (averages) the gradient buckets here
-                t1 = _now()
+                t1 = now()
                 if i >= warmup:
                     starts.append(t0)
                     ends.append(t1)
                 if i == 0 and rank == 0:
                     # DDP averages over ranks; times world gives the gradient of the sum.
-                    grad = (bench_models.flat_grad(model) * world).numpy()
+                    grad = (models.flat_grad(model) * world).numpy()
             dist.barrier()
             queue.put((rank, {"start": starts, "end": ends, "grad": grad}))
         finally:

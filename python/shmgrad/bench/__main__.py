@@ -1,0 +1,346 @@
+"""shmgrad bench: one run, one machine, the same models and the same batches, through
+
+  single   one process, no engine: forward+backward over the whole batch with torch
+           using N intra-op threads (and once with 1 thread: ``single-1t``);
+  shmgrad  a shmgrad engine with N worker processes (1 thread each), explicit batches
+           (``engine.gradient(inputs=..., targets=...)``);
+  ddp      PyTorch DistributedDataParallel, gloo backend, N processes on 127.0.0.1
+           (torch.multiprocessing spawn), each computing its shard and all-reducing;
+  dask     the task-scheduler approach shmgrad replaces: a Dask ``distributed`` client
+           with processes=False and N threads; each step scatters the model, every
+           gradient task deep-copies it and computes its shard, one task sums them;
+  reduce   the reduction alone: N processes reduce N shared-memory slots of P floats
+           (ipc::reduceSlice, the engine's code) in GB/s, against memcpy with the same
+           processes in the same run (the reduce_bench binary).
+
+Each configuration runs warm-up steps first, then up to --repeats timed steps (fewer once
+--budget seconds are spent; at least 3). Reported per configuration: median, min, max and
+the quartiles of the step time, each alternative's median over shmgrad's median with the
+same N, and shmgrad's overhead = (step wall time - slowest worker's forward+backward) /
+step wall time, the wall time measured around ``engine.gradient`` in this process.
+
+Writes results.json, results.md (the table) and bench.png (step time against workers)
+into --out. Everything binds to 127.0.0.1 (Dask uses in-process transports), every wait is
+bounded by --timeout, and engines are closed in ``finally``.
+"""
+
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import traceback
+
+import torch
+
+from .._numerics import relative_error
+from . import models, report, runners
+from .timing import Budget, log, now, summarize
+
+SYSTEMS = ("single", "shmgrad", "ddp", "dask", "reduce")
+LARGE_REDUCE_FLOATS = 16 * 1024 * 1024  # 64 MiB a slot: larger than most last-level caches
+
+
+# -- the run --------------------------------------------------------------------------
+def machine_info():
+    info = {"cpu_count": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu_model"] = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        with open("/etc/os-release") as f:
+            for line in f:
+                if line.startswith("PRETTY_NAME="):
+                    info["os"] = line.split("=", 1)[1].strip().strip('"')
+    except OSError:
+        pass
+    try:
+        v = subprocess.run(["dpkg-query", "-W", "-f=${Version}", "python3-torch"],
+                           capture_output=True, text=True, timeout=10)
+        if v.returncode == 0 and v.stdout:
+            info["torch_package"] = "python3-torch " + v.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        import distributed
+        info["distributed"] = distributed.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def default_workers():
+    n = os.cpu_count() or 1
+    out, w = [], 1
+    while w < n:
+        out.append(w)
+        w *= 2
+    out.append(n)
+    return out
+
+
+def int_list(text):
+    try:
+        vals = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return sorted(set(vals))
+
+
+def name_list(choices):
+    def parse(text):
+        vals = [v.strip() for v in text.split(",") if v.strip()]
+        bad = [v for v in vals if v not in choices]
+        if not vals or bad:
+            raise argparse.ArgumentTypeError(
+                f"unknown {', '.join(bad) or 'empty list'}: choose from {', '.join(choices)}")
+        return list(dict.fromkeys(vals))
+    return parse
+
+
+def build_parser():
+    ap = argparse.ArgumentParser(
+        prog="shmgrad bench", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", type=name_list(tuple(models.MODELS)), default=None,
+                    help="comma-separated models: mlp (784-256-10), cnn (the Fashion-MNIST "
+                         "CNN), wrn (Wide-ResNet-16-4 on [B,3,32,32]), tiny (64-32-10, for "
+                         "tests). Default mlp,cnn,wrn; --quick: mlp,cnn; --tiny: tiny")
+    ap.add_argument("--batch-sizes", type=int_list, default=None,
+                    help="comma-separated batch sizes (default 32,128,512; --quick/--tiny: 128)")
+    ap.add_argument("--workers", type=int_list, default=None,
+                    help="comma-separated worker counts N for shmgrad, DDP, Dask, the "
+                         "single process's threads and the reduction (default 1,2,4,... up "
+                         "to os.cpu_count(); --quick/--tiny: 1,2)")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="timed steps per configuration after warm-up (default 10; --tiny: 2)")
+    ap.add_argument("--warmup", type=int, default=3,
+                    help="untimed steps first in every configuration (default 3: TorchScript's "
+                         "profiling executor, which shmgrad's workers run, optimises the "
+                         "model during its first 2-3 calls)")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds of timed steps per configuration: stop repeating once "
+                         "spent (at least 3 steps or --repeats if fewer; default 60, "
+                         "--quick 10)")
+    ap.add_argument("--systems", type=name_list(SYSTEMS), default=list(SYSTEMS),
+                    help=f"what to measure, comma-separated (default all: {','.join(SYSTEMS)}); "
+                         "ratios need shmgrad")
+    ap.add_argument("--reduce-floats", type=int_list, default=None,
+                    help="slot sizes (floats) for the reduction benchmark (default: each "
+                         f"model's parameter count and {LARGE_REDUCE_FLOATS})")
+    ap.add_argument("--reduce-repeats", type=int, default=None,
+                    help="timed repetitions of each reduction measurement (default 50; "
+                         "--tiny: 5)")
+    ap.add_argument("--timeout", type=float, default=900.0,
+                    help="seconds one configuration (one system, model, batch size, N) may "
+                         "take, start-up included, before it is abandoned (default 900)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the weights and batches")
+    ap.add_argument("--quick", action="store_true",
+                    help="a subset that runs in under two minutes on a 2-core machine: "
+                         "mlp,cnn, batch 128, workers 1,2, budget 10 s")
+    ap.add_argument("--tiny", action="store_true",
+                    help="for tests: the tiny MLP, 2 repeats, small reductions")
+    ap.add_argument("--out", default="bench-out",
+                    help="directory for results.json, results.md and bench.png "
+                         "(default ./bench-out)")
+    return ap
+
+
+def resolve(args):
+    quick = args.quick or args.tiny
+    if args.models is None:
+        args.models = ["tiny"] if args.tiny else (["mlp", "cnn"] if quick else ["mlp", "cnn", "wrn"])
+    if args.batch_sizes is None:
+        args.batch_sizes = [128] if quick else [32, 128, 512]
+    if args.workers is None:
+        args.workers = [1, 2] if quick else default_workers()
+    if args.repeats is None:
+        args.repeats = 2 if args.tiny else 10
+    if args.budget is None:
+        args.budget = 10.0 if quick else 60.0
+    if args.reduce_repeats is None:
+        args.reduce_repeats = 5 if args.tiny else 50
+    if args.repeats < 1 or args.warmup < 0 or args.reduce_repeats < 1 or args.budget <= 0:
+        raise SystemExit("shmgrad bench: --repeats, --reduce-repeats and --budget must be "
+                         "positive, --warmup >= 0")
+    if args.timeout <= 0:
+        raise SystemExit("shmgrad bench: --timeout must be positive")
+    return args
+
+
+def measure(args):
+    """Runs every configuration; returns the list of result records."""
+    records = []
+    budget = Budget(args.repeats, args.budget)
+    steps = args.warmup + args.repeats
+    engine_count = 0
+    systems = args.systems
+
+    def record(base, system, workers, fn, ref=None):
+        rec = dict(base, system=system, workers=workers, load_average=os.getloadavg()[0])
+        t0 = now()
+        try:
+            out, grad = fn()
+            rec.update(out)
+            rec.update(summarize(out["times_s"]))
+            rec["grad_rel_err"] = (None if grad is None or ref is None
+                                   else relative_error(grad, ref))
+        except Exception as exc:  # one failed system must not stop the others
+            rec["error"] = f"{type(exc).__name__}: {exc}"
+            log(f"  {system} N={workers}: FAILED {rec['error']}")
+            traceback.print_exc(file=sys.stderr)
+            grad = None
+        rec["config_seconds"] = now() - t0
+        if "median_s" in rec:
+            log(f"  {system:9s} N={workers}: median {rec['median_s'] * 1e3:9.2f} ms "
+                f"over {rec['n']} steps" + (f", overhead {rec['overhead_median'] * 100:.1f}%"
+                                             if "overhead_median" in rec else ""))
+        records.append(rec)
+        return rec, grad
+
+    for model_name in args.models:
+        params = models.num_parameters(models.make_model(model_name, args.seed))
+        for batch in args.batch_sizes:
+            log(f"{model_name} ({params} parameters), batch {batch}")
+            batches = models.make_batches(model_name, batch, steps, args.seed)
+            base = {"model": model_name, "params": params, "batch": batch,
+                    "warmup": args.warmup}
+            # The reference gradient (batch 0, whole batch, one process, 1 thread).
+            ref = None
+            single_by_n = {}
+            if "single" in systems:
+                rec, ref = record(base, "single-1t", 1, lambda: runners.run_single(
+                    model_name, batches, args.warmup, budget, 1, args.seed,
+                    now() + args.timeout))
+                single_by_n[1] = rec
+            for n in args.workers:
+                if "single" in systems:
+                    if n == 1:
+                        rec = dict(single_by_n[1], system="single")
+                        records.append(rec)
+                    else:
+                        record(base, "single", n, lambda: runners.run_single(
+                            model_name, batches, args.warmup, budget, n, args.seed,
+                            now() + args.timeout), ref)
+                shm = None
+                if "shmgrad" in systems:
+                    engine_count += 1
+                    name = f"bench-{os.getpid()}-{engine_count}"
+                    shm, _ = record(base, "shmgrad", n, lambda: runners.run_shmgrad(
+                        model_name, batches, args.warmup, budget, n, args.seed,
+                        now() + args.timeout, name), ref)
+                if "ddp" in systems:
+                    est = (shm or {}).get("median_s") or single_by_n.get(1, {}).get("median_s")
+                    reps = runners.ddp_repeats(budget, est)
+                    record(base, "ddp", n, lambda: runners.run_ddp(
+                        model_name, batch, args.warmup, reps, n, args.seed,
+                        now() + args.timeout), ref)
+                if "dask" in systems:
+                    record(base, "dask", n, lambda: runners.run_dask(
+                        model_name, batches, args.warmup, budget, n, args.seed,
+                        now() + args.timeout), ref)
+    models.set_threads(1)
+
+    # Ratios to shmgrad, same model, batch and N.
+    shm = {(r["model"], r["batch"], r["workers"]): r for r in records
+           if r["system"] == "shmgrad" and "median_s" in r}
+    for r in records:
+        s = shm.get((r["model"], r["batch"], r["workers"]))
+        if s is not None and "median_s" in r:
+            r["ratio_to_shmgrad"] = r["median_s"] / s["median_s"]
+        elif r["system"] == "single-1t":
+            # single-1t is one number per model and batch: compare with every N's shmgrad.
+            r["ratio_to_shmgrad_by_n"] = {
+                str(n): r["median_s"] / shm[(r["model"], r["batch"], n)]["median_s"]
+                for n in args.workers if (r["model"], r["batch"], n) in shm and "median_s" in r}
+    return records
+
+
+def measure_reduce(args, models_params):
+    out = []
+    if "reduce" not in args.systems:
+        return out
+    sizes = args.reduce_floats
+    if sizes is None:
+        sizes = sorted(set(p for p in models_params if p >= 16) |
+                       ({65536} if args.tiny else {LARGE_REDUCE_FLOATS}))
+    log("reduction: N slots of P floats in shared memory vs memcpy")
+    for n in args.workers:
+        for p in sizes:
+            rec = {"system": "reduce", "workers": n, "floats": p}
+            try:
+                rec.update(runners.run_reduce(n, p, args.reduce_repeats, args.timeout))
+                log(f"  N={n} P={p}: reduce {rec['reduce_gbps_median']:.2f} GB/s, memcpy "
+                    f"{rec['memcpy_gbps_median']:.2f} GB/s ({rec['ratio'] * 100:.0f}%)")
+            except Exception as exc:
+                rec["error"] = f"{type(exc).__name__}: {exc}"
+                log(f"  N={n} P={p}: FAILED {rec['error']}")
+            out.append(rec)
+    return out
+
+
+def main(argv=None):
+    args = resolve(build_parser().parse_args(argv))
+    os.makedirs(args.out, exist_ok=True)
+    started = datetime.datetime.now().isoformat(timespec="seconds")
+    t0 = now()
+    load_before = os.getloadavg()
+    info = machine_info()
+    log(f"machine: {info.get('cpu_model', '?')}, {info['cpu_count']} CPUs, torch {info['torch']}; "
+        f"load average {load_before[0]:.2f}")
+    if load_before[0] > 0.5 * (os.cpu_count() or 1):
+        log("warning: the 1-minute load average is above half the CPUs: if other work is "
+            "running, the numbers will be noisy")
+    log(f"models {','.join(args.models)}, batch sizes {args.batch_sizes}, workers "
+        f"{args.workers}, {args.warmup} warm-up + up to {args.repeats} timed steps "
+        f"(budget {args.budget:g} s), systems {','.join(args.systems)}")
+    records = measure(args)
+    params = [models.num_parameters(models.make_model(m, args.seed))
+              for m in args.models]
+    reductions = measure_reduce(args, params)
+    targets = report.evaluate_targets(records, reductions)
+    text = report.table(records, reductions, targets)
+    result = {
+        "schema": 1,
+        "command": "shmgrad bench " + " ".join(sys.argv[1:] if argv is None else argv),
+        "started": started,
+        "duration_s": now() - t0,
+        "machine": info,
+        "load_average_before": list(load_before),
+        "load_average_after": list(os.getloadavg()),
+        "args": {k: v for k, v in vars(args).items()},
+        "results": records,
+        "reduction": reductions,
+        "targets": targets,
+    }
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(report.jsonable(result), f, indent=1)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(text)
+    try:
+        report.plot(records, os.path.join(args.out, "bench.png"))
+    except Exception as exc:
+        log(f"plot failed: {type(exc).__name__}: {exc}")
+    print(text)
+    print(f"wrote {os.path.join(args.out, 'results.json')}, results.md, bench.png "
+          f"({result['duration_s']:.0f} s)")
+    failed = [r for r in records + reductions if "error" in r]
+    if failed:
+        log(f"{len(failed)} configuration(s) failed")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

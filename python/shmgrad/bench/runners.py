@@ -1,0 +1,253 @@
+"""The systems ``shmgrad bench`` measures, one runner each: a single process, a shmgrad
+engine, DDP over gloo, Dask with a deep copy per task, and the reduction alone.
+
+Every runner of a training step takes the same batches and returns ``(record, grad)``:
+the step times and what else it measured, and the gradient of batch 0 as one float64
+vector (the report compares it with the single process's).
+"""
+
+import copy
+import json
+import logging
+import math
+import os
+import queue as queue_mod
+import socket
+import statistics
+import subprocess
+import warnings
+
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from ..engine import Engine
+from ..launcher import installed_binary
+from . import ddp, models
+from .timing import now, timed_steps
+
+
+# -- 1. single process ----------------------------------------------------------------
+def run_single(model_name, batches, warmup, budget, threads, seed, deadline):
+    models.set_threads(threads)
+    model = models.make_model(model_name, seed)
+    model.train()
+    grad = None
+
+    def step(i, x, y, left):
+        nonlocal grad
+        t0 = now()
+        for p in model.parameters():
+            p.grad = None
+        loss = F.cross_entropy(model(x), y, reduction="sum")
+        loss.backward()
+        dt = now() - t0
+        if i == 0:
+            grad = models.flat_grad(model)
+        return dt
+
+    times = timed_steps(batches, warmup, budget, deadline, "single-process", step)
+    return {"times_s": times, "threads": threads}, grad
+
+
+# -- 2. shmgrad -----------------------------------------------------------------------
+def run_shmgrad(model_name, batches, warmup, budget, workers, seed, deadline, engine_name):
+    models.set_threads(1)  # the trainer only copies the batch in and waits
+    model = models.make_model(model_name, seed)
+    batch = batches[0][0].shape[0]
+    in_mb = batches[0][0].numel() * 4 / 2**20
+    engine = None
+    try:
+        t_start = now()
+        engine = Engine(model=model, workers=workers, loss="cross_entropy", name=engine_name,
+                        threads_per_worker=1, max_batch=max(batch, 1),
+                        input_capacity_mb=max(64, int(math.ceil(in_mb * 2)) + 1),
+                        startup_timeout=max(10.0, min(120.0, deadline - now())))
+        startup = now() - t_start
+        overheads, engine_overheads, compute, reduce_s, engine_wall = [], [], [], [], []
+        grad = None
+
+        def step(i, x, y, left):
+            nonlocal grad
+            t0 = now()
+            st = engine.gradient(inputs=x, targets=y, reduction="sum", timeout=left)
+            dt = now() - t0
+            if st.workers != workers:
+                raise RuntimeError(f"the step ran on {st.workers} workers, not {workers}")
+            if i == 0:
+                grad = torch.cat([g.detach().reshape(-1).double() for g in engine.gradient_tensors()])
+            if i >= warmup:
+                slowest = max(st.compute_seconds)
+                compute.append(slowest)
+                reduce_s.append(st.reduce_seconds)
+                engine_wall.append(st.wall_seconds)
+                overheads.append((dt - slowest) / dt)
+                engine_overheads.append((st.wall_seconds - slowest) / st.wall_seconds
+                                        if st.wall_seconds > 0 else 0.0)
+            return dt
+
+        times = timed_steps(batches, warmup, budget, deadline, "shmgrad", step)
+        return {
+            "times_s": times,
+            "threads": 1,
+            "startup_s": startup,
+            "overhead_median": statistics.median(overheads),
+            "overhead_per_step": overheads,
+            "engine_overhead_median": statistics.median(engine_overheads),
+            "compute_max_median_s": statistics.median(compute),
+            "reduce_median_s": statistics.median(reduce_s),
+            # The engine's whole reduce phase (ipc::reduceSlice and the non-finite check of
+            # the reduced slice), as bandwidth over the bytes the reduction must move.
+            "reduce_phase_gbps": ((workers + 1) * models.num_parameters(model) * 4
+                                  / max(statistics.median(reduce_s), 1e-12) / 1e9),
+            "engine_wall_median_s": statistics.median(engine_wall),
+        }, grad
+    finally:
+        if engine is not None:
+            engine.close()
+
+
+# -- 3. DDP (gloo) --------------------------------------------------------------------
+def _free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ddp(model_name, batch, warmup, repeats, workers, seed, deadline):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    port = _free_port()
+    os.environ["MASTER_PORT"] = str(port)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    timeout_s = max(30, int(deadline - now()))
+    t_start = now()
+    procs = mp.start_processes(
+        ddp.rank_main, nprocs=workers, join=False, start_method="spawn",
+        args=(workers, port, model_name, batch, warmup, repeats, seed, q, timeout_s))
+    results = {}
+    try:
+        while len(results) < workers:
+            left = deadline - now()
+            if left <= 0:
+                raise TimeoutError("DDP run went past --timeout")
+            try:
+                rank, res = q.get(timeout=min(1.0, left))
+            except queue_mod.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs.processes):
+                    # Give a crashing rank a moment to report its traceback first.
+                    try:
+                        rank, res = q.get(timeout=2.0)
+                    except queue_mod.Empty:
+                        codes = [p.exitcode for p in procs.processes]
+                        raise RuntimeError(f"a DDP rank died (exit codes {codes})") from None
+                else:
+                    continue
+            if "error" in res:
+                raise RuntimeError(f"DDP rank {rank} failed:\n{res['error']}")
+            results[rank] = res
+        for p in procs.processes:
+            p.join(max(1.0, min(30.0, deadline - now())))
+    finally:
+        for p in procs.processes:
+            if p.is_alive():
+                p.terminate()
+        for p in procs.processes:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        q.close()
+    total = now() - t_start
+    starts = [results[r]["start"] for r in range(workers)]
+    ends = [results[r]["end"] for r in range(workers)]
+    times = [max(e[i] for e in ends) - min(s[i] for s in starts) for i in range(len(starts[0]))]
+    return {"times_s": times, "threads": 1, "total_s": total}, results[0]["grad"]
+
+
+def ddp_repeats(budget, est_step):
+    """DDP ranks run a fixed number of steps: as many as the budget allows, by the step
+    time of shmgrad (or the single process) in this configuration."""
+    if est_step is None or est_step <= 0:
+        return budget.repeats
+    n = int(budget.seconds / est_step)
+    return max(budget.minimum, min(budget.repeats, n))
+
+
+# -- 4. Dask --------------------------------------------------------------------------
+def _dask_gradient(model, x, y):
+    """One gradient task: a private deep copy of the model, forward+backward on a shard."""
+    # Per task thread (OpenMP's thread count is per thread); run_dask set OpenBLAS's,
+    # which is per process, once.
+    torch.set_num_threads(1)
+    m = copy.deepcopy(model)
+    m.train()
+    loss = F.cross_entropy(m(x), y, reduction="sum")
+    loss.backward()
+    return [p.grad for p in m.parameters()]
+
+
+def _dask_gradient_shard(model, shard):
+    return _dask_gradient(model, shard[0], shard[1])
+
+
+def _dask_sum(grads):
+    out = [g.clone() for g in grads[0]]
+    for gs in grads[1:]:
+        for o, g in zip(out, gs):
+            o.add_(g)
+    return out
+
+
+def run_dask(model_name, batches, warmup, budget, workers, seed, deadline):
+    from distributed import Client
+
+    models.set_threads(1)  # the threads of the in-process Dask worker start with this
+    model = models.make_model(model_name, seed)
+    model.train()
+    batch = batches[0][0].shape[0]
+    bounds = [(batch * r // workers, batch * (r + 1) // workers) for r in range(workers)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        client = Client(processes=False, n_workers=1, threads_per_worker=workers,
+                        dashboard_address=None, silence_logs=logging.ERROR)
+    try:
+        grad = None
+
+        def step(i, x, y, left):
+            nonlocal grad
+            t0 = now()
+            # The parameters change every step in training: the model is shipped every step.
+            model_f = client.scatter(model, hash=False)
+            shards = client.scatter([(x[lo:hi], y[lo:hi]) for lo, hi in bounds], hash=False)
+            parts = [client.submit(_dask_gradient_shard, model_f, s, pure=False) for s in shards]
+            total = client.submit(_dask_sum, parts, pure=False)
+            grads = total.result(timeout=left)
+            dt = now() - t0
+            if i == 0:
+                grad = torch.cat([g.reshape(-1).double() for g in grads])
+            return dt
+
+        times = timed_steps(batches, warmup, budget, deadline, "Dask", step)
+        return {"times_s": times, "threads": 1}, grad
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            client.close(timeout=30)
+
+
+# -- 5. the reduction alone -----------------------------------------------------------
+REDUCE_TIMEOUT_MARGIN_S = 10  # reduce_bench bounds its own waits by --timeout
+
+
+def run_reduce(workers, floats, repeats, timeout):
+    exe = installed_binary("reduce_bench", "SHMGRAD_REDUCE_BENCH")
+    cmd = [exe, "--workers", str(workers), "--floats", str(floats), "--repeats", str(repeats),
+           "--timeout", str(max(1, int(timeout)))]
+    p = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                       timeout=timeout + REDUCE_TIMEOUT_MARGIN_S)
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {p.returncode}: {p.stderr.strip()}")
+    return json.loads(p.stdout)
+

@@ -1,0 +1,3 @@
+"""``shmgrad stress``: a node-local stress test of an engine under faults, beside the
+library (``import shmgrad`` does not load it). Run ``python3 -m shmgrad.stress`` (the
+command ``shmgrad stress``); ``run`` holds the run itself, ``__main__`` its command line."""

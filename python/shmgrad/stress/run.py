@@ -1,0 +1,285 @@
+"""The stress run: one engine, many checked steps, faults injected between and during them.
+
+A step goes through named phases: maybe restart the trainer (a child trainer killed
+while its step is in flight, then this process attaches again), maybe shrink the engine
+and grow it back at once, draw a batch, maybe arm a worker kill, run the step and check
+its gradient against plain PyTorch, then an SGD step so the parameters move.
+"""
+
+import copy
+import dataclasses
+import glob
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+import torch
+
+from .. import errors
+from .._numerics import relative_error
+from ..client import attach
+from ..engine import save_model
+from ..launcher import Launcher, ServeOptions
+from ..status import read_status
+
+DATASET_SIZE = 1000
+INPUT_SHAPE = (1, 16, 16)
+CLASSES = 6
+CHILD_BATCH = 2000          # the child trainer's batch: long enough to be killed mid-step
+MAX_GRADIENT_ERROR = 1e-4   # relative to the reference gradient
+KILL_DELAY_MAX_S = 0.05     # a worker kill lands this long after the step starts, at most
+CHILD_KILL_DELAY_MAX_S = 0.05  # after the child's step is seen in flight
+POLL_S = 0.005
+ATTACH_TIMEOUT_S = 30.0
+REAP_GRACE_S = 0.2          # after stopping the engine, before counting leftovers
+PROGRESS_EVERY = 25         # steps between progress lines
+
+
+class StressNet(torch.nn.Module):
+    def __init__(self, classes=CLASSES):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 8, 3, padding=1)
+        self.fc1 = torch.nn.Linear(8 * 8 * 8, 32)
+        self.fc2 = torch.nn.Linear(32, classes)
+
+    def forward(self, x):
+        x = torch.max_pool2d(torch.relu(self.conv(x)), 2)
+        return self.fc2(torch.relu(self.fc1(torch.flatten(x, 1))))
+
+
+CHILD_TRAINER = f"""
+import sys, torch, shmgrad
+e = shmgrad.attach(sys.argv[1], timeout={ATTACH_TIMEOUT_S})
+print("attached", flush=True)
+x = torch.randn({CHILD_BATCH}, *{INPUT_SHAPE})
+y = torch.randint(0, {CLASSES}, ({CHILD_BATCH},))
+while True:
+    e.gradient(inputs=x, targets=y)
+"""
+
+
+@dataclasses.dataclass
+class Counts:
+    """What a run did and found; ``--json`` writes it as is."""
+
+    steps: int = 0
+    kills: int = 0                # workers SIGKILLed
+    recoveries: int = 0           # step retries the trainer saw
+    wrong: int = 0                # wrong gradients (or corrupt step bookkeeping)
+    hangs: int = 0                # steps that ran past --step-timeout
+    errors: int = 0               # WorkerErrors after repeated deaths: allowed
+    trainer_restarts: int = 0
+    resizes: int = 0              # shrink-and-grow-back pairs
+    worker_replacements: int = 0  # the engine's worker_restarts over the run
+    steps_aborted: int = 0        # the engine's steps_aborted over the run
+    leaked_segments: int = 0
+    leftover_workers: int = 0     # worker processes still alive after the engine stopped
+    elapsed_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return (self.wrong, self.hangs, self.leaked_segments, self.leftover_workers) == (0, 0, 0, 0)
+
+
+def _reference(model, x, y, mean):
+    m = copy.deepcopy(model)
+    for p in m.parameters():
+        p.grad = None
+    torch.nn.functional.cross_entropy(m(x), y, reduction="mean" if mean else "sum").backward()
+    return [p.grad for p in m.parameters()]
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2:].split()[0] != "Z"
+
+
+def _print(msg, error=False):
+    print(msg, file=sys.stderr if error else sys.stdout, flush=True)
+
+
+class StressRun:
+    def __init__(self, args, log=_print):
+        self.args = args
+        self.log = log
+        self.rng = random.Random(args.seed)
+        self.counts = Counts()
+        self.worker_pids_seen = set()
+        torch.manual_seed(args.seed)
+        self.data_x = torch.randn(DATASET_SIZE, *INPUT_SHAPE)
+        self.data_y = torch.randint(0, CLASSES, (DATASET_SIZE,))
+        self.model = StressNet()
+        self.trainer = None
+        self.opt = None
+
+    # -- the run ------------------------------------------------------------------------
+    def run(self) -> Counts:
+        t_start = time.monotonic()
+        with tempfile.TemporaryDirectory(prefix="shmgrad-stress-") as tmp:
+            launcher = Launcher(self._serve_options(tmp))
+            try:
+                launcher.start()
+                self._attach()
+                before = read_status(self.args.name)
+                for step in range(self.args.steps):
+                    self._step(step)
+                after = read_status(self.args.name)
+                self.counts.worker_replacements = after.worker_restarts - before.worker_restarts
+                self.counts.steps_aborted = after.steps_aborted - before.steps_aborted
+            finally:
+                if self.trainer is not None:
+                    self.trainer.close()
+                launcher.stop()
+        time.sleep(REAP_GRACE_S)
+        self.counts.leaked_segments = len(glob.glob(f"/dev/shm/shmgrad-{os.getuid()}-{self.args.name}"))
+        self.counts.leftover_workers = sum(1 for pid in self.worker_pids_seen if _alive(pid))
+        self.counts.elapsed_s = time.monotonic() - t_start
+        return self.counts
+
+    def _serve_options(self, tmp):
+        np.save(os.path.join(tmp, "x.npy"), self.data_x.numpy())
+        np.save(os.path.join(tmp, "y.npy"), self.data_y.numpy())
+        model_path = save_model(self.model, os.path.join(tmp, "model.pt"))
+        return ServeOptions(name=self.args.name, model_path=model_path, workers=self.args.workers,
+                            loss="cross_entropy", dataset=f"npy:{tmp}/x.npy,{tmp}/y.npy",
+                            max_batch=max(self.args.max_batch, CHILD_BATCH))
+
+    def _attach(self):
+        self.trainer = attach(self.args.name, timeout=ATTACH_TIMEOUT_S)
+        self.trainer.bind(self.model)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01)
+
+    def _step(self, step):
+        a = self.args
+        if self.rng.random() < a.trainer_restart_rate:
+            self._restart_trainer()
+        if a.workers > 1 and self.rng.random() < a.resize_rate:
+            self._shrink_and_grow()
+        x, y, mean, call = self._draw_batch()
+        ref = _reference(self.model, x, y, mean)
+        killer = self._arm_kill() if self.rng.random() < a.kill_rate else None
+        try:
+            self._checked_step(step, call, ref)
+        finally:
+            if killer is not None:
+                killer.join()
+        self.counts.steps += 1
+        if (step + 1) % PROGRESS_EVERY == 0:
+            c = self.counts
+            self.log(f"  step {step + 1}/{a.steps}: kills {c.kills}, retries {c.recoveries}, "
+                     f"wrong {c.wrong}")
+
+    # -- the phases ---------------------------------------------------------------------
+    def _restart_trainer(self):
+        """Hands the engine to a child trainer, kills the child while its step is in
+        flight (seen in the status), and attaches again."""
+        last_epoch = self.trainer.status().step_epoch
+        self.trainer.close()
+        self.trainer = None
+        child = subprocess.Popen([sys.executable, "-c", CHILD_TRAINER, self.args.name],
+                                 stdout=subprocess.PIPE, text=True)
+        try:
+            line = child.stdout.readline().strip()
+            if line != "attached":
+                raise RuntimeError(f"child trainer failed to attach (exit {child.wait()})")
+            try:
+                self._wait_for_busy_worker(trainer_pid=child.pid, after_epoch=last_epoch)
+            except errors.TimeoutError as exc:
+                self.counts.hangs += 1
+                self.log(f"  trainer restart: HANG: {exc}", error=True)
+            time.sleep(self.rng.uniform(0.0, CHILD_KILL_DELAY_MAX_S))
+        finally:
+            child.kill()
+            child.wait()
+            child.stdout.close()
+        self._attach()
+        self.counts.trainer_restarts += 1
+
+    def _wait_for_busy_worker(self, trainer_pid, after_epoch):
+        """Polls the status until a worker works on a step of ``trainer_pid``'s (one
+        after ``after_epoch``: a worker marks itself idle only just after a step)."""
+        deadline = time.monotonic() + self.args.step_timeout
+        while True:
+            st = read_status(self.args.name)
+            if st.trainer_pid == trainer_pid and \
+                    any(w.busy_epoch > after_epoch for w in st.ready_workers):
+                return
+            if time.monotonic() > deadline:
+                raise errors.TimeoutError(
+                    f"no worker was seen busy with child trainer {trainer_pid}'s step within "
+                    f"{self.args.step_timeout:g} s")
+            time.sleep(POLL_S)
+
+    def _shrink_and_grow(self):
+        """Shrinks to a random size, then grows back before the retired workers have had
+        time to exit."""
+        self._remember_workers()
+        self.trainer.resize(self.rng.randint(1, self.args.workers - 1), timeout=self.args.step_timeout)
+        self.trainer.resize(self.args.workers, timeout=self.args.step_timeout)
+        self.counts.resizes += 1
+
+    def _draw_batch(self):
+        """A random batch, by index half of the time, explicit otherwise; returns its
+        inputs, targets, reduction and the call that computes its gradient."""
+        batch = self.rng.randint(1, self.args.max_batch)
+        mean = self.rng.random() < 0.5
+        reduction = "mean" if mean else "sum"
+        timeout = self.args.step_timeout
+        if self.rng.random() < 0.5:
+            idx = torch.tensor([self.rng.randrange(DATASET_SIZE) for _ in range(batch)])
+            x, y = self.data_x[idx], self.data_y[idx]
+            return x, y, mean, lambda: self.trainer.gradient(idx, reduction=reduction, timeout=timeout)
+        x, y = torch.randn(batch, *INPUT_SHAPE), torch.randint(0, CLASSES, (batch,))
+        return x, y, mean, lambda: self.trainer.gradient(inputs=x, targets=y, reduction=reduction,
+                                                         timeout=timeout)
+
+    def _remember_workers(self):
+        pids = [w.pid for w in self.trainer.status().ready_workers]
+        self.worker_pids_seen.update(pids)
+        return pids
+
+    def _arm_kill(self):
+        """A timer that SIGKILLs a random ready worker at a random moment of the step."""
+        # A worker killed a moment ago shows as ready until the coordinator reaps it.
+        pids = [pid for pid in self._remember_workers() if _alive(pid)]
+        if not pids:
+            return None
+        victim = self.rng.choice(pids)
+
+        def kill():
+            try:
+                os.kill(victim, signal.SIGKILL)
+                self.counts.kills += 1
+            except ProcessLookupError:
+                pass
+        killer = threading.Timer(self.rng.uniform(0.0, KILL_DELAY_MAX_S), kill)
+        killer.start()
+        return killer
+
+    def _checked_step(self, step, call, ref):
+        try:
+            stats = call()
+            self.counts.recoveries += stats.retries
+            if relative_error([p.grad for p in self.model.parameters()], ref) > MAX_GRADIENT_ERROR:
+                self.counts.wrong += 1
+            self.opt.step()
+        except errors.TimeoutError as exc:
+            self.counts.hangs += 1
+            self.log(f"  step {step + 1}: HANG: {exc}", error=True)
+            if os.environ.get("SHMGRAD_STRESS_DEBUG"):
+                self.log(read_status(self.args.name).text, error=True)
+        except errors.WorkerError:
+            self.counts.errors += 1  # a clear error after repeated deaths: allowed
+        except errors.CorruptSegmentError as exc:
+            self.counts.wrong += 1  # the step's bookkeeping is wrong: so may its gradient be
+            self.log(f"  step {step + 1}: WRONG: {exc}", error=True)
