@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import shmgrad
-from conftest import (Cnn, Mlp, proc_stat, reference_gradient, relative_error, segments,
+from conftest import (Mlp, proc_stat, reference_gradient, relative_error, segments,
                       worker_pids)
 
 
@@ -37,6 +37,52 @@ def wait_for(cond, timeout, what):
         time.sleep(0.02)
 
 
+BUSY_POLL_S = 0.001  # steps below take hundreds of ms: a kill lands early in them
+STEP_TIMEOUT_S = 120
+
+
+class GradientCall:
+    """``engine.gradient(**kwargs)`` run in a thread (it releases the GIL while it waits),
+    so that the test can watch the step and kill a process in the middle of it."""
+
+    def __init__(self, engine, **kwargs):
+        self._outcome = {}
+        self._thread = threading.Thread(target=self._run, args=(engine, kwargs), daemon=True)
+        self._thread.start()
+
+    def _run(self, engine, kwargs):
+        try:
+            self._outcome["stats"] = engine.gradient(**kwargs)
+        except BaseException as exc:  # handed to the test thread by result()
+            self._outcome["error"] = exc
+
+    def join(self):
+        self._thread.join(STEP_TIMEOUT_S + 30)
+        assert not self._thread.is_alive(), "the gradient call did not return"
+
+    def result(self):
+        """The call's GradientStats, or the exception it raised, raised here."""
+        self.join()
+        if "error" in self._outcome:
+            raise self._outcome["error"]
+        return self._outcome["stats"]
+
+
+def wait_until_busy(name, *, after_epoch, slot=None, trainer_pid=None, timeout=60):
+    """Polls the engine's status (from the segment: it works while any trainer holds the
+    engine) until worker ``slot`` (any ready worker if None) works on a step later than
+    ``after_epoch``, and, if given, ``trainer_pid`` holds the engine. Returns the status."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = shmgrad.read_status(name)
+        workers = st.ready_workers if slot is None else [st.worker(slot)]
+        if (trainer_pid is None or st.trainer_pid == trainer_pid) and \
+                any(w is not None and w.busy_epoch > after_epoch for w in workers):
+            return st
+        assert time.monotonic() < deadline, f"no worker seen busy within {timeout} s:\n{st.text}"
+        time.sleep(BUSY_POLL_S)
+
+
 def test_killed_idle_worker_is_replaced_and_gradient_stays_exact():
     torch.manual_seed(0)
     model = Mlp(d_in=10, d_out=3)
@@ -48,33 +94,49 @@ def test_killed_idle_worker_is_replaced_and_gradient_stays_exact():
         # Detected and replaced within a bounded time.
         wait_for(lambda: len(worker_pids(engine)) == 3 and worker_pids(engine)[1] != before[1], 30,
                  "the replacement worker")
-        assert engine.status().worker_restarts == 1
+        st = engine.status()
+        assert st.worker_restarts == 1 and st.worker(1).restarts == 1
+        assert st.steps_aborted == 0  # idle: no step to abort
         engine.gradient(inputs=x, targets=y)
         assert relative_error([p.grad for p in model.parameters()],
                               reference_gradient(model, "cross_entropy", x, y)) < 1e-5
 
 
-@pytest.mark.parametrize("delay", [0.02, 0.15, 0.4])
-def test_worker_killed_mid_step_step_is_rerun_exactly(delay):
+@pytest.mark.parametrize("victim", ["first", "last"])
+def test_worker_killed_mid_step_step_is_rerun_exactly(victim):
+    """A worker SIGKILLed while it works on the step (seen busy in the status): the step is
+    aborted, re-run once with the replacement, and its gradient is still exact. Killed:
+    the first or the last of 3 workers (1501 examples: uneven shards)."""
     torch.manual_seed(1)
     model = SlowCnn()
-    x, y = torch.randn(1500, 1, 28, 28), torch.randint(0, 5, (1500,))
+    x, y = torch.randn(1501, 1, 28, 28), torch.randint(0, 5, (1501,))
     ref = reference_gradient(model, "cross_entropy", x, y)
-    with shmgrad.Engine(model=model, workers=2, loss="cross_entropy") as engine:
+    with shmgrad.Engine(model=model, workers=3, loss="cross_entropy") as engine:
         engine.bind(model)
         engine.gradient(inputs=x[:8], targets=y[:8])  # warm up
-        victim = worker_pids(engine)[0]
-        killer = threading.Timer(delay, os.kill, (victim, signal.SIGKILL))
-        killer.start()
-        stats = engine.gradient(inputs=x, targets=y, timeout=120)
-        killer.join()
+        before = engine.status()
+        slot = 0 if victim == "first" else len(before.ready_workers) - 1
+        call = GradientCall(engine, inputs=x, targets=y, timeout=STEP_TIMEOUT_S)
+        try:
+            wait_until_busy(engine.name, slot=slot, after_epoch=before.step_epoch)
+            os.kill(before.worker(slot).pid, signal.SIGKILL)
+        finally:
+            call.join()
+        stats = call.result()
+        assert stats.retries == 1
         assert relative_error([p.grad for p in model.parameters()], ref) < 1e-5
-        # Either the kill hit the step (re-run) or the step had already finished.
-        if stats.retries:
-            assert engine.status().steps_aborted == 1
+        after = engine.status()
+        assert after.steps_aborted == before.steps_aborted + 1
+        assert after.step_retries == before.step_retries + 1
+        # The coordinator counts the restart just after it aborts the step.
+        wait_for(lambda: engine.status().worker(slot).restarts == before.worker(slot).restarts + 1,
+                 10, f"worker {slot}'s restart to be counted")
+        after = engine.status()
+        assert after.worker_restarts == before.worker_restarts + 1
+        assert after.worker(slot).pid != before.worker(slot).pid
         # The engine keeps serving.
         stats = engine.gradient(inputs=x[:64], targets=y[:64])
-        assert stats.num_examples == 64
+        assert stats.num_examples == 64 and stats.retries == 0
 
 
 def test_workers_dying_on_every_try_give_a_clear_error():
@@ -84,12 +146,18 @@ def test_workers_dying_on_every_try_give_a_clear_error():
     with shmgrad.Engine(model=model, workers=2, loss="cross_entropy") as engine:
         engine.bind(model)
         engine.gradient(inputs=x[:8], targets=y[:8])
-        victim = worker_pids(engine)[0]
-        killer = threading.Timer(0.05, os.kill, (victim, signal.SIGKILL))
-        killer.start()
+        before = engine.status()
+        call = GradientCall(engine, inputs=x, targets=y, max_retries=0, timeout=STEP_TIMEOUT_S)
+        try:
+            wait_until_busy(engine.name, slot=0, after_epoch=before.step_epoch)
+            os.kill(before.worker(0).pid, signal.SIGKILL)
+        finally:
+            call.join()
         with pytest.raises(shmgrad.WorkerError, match="died"):
-            engine.gradient(inputs=x, targets=y, max_retries=0)
-        killer.join()
+            call.result()
+        after = engine.status()
+        assert after.steps_aborted == before.steps_aborted + 1
+        assert after.step_retries == before.step_retries  # none allowed
         wait_for(lambda: engine.workers == 2, 30, "the replacement worker")
         engine.gradient(inputs=x[:32], targets=y[:32])
         assert relative_error([p.grad for p in model.parameters()],
@@ -97,9 +165,7 @@ def test_workers_dying_on_every_try_give_a_clear_error():
 
 
 TRAINER = """
-import sys, time, torch, shmgrad
-sys.path.insert(0, {tests!r})
-from test_faults import SlowCnn
+import torch, shmgrad
 e = shmgrad.attach({name!r}, timeout=30)
 print("attached", flush=True)
 x, y = torch.randn(3000, 1, 28, 28), torch.randint(0, 5, (3000,))
@@ -181,24 +247,31 @@ def test_worker_retired_while_starting_does_not_come_up():
 
 
 def test_killed_trainer_frees_the_engine(tmp_path):
+    """A trainer SIGKILLed while a worker is busy with its step: the next trainer attaches
+    at once (the lease is taken over), and its gradients are exact."""
     torch.manual_seed(3)
     model = SlowCnn()
     path = shmgrad.save_model(model, tmp_path / "m.pt")
     serve = subprocess.Popen(["shmgrad", "serve", "--name", "trainer-kill", "--model", str(path),
                               "--workers", "2", "--loss", "cross_entropy", "--quiet"])
     try:
-        code = TRAINER.format(tests=os.path.dirname(__file__), name="trainer-kill")
+        code = TRAINER.format(name="trainer-kill")
         child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-        assert child.stdout.readline().strip() == "attached"
-        time.sleep(0.5)  # mid-step
-        child.kill()
-        child.wait()
+        try:
+            assert child.stdout.readline().strip() == "attached"
+            wait_until_busy("trainer-kill", after_epoch=0, trainer_pid=child.pid)
+        finally:
+            child.kill()
+            child.wait()
+            child.stdout.close()
         t0 = time.monotonic()
         engine = shmgrad.attach("trainer-kill", timeout=5)
         assert time.monotonic() - t0 < 1.0
+        assert engine.status().trainer_pid == os.getpid()
         engine.bind(model)
         x, y = torch.randn(20, 1, 28, 28), torch.randint(0, 5, (20,))
-        engine.gradient(inputs=x, targets=y)
+        stats = engine.gradient(inputs=x, targets=y)
+        assert stats.num_examples == 20
         assert relative_error([p.grad for p in model.parameters()],
                               reference_gradient(model, "cross_entropy", x, y)) < 1e-5
         engine.close()
