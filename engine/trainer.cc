@@ -142,6 +142,20 @@ std::vector<torch::Tensor> Trainer::gradientViews() const {
   return views(seg_->reduced());
 }
 
+torch::Tensor Trainer::parameterBuffer() const {
+  checkUsable();
+  auto keep = seg_;
+  return torch::from_blob(seg_->params(), {static_cast<int64_t>(seg_->header()->param_floats)},
+                          [keep](void*) {}, torch::kFloat32);
+}
+
+torch::Tensor Trainer::gradientBuffer() const {
+  checkUsable();
+  auto keep = seg_;
+  return torch::from_blob(seg_->reduced(), {static_cast<int64_t>(seg_->header()->param_floats)},
+                          [keep](void*) {}, torch::kFloat32);
+}
+
 int64_t Trainer::datasetSize() const { return segment().header()->data_count; }
 
 int Trainer::slotCount() const { return static_cast<int>(segment().header()->num_slots); }

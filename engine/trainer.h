@@ -90,6 +90,11 @@ class Trainer {
   // and its reduced gradient. They keep the mapping alive while they exist.
   std::vector<torch::Tensor> parameterViews() const;
   std::vector<torch::Tensor> gradientViews() const;
+  // The whole parameter buffer and the whole reduced gradient as one flat float32
+  // tensor each (padding between tensors included, always zero in the gradient): one
+  // contiguous buffer for a collective (all-reduce, broadcast) or a checksum.
+  torch::Tensor parameterBuffer() const;
+  torch::Tensor gradientBuffer() const;
   int64_t datasetSize() const;
   int workerCount() const;  // worker processes ready now
   int slotCount() const;

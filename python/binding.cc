@@ -16,32 +16,6 @@ namespace py = pybind11;
 
 namespace {
 
-py::dict statsToDict(const shmgrad::GradientStats& s) {
-  py::dict d;
-  d["num_examples"] = s.num_examples;
-  d["loss_sum"] = s.loss_sum;
-  d["loss"] = s.loss;
-  d["wall_seconds"] = s.wall_seconds;
-  d["reduce_seconds"] = s.reduce_seconds;
-  d["retries"] = s.retries;
-  d["nonfinite"] = s.nonfinite;
-  py::list workers;
-  for (const auto& w : s.workers) {
-    py::dict wd;
-    wd["slot"] = w.slot;
-    wd["examples"] = w.examples;
-    wd["loss_sum"] = w.loss_sum;
-    wd["compute_seconds"] = w.compute_seconds;
-    wd["reduce_seconds"] = w.reduce_seconds;
-    wd["wait_seconds"] = w.wait_seconds;
-    wd["nonfinite_loss"] = w.nonfinite_loss;
-    wd["nonfinite_grad"] = w.nonfinite_grad;
-    workers.append(wd);
-  }
-  d["workers"] = workers;
-  return d;
-}
-
 // engine::EngineStatus as a dict: keys are the struct's field names, `workers` and
 // `recent_steps` lists of dicts keyed by WorkerStatus's and StepSummary's field names.
 py::dict statusToDict(const shmgrad::engine::EngineStatus& s) {
@@ -136,6 +110,33 @@ PYBIND11_MODULE(_C, m) {
     }
   });
 
+  // One gradient call's statistics, moved out of the call as they are: nothing is
+  // converted until Python reads a field (shmgrad.GradientStats is the public view).
+  using Stats = shmgrad::GradientStats;
+  py::class_<Stats>(m, "NativeStats")
+      .def_readonly("num_examples", &Stats::num_examples)
+      .def_readonly("loss_sum", &Stats::loss_sum)
+      .def_readonly("loss", &Stats::loss)
+      .def_readonly("wall_seconds", &Stats::wall_seconds)
+      .def_readonly("reduce_seconds", &Stats::reduce_seconds)
+      .def_readonly("retries", &Stats::retries)
+      .def_readonly("nonfinite", &Stats::nonfinite)
+      .def_readonly("prepare_seconds", &Stats::prepare_seconds)
+      .def_readonly("step_seconds", &Stats::step_seconds)
+      .def_readonly("wake_seconds", &Stats::wake_seconds)
+      .def_readonly("finish_seconds", &Stats::finish_seconds)
+      // (slot, examples, loss_sum, compute_s, reduce_s, wait_s, nonfinite_loss,
+      //  nonfinite_grad) per participant, in rank order.
+      .def_property_readonly("workers", [](const Stats& s) {
+        py::list out;
+        for (const auto& w : s.workers) {
+          out.append(py::make_tuple(w.slot, w.examples, w.loss_sum, w.compute_seconds,
+                                    w.reduce_seconds, w.wait_seconds, w.nonfinite_loss,
+                                    w.nonfinite_grad));
+        }
+        return out;
+      });
+
   py::class_<shmgrad::Trainer>(m, "Trainer")
       .def_static(
           "attach",
@@ -155,6 +156,8 @@ PYBIND11_MODULE(_C, m) {
            })
       .def("parameter_views", &shmgrad::Trainer::parameterViews)
       .def("gradient_views", &shmgrad::Trainer::gradientViews)
+      .def("parameter_buffer", &shmgrad::Trainer::parameterBuffer)
+      .def("gradient_buffer", &shmgrad::Trainer::gradientBuffer)
       .def("dataset_size", &shmgrad::Trainer::datasetSize)
       .def("worker_count", &shmgrad::Trainer::workerCount)
       .def("slot_count", &shmgrad::Trainer::slotCount)
@@ -178,7 +181,7 @@ PYBIND11_MODULE(_C, m) {
               py::gil_scoped_release nogil;
               s = indices ? t.gradient(*indices, o) : t.gradient(*inputs, *targets, o);
             }
-            return statsToDict(s);
+            return s;
           },
           py::arg("indices"), py::arg("inputs"), py::arg("targets"), py::arg("mean"),
           py::arg("timeout"), py::arg("max_retries"), py::arg("min_examples_per_worker"),

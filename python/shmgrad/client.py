@@ -2,8 +2,8 @@
 read the status. :func:`attach` returns one for an engine started elsewhere
 (``shmgrad serve``); :class:`shmgrad.Engine` is one that also started its engine."""
 
-import dataclasses
 import time
+import warnings
 from typing import List, Optional
 
 import torch
@@ -16,46 +16,75 @@ REDUCTIONS = ("sum", "mean")
 RESIZE_POLL_S = 0.01  # how often resize() looks at the ready worker count
 
 
-@dataclasses.dataclass
 class GradientStats:
-    """What one :meth:`Client.gradient` call did.
+    """What one :meth:`Client.gradient` call did. Fields are read from the native result
+    only when asked for, so a training loop that ignores them pays nothing for them.
 
-    ``compute_seconds``, ``reduce_seconds_per_worker`` and ``wait_seconds`` have one entry
-    per worker that took part, in rank order.
+    ``num_examples``, ``loss`` (the sum, or the mean with ``reduction="mean"``),
+    ``loss_sum``, ``wall_seconds`` (the call, as the engine timed it), ``reduce_seconds``
+    (slowest worker's slice), ``retries``, ``nonfinite``; per worker that took part, in
+    rank order: ``compute_seconds``, ``reduce_seconds_per_worker``, ``wait_seconds``,
+    ``worker_examples``, ``worker_slots``, ``nonfinite_workers``; ``workers`` is how many.
+    Where the wall time went: ``prepare_seconds`` (checks, batch copy), ``step_seconds``
+    (publish to the end of the reduction), ``wake_seconds`` (publish to the last worker
+    starting), ``finish_seconds`` (end of the reduction to return).
     """
 
-    num_examples: int
-    loss: float                 # sum (or mean, with reduction="mean") of the loss over the batch
-    loss_sum: float
-    compute_seconds: List[float]
-    reduce_seconds: float       # slowest worker's slice of the reduction
-    reduce_seconds_per_worker: List[float]
-    wait_seconds: List[float]
-    wall_seconds: float
-    workers: int
-    worker_examples: List[int]
-    retries: int
-    nonfinite: bool
-    nonfinite_workers: List[int]
+    __slots__ = ("_native",)
+    _SCALARS = ("num_examples", "loss", "loss_sum", "wall_seconds", "reduce_seconds", "retries",
+                "nonfinite", "prepare_seconds", "step_seconds", "wake_seconds",
+                "finish_seconds")
 
-    @classmethod
-    def _from_native(cls, d):
-        ws = d["workers"]
-        return cls(
-            num_examples=d["num_examples"],
-            loss=d["loss"],
-            loss_sum=d["loss_sum"],
-            compute_seconds=[w["compute_seconds"] for w in ws],
-            reduce_seconds=d["reduce_seconds"],
-            reduce_seconds_per_worker=[w["reduce_seconds"] for w in ws],
-            wait_seconds=[w["wait_seconds"] for w in ws],
-            wall_seconds=d["wall_seconds"],
-            workers=len(ws),
-            worker_examples=[w["examples"] for w in ws],
-            retries=d["retries"],
-            nonfinite=d["nonfinite"],
-            nonfinite_workers=[w["slot"] for w in ws if w["nonfinite_loss"] or w["nonfinite_grad"]],
-        )
+    def __init__(self, native):
+        self._native = native
+
+    def __getattr__(self, name):
+        if name in GradientStats._SCALARS:
+            return getattr(self._native, name)
+        raise AttributeError(f"GradientStats has no field {name!r}")
+
+    def _column(self, i):
+        return [w[i] for w in self._native.workers]
+
+    @property
+    def workers(self) -> int:
+        return len(self._native.workers)
+
+    @property
+    def worker_slots(self) -> List[int]:
+        return self._column(0)
+
+    @property
+    def worker_examples(self) -> List[int]:
+        return self._column(1)
+
+    @property
+    def compute_seconds(self) -> List[float]:
+        return self._column(3)
+
+    @property
+    def reduce_seconds_per_worker(self) -> List[float]:
+        return self._column(4)
+
+    @property
+    def wait_seconds(self) -> List[float]:
+        return self._column(5)
+
+    @property
+    def nonfinite_workers(self) -> List[int]:
+        return [w[0] for w in self._native.workers if w[6] or w[7]]
+
+    def as_dict(self) -> dict:
+        """Every field as a plain dict (e.g. for logging)."""
+        names = self._SCALARS + ("workers", "worker_slots", "worker_examples", "compute_seconds",
+                                 "reduce_seconds_per_worker", "wait_seconds", "nonfinite_workers")
+        return {n: getattr(self, n) for n in names}
+
+    def __repr__(self):
+        return (f"GradientStats(num_examples={self.num_examples}, loss={self.loss:.6g}, "
+                f"workers={self.workers}, wall_seconds={self.wall_seconds:.6f}, "
+                f"retries={self.retries})")
+
 
 class Client:
     """A trainer attached to a running engine; :func:`attach` makes one.
@@ -76,6 +105,8 @@ class Client:
         self.name = name
         self._trainer = trainer
         self._bound = []
+        self._views_handed_out = False  # gradient_tensors()/parameter_tensors() were asked for
+        self._warned_unbound = False
         self.min_examples_per_worker = min_examples_per_worker
         self.max_examples_per_pass = max_examples_per_pass
         self._param_info = [(n, tuple(s)) for n, s in trainer.parameters()]
@@ -99,10 +130,12 @@ class Client:
 
     def parameter_tensors(self):
         """Tensors aliasing the engine's shared parameters (writes are seen by every worker)."""
+        self._views_handed_out = True
         return list(self._param_views)
 
     def gradient_tensors(self):
         """Tensors aliasing the engine's reduced gradient (filled by :meth:`gradient`)."""
+        self._views_handed_out = True
         return list(self._grad_views)
 
     def bind(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -134,6 +167,7 @@ class Client:
                 p.data = view
                 p.grad = grad
         self._bound = [p for _, p in named]
+        self._grad_ptrs = [g.data_ptr() for g in self._grad_views]
         return module
 
     def gradient(self, indices=None, *, inputs=None, targets=None, reduction: str = "sum",
@@ -188,15 +222,31 @@ class Client:
             x = inputs if isinstance(inputs, torch.Tensor) else torch.as_tensor(inputs)
             y = targets if isinstance(targets, torch.Tensor) else torch.as_tensor(targets)
             native = t.gradient(None, x.detach(), y.detach(), *args)
-        self._relink_grads()
-        return GradientStats._from_native(native)
+        if self._bound:
+            self._relink_grads()
+        elif not self._views_handed_out and not self._warned_unbound:
+            self._warned_unbound = True
+            warnings.warn(
+                f"engine {self.name!r}: gradient() filled the engine's reduced gradient, but no "
+                "module is bound, so no .grad changed and an optimizer would not move: call "
+                "engine.bind(model) once before training (or read engine.gradient_tensors())",
+                stacklevel=2)
+        return GradientStats(native)
 
     def _relink_grads(self):
-        # optimizer.zero_grad(set_to_none=True) (the default in newer PyTorch) drops .grad;
-        # point it at the reduced gradient again.
-        for p, g in zip(self._bound, self._grad_views):
-            if p.grad is None or p.grad.data_ptr() != g.data_ptr():
-                p.grad = g
+        # optimizer.zero_grad(set_to_none=True) (the default in newer PyTorch) drops every
+        # .grad at once; point them at the reduced gradient again. Looking at the first and
+        # the last is enough to see that, and keeps the step's Python cost flat in the
+        # number of parameters.
+        bound = self._bound
+        if not bound:
+            return
+        first, last = bound[0].grad, bound[-1].grad
+        if (first is None or last is None or first.data_ptr() != self._grad_ptrs[0]
+                or last.data_ptr() != self._grad_ptrs[-1]):
+            for p, g in zip(bound, self._grad_views):
+                if p.grad is None or p.grad.data_ptr() != g.data_ptr():
+                    p.grad = g
 
     def resize(self, workers: int, *, timeout: float = 120.0):
         """Runs ``workers`` worker processes (1 to ``max_workers``). New workers map the

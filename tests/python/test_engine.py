@@ -304,3 +304,28 @@ def test_import_loads_the_engine_alone():
     tools = [m for m in modules if m.startswith(("shmgrad.bench", "shmgrad.stress"))]
     heavy = [m for m in modules if m.split(".")[0] in ("matplotlib", "distributed", "dask")]
     assert tools == [] and heavy == []
+
+
+def test_stats_are_read_lazily_and_unbound_gradient_warns_once():
+    torch.manual_seed(3)
+    model = Mlp(d_in=6, d_out=3)
+    x, y = torch.randn(10, 6), torch.randint(0, 3, (10,))
+    with shmgrad.Engine(model=model, workers=2, loss="cross_entropy") as engine:
+        with pytest.warns(UserWarning, match="bind"):
+            engine.gradient(inputs=x, targets=y)
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a second warning would raise here
+            stats = engine.gradient(inputs=x, targets=y, reduction="mean")
+        assert stats.num_examples == 10 and stats.workers == 2
+        assert stats.worker_examples == [5, 5] and sorted(stats.worker_slots) == [0, 1]
+        ref = torch.nn.functional.cross_entropy(model(x), y, reduction="mean").item()
+        assert abs(stats.loss - ref) < 1e-5 and abs(stats.loss_sum - 10 * ref) < 1e-4
+        # The wall time splits into its parts.
+        parts = stats.prepare_seconds + stats.step_seconds + stats.finish_seconds
+        assert 0 < parts <= stats.wall_seconds + 1e-6
+        assert 0 <= stats.wake_seconds <= stats.step_seconds
+        d = stats.as_dict()
+        assert d["compute_seconds"] == stats.compute_seconds and len(d["compute_seconds"]) == 2
+        with pytest.raises(AttributeError):
+            stats.no_such_field  # noqa: B018
