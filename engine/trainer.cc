@@ -1,9 +1,11 @@
 #include "engine/trainer.h"
 
+#include <sched.h>
 #include <unistd.h>
 #include <torch/torch.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 
@@ -20,7 +22,12 @@ namespace {
 
 // Tunables of the trainer's waits (every wait is also bounded by the call's timeout).
 constexpr auto kAwaitSlice = std::chrono::milliseconds(100);  // liveness checks while a step runs
-constexpr int kAwaitSpin = 2000;        // pause-loop turns before the first sleep on trainer_wake
+// How long the trainer and the participants of a step spin before they sleep on a futex,
+// when every one of them has a core (StepRequest::spin_ns). Long enough to cover a short
+// step's compute and the gap between two steps, so neither side pays a wake-up; bounded,
+// so a long step costs a spare core for no longer than this. SHMGRAD_SPIN_US overrides it
+// (0 disables spinning).
+constexpr uint64_t kDefaultSpinNs = 1000000;
 constexpr auto kIdlePoll = std::chrono::milliseconds(1);       // stale workers after an abort
 constexpr auto kNoWorkerPoll = std::chrono::milliseconds(5);   // every worker being replaced
 constexpr auto kAttachPoll = std::chrono::milliseconds(20);    // engine not serving yet
@@ -87,6 +94,18 @@ std::unique_ptr<Trainer> Trainer::attach(const std::string& name, const AttachOp
 
 Trainer::Trainer(std::string name, std::shared_ptr<ipc::Segment> seg, bool lease)
     : name_(std::move(name)), seg_(std::move(seg)), lease_(lease) {
+  cpu_set_t cpus;
+  CPU_ZERO(&cpus);
+  cores_ = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
+  spin_ns_ = kDefaultSpinNs;
+  if (const char* env = std::getenv("SHMGRAD_SPIN_US")) {
+    char* end = nullptr;
+    const double us = std::strtod(env, &end);
+    SHMGRAD_CHECK(end != env && *end == '\0' && us >= 0 && us * 1000 <= ipc::kMaxSpinNs,
+                  ErrorKind::kInvalidArgument, "SHMGRAD_SPIN_US='", env,
+                  "' must be microseconds from 0 to ", ipc::kMaxSpinNs / 1000);
+    spin_ns_ = static_cast<uint64_t>(us * 1000);
+  }
   const ipc::ParamEntry* table = seg_->paramTable();
   for (uint32_t i = 0; i < seg_->header()->num_params; ++i) {
     ParamInfo p;
@@ -355,6 +374,10 @@ uint32_t Trainer::publish(int64_t B, const GradientOptions& o, uint32_t kind,
   }
   c.compute_barrier.store(ipc::barrierTag(e), std::memory_order_relaxed);
   c.reduce_barrier.store(ipc::barrierTag(e), std::memory_order_relaxed);
+  // Spin only if every process of the step has a core: the participants' threads and
+  // this trainer. Otherwise a spinning waiter would take a core from a worker.
+  const uint64_t processes = static_cast<uint64_t>(p.n) * std::max<uint32_t>(1, h->threads_per_worker) + 1;
+  r.spin_ns = processes <= cores_ ? spin_ns_ : 0;
   r.publish_ns = ipc::monotonicNs();
   c.step_epoch.store(e, std::memory_order_release);
   ipc::futexWake(&c.step_epoch);
@@ -388,7 +411,7 @@ Trainer::Outcome Trainer::await(uint32_t e, const Participants& p, uint64_t dead
         }
         return true;
       },
-      deadline, kAwaitSlice, kAwaitSpin);
+      deadline, kAwaitSlice, h->request.spin_ns);
   if (c.done_epoch.load(std::memory_order_acquire) == e) return Outcome::kDone;
   if (ended) return Outcome::kLostWorker;  // aborted by the coordinator: it reaped a participant
   return outcome;

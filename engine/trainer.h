@@ -146,6 +146,8 @@ class Trainer {
   std::shared_ptr<ipc::Segment> seg_;
   bool lease_;
   bool dirty_ = true;  // a previous step may have left stale workers running
+  uint32_t cores_ = 1;     // CPUs this process may run on (sched_getaffinity)
+  uint64_t spin_ns_ = 0;   // spin budget for steps whose processes all have a core
   std::vector<ParamInfo> params_;
 };
 

@@ -28,19 +28,34 @@ inline void bumpAndWake(std::atomic<uint32_t>* word) {
   futexWake(word);
 }
 
-// Waits until pred() holds, sleeping on word between checks. Each sleep lasts at most
-// `slice`; once per slice `poll()` may decide to stop (returning false, e.g. a peer died).
+// Waits until pred() holds: first spinning for up to spin_ns, then sleeping on word
+// between checks. Each sleep lasts at most `slice`; once per slice `poll()` may decide to
+// stop (returning false, e.g. a peer died).
 // Returns true when pred() held, false on deadline or when poll() returned false.
+inline void cpuRelax() {
+#if defined(__x86_64__)
+  __builtin_ia32_pause();
+#endif
+}
+
+// Spins (pause loop, no system call) until pred() holds or spin_ns pass. Returns pred().
+// Only worth it when the waiter has a core of its own: see StepRequest::spin_ns.
+template <typename Pred>
+bool spinUntil(Pred pred, uint64_t spin_ns) {
+  if (spin_ns == 0) return pred();
+  const uint64_t until = monotonicNs() + spin_ns;
+  for (uint32_t i = 1;; ++i) {
+    if (pred()) return true;
+    cpuRelax();
+    if ((i & 63) == 0 && monotonicNs() >= until) return pred();
+  }
+}
+
 template <typename Pred, typename Poll>
 bool waitUntil(std::atomic<uint32_t>* word, Pred pred, Poll poll, uint64_t deadline_ns,
                std::chrono::nanoseconds slice = std::chrono::milliseconds(100),
-               int spin = 0) {
-  for (int i = 0; i < spin; ++i) {
-    if (pred()) return true;
-#if defined(__x86_64__)
-    __builtin_ia32_pause();
-#endif
-  }
+               uint64_t spin_ns = 0) {
+  if (spinUntil(pred, spin_ns)) return true;
   // poll() may make system calls (liveness checks): it runs once per slice, not before
   // every sleep, so a wait that a wake ends promptly costs no call beyond the futex.
   const uint64_t slice_ns = static_cast<uint64_t>(slice.count());

@@ -30,7 +30,7 @@
 namespace shmgrad::ipc {
 
 constexpr uint64_t kMagic = 0x31444152474d4853ull;  // "SHMGRAD1", little endian
-constexpr uint32_t kLayoutVersion = 2;
+constexpr uint32_t kLayoutVersion = 3;
 constexpr uint64_t kAlign = 64;            // every region and tensor starts on a cache line
 constexpr uint32_t kAlignFloats = kAlign / sizeof(float);
 constexpr uint32_t kMaxWorkers = 64;       // gradient slots in one segment, at most
@@ -50,6 +50,7 @@ constexpr int64_t kMaxBatch = int64_t{1} << 36;      // examples in one step / i
 constexpr int64_t kMaxDimSize = int64_t{1} << 40;    // one dimension of a shape
 constexpr uint64_t kMaxNumel = uint64_t{1} << 40;    // elements of one tensor or example
 constexpr uint64_t kMaxParamFloats = uint64_t{1} << 40;  // floats in the parameter buffer
+constexpr uint64_t kMaxSpinNs = 10000000;            // a request's spin_ns, at most (10 ms)
 
 // Enumerations stored in the segment, each with its names right below it. A value read
 // from shared memory is checked with the *Valid() helper before it is used as an index.
@@ -148,6 +149,11 @@ struct StepRequest {
   Shape target_shape;         // explicit: shape of one target (ndim 0 for class labels)
   int64_t max_examples_per_pass;  // >0: a worker splits its shard into passes
   uint64_t publish_ns;        // CLOCK_MONOTONIC when published (for wall time)
+  // How long a participant may spin (pause loop, no system call) before it sleeps on a
+  // futex: at the barriers and, after this step, waiting for the next one. The trainer
+  // sets it only when every process of the step has a core of its own (participants x
+  // threads + the trainer <= cores); 0 otherwise, as spinning would steal their cores.
+  uint64_t spin_ns;
   uint8_t participants[kMaxWorkers];  // slot ids, rank order
 };
 

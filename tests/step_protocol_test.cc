@@ -4,6 +4,7 @@
 // is the contract any new kind of worker plugs into.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -241,6 +242,34 @@ TEST(StepProtocolExitTest, StopRequestEndsEveryParticipantWithTheStoppedCode) {
   engine.stop();
   EXPECT_EQ(engine.exitCode(0), worker::kExitStopped);
   EXPECT_EQ(engine.exitCode(1), worker::kExitStopped);
+}
+
+}  // namespace
+}  // namespace shmgrad
+
+namespace shmgrad {
+namespace {
+
+// Waiters spin only when every process of the step has a core of its own.
+TEST(StepProtocolSpinTest, SpinOnlyWhenEveryProcessHasACore) {
+  cpu_set_t cpus;
+  CPU_ZERO(&cpus);
+  ASSERT_EQ(sched_getaffinity(0, sizeof(cpus), &cpus), 0);
+  const uint32_t cores = CPU_COUNT(&cpus);
+  for (uint32_t workers : {1u, 2u, 3u}) {
+    SCOPED_TRACE(workers);
+    Engine engine(workers);
+    GradientOptions o;
+    o.timeout_seconds = 20;
+    engine.trainer().gradient(indexTensor({1, 2, 3, 4, 5, 6}), o);
+    const uint64_t spin = engine.segment().header()->request.spin_ns;
+    if (workers + 1 <= cores) {
+      EXPECT_GT(spin, 0u) << cores << " cores";
+      EXPECT_LE(spin, ipc::kMaxSpinNs);
+    } else {
+      EXPECT_EQ(spin, 0u) << cores << " cores";
+    }
+  }
 }
 
 }  // namespace

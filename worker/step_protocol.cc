@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -88,6 +89,16 @@ uint32_t StepParticipant::waitForStep() {
       last_epoch_ = cur;
       return cur;
     }
+    // Right after a step the next one often follows within the trainer's optimizer
+    // step: spin for it first when the last step said there are cores to spare.
+    if (spin_ns_ > 0) {
+      const uint64_t spin = spin_ns_;
+      spin_ns_ = 0;  // once per step: an idle worker sleeps
+      if (ipc::spinUntil([&] { return c_.step_epoch.load(std::memory_order_acquire) != cur; },
+                         spin)) {
+        continue;
+      }
+    }
     const bool woken = ipc::futexWait(&c_.step_epoch, cur, kIdleCheckSlice);
     if (!woken && coordinatorGone()) return 0;
   }
@@ -158,6 +169,7 @@ bool StepParticipant::prepareShard(uint32_t e, Shard* s) {
   const bool alone = n == 1;
   s->grads = alone ? seg_.reduced() : seg_.slot(slot_);
   s->grad_scale = alone ? r.scale : 1.0f;
+  spin_ns_ = std::min<uint64_t>(r.spin_ns, ipc::kMaxSpinNs);
   return true;
 }
 
@@ -233,9 +245,10 @@ void StepParticipant::computePhase(const Shard& shard, ShardComputer& computer) 
 bool StepParticipant::barrier(std::atomic<uint32_t>& word, uint32_t e, uint32_t n) {
   const uint64_t deadline =
       ipc::monotonicNs() + std::chrono::duration_cast<std::chrono::nanoseconds>(kBarrierTimeout).count();
-  return ipc::barrierWait(word, e, n, c_.abort_epoch, deadline, [&] {
-    return c_.stop_requested.load(std::memory_order_acquire) == 0 && !coordinatorGone();
-  });
+  return ipc::barrierWait(
+      word, e, n, c_.abort_epoch, deadline,
+      [&] { return c_.stop_requested.load(std::memory_order_acquire) == 0 && !coordinatorGone(); },
+      spin_ns_);
 }
 
 void StepParticipant::reducePhase(const Shard& shard) {

@@ -113,6 +113,7 @@ class StepParticipant {
   const uint32_t slot_;
   const int parent_pid_;
   uint32_t last_epoch_ = 0;
+  uint64_t spin_ns_ = 0;  // the current step's StepRequest::spin_ns, bounded
   int exit_code_ = kExitStopped;
 };
 

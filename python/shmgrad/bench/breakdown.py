@@ -1,0 +1,128 @@
+"""Where a short step's fixed cost goes: every microsecond beyond forward and backward.
+
+Runs one engine per worker count on the same model and batches, and per step splits the
+time of ``engine.gradient(inputs=x, targets=y)``, as seen from this Python process, into:
+
+  python    the Python wrapper and the binding (argument checks, tensor conversion, the
+            stats object): the call's time here minus the engine's own wall time;
+  prepare   the native call up to publishing the step: checks and copying the batch in;
+  wake      publish until the last participant starts: the futex wake-up latency;
+  compute   the slowest participant's forward and backward (not a fixed cost);
+  barrier   waiting at the compute barrier for the others (0 with one worker);
+  reduce    the reduce phase: the slice sums (several workers) or the non-finite check
+            of the result (one worker, whose backward wrote the result: no copy);
+  complete  the rest of the step until the last reducer's done (record, done store);
+  finish    done until the call returns: the trainer's wake-up and collecting results;
+  fixed     everything but compute.
+
+Alongside, in the same process and interleaved step by step, ``eager`` times forward and
+backward of the same model in this process with one thread (what DDP runs at N = 1), and
+``copy`` times copying the batch alone. Medians in microseconds.
+
+Run: ``/usr/bin/python3 -m shmgrad.bench.breakdown --model mlp --batch 32 --workers 1,2``
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from ..engine import Engine
+from . import models
+
+PARTS = ("python", "prepare", "wake", "compute", "barrier", "reduce", "complete", "finish",
+         "fixed", "total")
+
+
+def step_parts(dt, st):
+    """The parts of one step (seconds) from the Python-side time and the stats."""
+    ws = st._native.workers  # (slot, examples, loss, compute, reduce, wait, nf, nf)
+    compute = max(w[3] for w in ws)
+    barrier = max(w[5] for w in ws)
+    reduce = max(w[4] for w in ws)
+    worker_span = max(w[3] + w[5] + w[4] for w in ws)
+    return {
+        "python": dt - st.wall_seconds,
+        "prepare": st.prepare_seconds,
+        "wake": st.wake_seconds,
+        "compute": compute,
+        "barrier": barrier,
+        "reduce": reduce,
+        "complete": max(0.0, st.step_seconds - st.wake_seconds - worker_span),
+        "finish": st.finish_seconds,
+        "fixed": dt - compute,
+        "total": dt,
+    }
+
+
+def measure(model_name, batch, workers, steps, warmup, seed=0):
+    models.set_threads(1)
+    batches = models.make_batches(model_name, batch, 8)
+    eager_model = models.make_model(model_name, seed)
+    loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
+    rows = {p: [] for p in PARTS}
+    eager, copy = [], []
+    buf = torch.empty_like(batches[0][0])
+    with Engine(model=models.make_model(model_name, seed), workers=workers,
+                loss="cross_entropy", threads_per_worker=1, max_batch=batch,
+                name=f"breakdown-{workers}-{int(time.time() * 1000) % 100000}") as engine:
+        engine.gradient_tensors()  # the grads are read directly: no module bound
+        for i in range(warmup + steps):
+            x, y = batches[i % len(batches)]
+            t0 = time.perf_counter()
+            st = engine.gradient(inputs=x, targets=y)
+            dt = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            eager_model.zero_grad(set_to_none=False)
+            loss_fn(eager_model(x), y).backward()
+            t2 = time.perf_counter()
+            buf.copy_(x)
+            t3 = time.perf_counter()
+            if i < warmup:
+                continue
+            for k, v in step_parts(dt, st).items():
+                rows[k].append(v)
+            eager.append(t2 - t1)
+            copy.append(t3 - t2)
+    med = {k: statistics.median(v) * 1e6 for k, v in rows.items()}
+    med["eager"] = statistics.median(eager) * 1e6
+    med["copy"] = statistics.median(copy) * 1e6
+    return med
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python3 -m shmgrad.bench.breakdown", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=sorted(models.MODELS), default="mlp")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--workers", default="1,2", help="comma-separated worker counts")
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--json", help="also write the medians here")
+    args = ap.parse_args(argv)
+    try:
+        counts = [int(w) for w in args.workers.split(",")]
+    except ValueError:
+        ap.error(f"--workers takes comma-separated integers, got {args.workers!r}")
+    if args.steps < 1 or args.warmup < 1 or args.batch < 1 or min(counts) < 1:
+        ap.error("--steps, --warmup, --batch and every worker count must be at least 1")
+    results = {}
+    for n in counts:
+        results[n] = measure(args.model, args.batch, n, args.steps, args.warmup)
+    cols = PARTS + ("eager", "copy")
+    print(f"{args.model} batch {args.batch}: medians in microseconds over {args.steps} steps")
+    print("N  " + " ".join(f"{c:>9}" for c in cols))
+    for n, med in results.items():
+        print(f"{n:<3}" + " ".join(f"{med[c]:9.1f}" for c in cols))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "batch": args.batch, "steps": args.steps,
+                       "medians_us": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
