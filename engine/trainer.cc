@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <thread>
 
 #include "ipc/error.h"
@@ -31,6 +32,26 @@ constexpr uint64_t kDefaultSpinNs = 1000000;
 constexpr auto kIdlePoll = std::chrono::milliseconds(1);       // stale workers after an abort
 constexpr auto kNoWorkerPoll = std::chrono::milliseconds(5);   // every worker being replaced
 constexpr auto kAttachPoll = std::chrono::milliseconds(20);    // engine not serving yet
+
+// Physical cores among the CPUs this process may run on: SMT siblings (hyperthreads)
+// count once, since a waiter spinning on a sibling slows the worker on the same core.
+// Read once, at attach; the CPU count when sysfs does not say.
+uint32_t physicalCores() {
+  cpu_set_t cpus;
+  CPU_ZERO(&cpus);
+  if (sched_getaffinity(0, sizeof(cpus), &cpus) != 0) return 1;
+  uint32_t cores = 0;
+  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+    if (!CPU_ISSET(cpu, &cpus)) continue;
+    // The first CPU of its sibling list stands for the core.
+    std::ifstream f("/sys/devices/system/cpu/cpu" + std::to_string(cpu) +
+                    "/topology/thread_siblings_list");
+    int first = -1;
+    if (!(f >> first)) return static_cast<uint32_t>(CPU_COUNT(&cpus));  // no topology
+    if (first == cpu || !CPU_ISSET(first, &cpus)) ++cores;
+  }
+  return std::max<uint32_t>(1, cores);
+}
 
 // Memory reads only (no system call on the step's hot path): the coordinator marks a
 // dead worker within a wait slice, and run() watches its participants while it waits.
@@ -94,9 +115,7 @@ std::unique_ptr<Trainer> Trainer::attach(const std::string& name, const AttachOp
 
 Trainer::Trainer(std::string name, std::shared_ptr<ipc::Segment> seg, bool lease)
     : name_(std::move(name)), seg_(std::move(seg)), lease_(lease) {
-  cpu_set_t cpus;
-  CPU_ZERO(&cpus);
-  cores_ = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
+  cores_ = physicalCores();
   spin_ns_ = kDefaultSpinNs;
   if (const char* env = std::getenv("SHMGRAD_SPIN_US")) {
     char* end = nullptr;

@@ -97,6 +97,9 @@ class Trainer {
   torch::Tensor gradientBuffer() const;
   int64_t datasetSize() const;
   int workerCount() const;  // worker processes ready now
+  // Physical cores this trainer counts when it decides whether a step's processes may
+  // spin before sleeping (every participant's threads + the trainer <= cores).
+  uint32_t cores() const { return cores_; }
   int slotCount() const;
 
   // The gradient of the loss summed (or averaged) over dataset[indices] into the
