@@ -42,10 +42,7 @@ __attribute__((format(printf, 2, 3))) void appendf(std::string* out, const char*
 }
 
 // Tells the coordinator to look at the control block again (stop or resize request).
-void wakeCoordinator(ipc::ControlBlock& c) {
-  c.coordinator_wake.fetch_add(1, std::memory_order_acq_rel);
-  ipc::futexWake(&c.coordinator_wake);
-}
+void wakeCoordinator(ipc::ControlBlock& c) { ipc::bumpAndWake(&c.coordinator_wake); }
 
 // A NUL-terminated char array of the header (validateHeader checked the terminator).
 template <size_t N>

@@ -668,8 +668,7 @@ TEST(SegmentTest, TooLargeForDevShmIsNoSpace) {
   EXPECT_NE(::stat(segmentPath(name).c_str(), &st), 0) << "segment file left behind";
 }
 
-// Known defects, disabled so the suite stays green; enable once ipc/segment.cc is fixed
-// (see the report that came with these tests).
+// Regression tests for two defects found in review and fixed in ipc/segment.cc.
 
 // Segment::create checks data shapes, negative dims and max_batch only after the file
 // exists (fillShape, the final validateHeader) and leaves the file behind on that throw.

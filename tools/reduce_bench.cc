@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "ipc/error.h"
 #include "ipc/reduce.h"
 
 namespace {
@@ -126,7 +127,18 @@ bool parseU64(const char* s, uint64_t lo, uint64_t hi, uint64_t* out) {
 
 }  // namespace
 
+int runBench(int argc, char** argv);
+
 int main(int argc, char** argv) {
+  try {
+    return runBench(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "reduce_bench: %s\n", e.what());
+    return 1;
+  }
+}
+
+int runBench(int argc, char** argv) {
   Bench b;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -198,14 +210,13 @@ int main(int argc, char** argv) {
     pid_t pid = fork();
     if (pid < 0) {
       std::fprintf(stderr, "reduce_bench: fork failed: %s\n", std::strerror(errno));
-      for (pid_t k : kids) kill(k, SIGKILL);
-      for (pid_t k : kids) waitpid(k, nullptr, 0);
+      for (pid_t k : kids) SHMGRAD_SYSCHECK_OK(kill(k, SIGKILL), "kill", ESRCH);
+      for (pid_t k : kids) SHMGRAD_SYSCHECK_OK(waitpid(k, nullptr, 0), "waitpid", ECHILD);
       return 1;
     }
     if (pid == 0) {
       // Never outlive the parent (it may be killed while we wait at a barrier), nor hang.
-      prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (getppid() == 1) _exit(1);
+      if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() == 1) _exit(1);
       alarm(b.timeout_s);
       runRank(b, r);
       _exit(0);
@@ -216,7 +227,8 @@ int main(int argc, char** argv) {
   bool failed = false;
   for (pid_t k : kids) {
     int st = 0;
-    if (waitpid(k, &st, 0) != k || !WIFEXITED(st) || WEXITSTATUS(st) != 0) failed = true;
+    const long reaped = SHMGRAD_SYSCHECK(waitpid(k, &st, 0), "waitpid");
+    if (reaped != k || !WIFEXITED(st) || WEXITSTATUS(st) != 0) failed = true;
   }
   if (failed) {
     std::fprintf(stderr, "reduce_bench: a worker process failed\n");
