@@ -23,10 +23,12 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 
 from .errors import (  # noqa: F401
     BusyError,
+    ConsistencyError,
     CorruptSegmentError,
     EngineNotFoundError,
     Error,
     InvalidArgumentError,
+    NodeError,
     NoSpaceError,
     NonFiniteError,
     TimeoutError,
@@ -35,10 +37,11 @@ from .errors import (  # noqa: F401
 from .client import Client, GradientStats, attach  # noqa: F401
 from .engine import Engine, save_model  # noqa: F401
 from .status import EngineStatus, StepSummary, WorkerStatus, read_status  # noqa: F401
-from . import schedules  # noqa: F401
+from . import distributed, schedules  # noqa: F401
 
 # The benchmarks (shmgrad.bench) and the stress test (shmgrad.stress) are tools beside the
-# library: importing shmgrad loads neither.
+# library: importing shmgrad loads neither. shmgrad.dask (engines on a Dask cluster) is
+# imported by its users, and imports Dask's distributed only when it runs.
 
 __all__ = [
     "Engine",
@@ -59,4 +62,6 @@ __all__ = [
     "CorruptSegmentError",
     "NoSpaceError",
     "NonFiniteError",
+    "NodeError",
+    "ConsistencyError",
 ]

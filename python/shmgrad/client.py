@@ -8,7 +8,7 @@ from typing import List, Optional
 
 import torch
 
-from . import errors
+from . import distributed, errors
 from ._native import _C
 from .status import EngineStatus, read_status
 
@@ -28,19 +28,36 @@ class GradientStats:
     Where the wall time went: ``prepare_seconds`` (checks, batch copy), ``step_seconds``
     (publish to the end of the reduction), ``wake_seconds`` (publish to the last worker
     starting), ``finish_seconds`` (end of the reduction to return).
+
+    Across nodes (an engine with a ``process_group``), ``num_examples``, ``loss``,
+    ``loss_sum`` and ``nonfinite`` are the global batch's; ``local_num_examples`` and
+    ``local_loss_sum`` this node's, ``allreduce_seconds`` the all-reduce's (not in
+    ``wall_seconds``, which is the node's own step), ``nodes`` how many. On one node these
+    are the same figures, 0.0 and 1.
     """
 
-    __slots__ = ("_native",)
+    __slots__ = ("_native", "_nodes")
     _SCALARS = ("num_examples", "loss", "loss_sum", "wall_seconds", "reduce_seconds", "retries",
                 "nonfinite", "prepare_seconds", "step_seconds", "wake_seconds",
                 "finish_seconds")
+    _NODE_FIELDS = distributed.NodeStats.__slots__
+    _ONE_NODE = {"local_num_examples": "num_examples", "local_loss_sum": "loss_sum"}
 
-    def __init__(self, native):
+    def __init__(self, native, nodes=None):
         self._native = native
+        self._nodes = nodes  # a distributed.NodeStats across nodes, None on one node
 
     def __getattr__(self, name):
+        if self._nodes is not None and name in GradientStats._NODE_FIELDS:
+            return getattr(self._nodes, name)
         if name in GradientStats._SCALARS:
             return getattr(self._native, name)
+        if name in GradientStats._ONE_NODE:
+            return getattr(self._native, GradientStats._ONE_NODE[name])
+        if name == "allreduce_seconds":
+            return 0.0
+        if name == "nodes":
+            return 1
         raise AttributeError(f"GradientStats has no field {name!r}")
 
     def _column(self, i):
@@ -76,8 +93,9 @@ class GradientStats:
 
     def as_dict(self) -> dict:
         """Every field as a plain dict (e.g. for logging)."""
-        names = self._SCALARS + ("workers", "worker_slots", "worker_examples", "compute_seconds",
-                                 "reduce_seconds_per_worker", "wait_seconds", "nonfinite_workers")
+        names = tuple(dict.fromkeys(self._SCALARS + self._NODE_FIELDS)) + (
+            "workers", "worker_slots", "worker_examples", "compute_seconds",
+            "reduce_seconds_per_worker", "wait_seconds", "nonfinite_workers")
         return {n: getattr(self, n) for n in names}
 
     def __repr__(self):
@@ -92,14 +110,22 @@ class Client:
     Only one trainer holds an engine at a time (the lease is released by :meth:`close`,
     at the end of a ``with`` block, or when this process dies). Closing a client does
     not stop the engine.
+
+    With ``process_group`` (a ``torch.distributed`` group with one trainer per node, e.g.
+    ``torch.distributed.group.WORLD``), this node's engine is one of several: see
+    :mod:`shmgrad.distributed` and docs/MULTINODE.md. Construction, :meth:`bind`,
+    :meth:`gradient` and :meth:`check_consistency` are then collective: every node calls
+    them, in the same order.
     """
 
     # Class-level defaults, so that close() works on an object whose __init__ failed.
     _trainer = None
     _closed = False
+    _nodes = None
 
     def __init__(self, name: str, trainer, *, min_examples_per_worker: int = 1,
-                 max_examples_per_pass: int = 0):
+                 max_examples_per_pass: int = 0, process_group=None,
+                 bucket_cap_mb: Optional[float] = None):
         """Wraps ``trainer``, a native ``_C.Trainer`` attached to engine ``name``. Use
         :func:`attach` (or :class:`shmgrad.Engine`) rather than this."""
         self.name = name
@@ -112,6 +138,14 @@ class Client:
         self._param_info = [(n, tuple(s)) for n, s in trainer.parameters()]
         self._param_views = trainer.parameter_views()
         self._grad_views = trainer.gradient_views()
+        if process_group is not None:
+            try:
+                self._nodes = distributed.NodeGroup(
+                    process_group, trainer, self._param_info, engine_name=name,
+                    bucket_cap_mb=bucket_cap_mb)
+            except BaseException:
+                self.close()  # an Engine's close() also stops the engine it started
+                raise
 
     @property
     def parameters(self):
@@ -146,6 +180,7 @@ class Client:
         ``.grad``, ``optimizer.step()`` updates the shared parameters in place, and every
         worker sees the update with no copy. The module must have the engine's parameters
         (same names, shapes, order). Buffers (e.g. BatchNorm statistics) are not shared.
+        Across nodes, every node then takes rank 0's parameters (a broadcast, as DDP does).
         Returns ``module``.
         """
         self._check_open()
@@ -168,6 +203,8 @@ class Client:
                 p.grad = grad
         self._bound = [p for _, p in named]
         self._grad_ptrs = [g.data_ptr() for g in self._grad_views]
+        if self._nodes is not None:
+            self._nodes.broadcast_parameters()  # every node takes rank 0's values
         return module
 
     def gradient(self, indices=None, *, inputs=None, targets=None, reduction: str = "sum",
@@ -188,24 +225,33 @@ class Client:
            seconds pass. A step that loses a worker is re-run (up to ``max_retries``) and
            still returns the exact gradient.
 
+        Across nodes (an engine with a ``process_group``), give this node's share of the
+        global batch (:func:`shmgrad.distributed.shard`; it may be empty): every node
+        then gets the gradient of the whole global batch, the mean over the global count.
+        After its own step the node all-reduces its reduced gradient with the others'
+        (a synchronisation point of all nodes, bounded by the process group's timeout).
+
         Raises:
             InvalidArgumentError: bad indices, shapes, dtypes, an empty batch.
             WorkerError: the model rejected the input (the worker's message follows).
             TimeoutError: the step did not finish in time. The engine keeps serving.
             NonFiniteError: NaN/inf in loss or gradient, when ``raise_on_nonfinite``.
+            NodeError: across nodes, a peer died, timed out or failed its step.
         """
         t = self._check_open()
         if reduction not in REDUCTIONS:
             raise errors.InvalidArgumentError(f"unknown reduction {reduction!r}: use 'sum' or 'mean'")
         mean = reduction == "mean"
+        nodes = self._nodes  # across nodes the mean is taken after the all-reduce
         mepw = self.min_examples_per_worker if min_examples_per_worker is None else min_examples_per_worker
         mepp = self.max_examples_per_pass if max_examples_per_pass is None else max_examples_per_pass
-        args = (mean, float(timeout), int(max_retries), int(mepw), int(mepp), bool(raise_on_nonfinite))
+        args = (mean and nodes is None, float(timeout), int(max_retries), int(mepw), int(mepp),
+                bool(raise_on_nonfinite))
         if indices is not None:
             if inputs is not None or targets is not None:
                 raise errors.InvalidArgumentError("give either indices or inputs and targets, not both")
             idx = indices if isinstance(indices, torch.Tensor) else torch.as_tensor(indices)
-            if idx.numel() == 0:
+            if idx.numel() == 0 and nodes is None:
                 raise errors.InvalidArgumentError("empty batch: give at least one index")
             if idx.dtype.is_floating_point or idx.dtype == torch.bool or idx.is_complex():
                 raise errors.InvalidArgumentError(f"indices must be integers, got {idx.dtype}")
@@ -214,14 +260,24 @@ class Client:
                 if idx.dim() != 1:
                     raise errors.InvalidArgumentError(
                         f"indices must be 1-D, got shape {tuple(idx.shape)}")
-            native = t.gradient(idx.to(torch.int64), None, None, *args)
+            empty = idx.numel() == 0
+
+            def local_step():
+                return t.gradient(idx.to(torch.int64), None, None, *args)
         else:
             if inputs is None or targets is None:
                 raise errors.InvalidArgumentError(
                     "give indices into the engine's dataset, or both inputs and targets")
             x = inputs if isinstance(inputs, torch.Tensor) else torch.as_tensor(inputs)
             y = targets if isinstance(targets, torch.Tensor) else torch.as_tensor(targets)
-            native = t.gradient(None, x.detach(), y.detach(), *args)
+            empty = x.dim() > 0 and x.shape[0] == 0
+
+            def local_step():
+                return t.gradient(None, x.detach(), y.detach(), *args)
+        if nodes is None:
+            stats = GradientStats(local_step())
+        else:
+            stats = GradientStats(*nodes.gradient(None if empty else local_step, mean))
         if self._bound:
             self._relink_grads()
         elif not self._views_handed_out and not self._warned_unbound:
@@ -231,7 +287,7 @@ class Client:
                 "module is bound, so no .grad changed and an optimizer would not move: call "
                 "engine.bind(model) once before training (or read engine.gradient_tensors())",
                 stacklevel=2)
-        return GradientStats(native)
+        return stats
 
     def _relink_grads(self):
         # optimizer.zero_grad(set_to_none=True) (the default in newer PyTorch) drops every
@@ -247,6 +303,25 @@ class Client:
             for p, g in zip(bound, self._grad_views):
                 if p.grad is None or p.grad.data_ptr() != g.data_ptr():
                     p.grad = g
+
+    @property
+    def node_rank(self) -> int:
+        """This node's rank in the engine's process group (0 without one)."""
+        return 0 if self._nodes is None else self._nodes.rank
+
+    @property
+    def node_count(self) -> int:
+        """Nodes in the engine's process group (1 without one)."""
+        return 1 if self._nodes is None else self._nodes.size
+
+    def check_consistency(self) -> int:
+        """Returns a 64-bit checksum of the engine's parameters. Across nodes it is compared
+        with every node's (collective: every node calls it) and ConsistencyError, naming the
+        first rank that differs from rank 0, is raised unless all are bit-identical."""
+        self._check_open()
+        if self._nodes is None:
+            return distributed.checksum(self._trainer.parameter_buffer())
+        return self._nodes.check_consistency()
 
     def resize(self, workers: int, *, timeout: float = 120.0):
         """Runs ``workers`` worker processes (1 to ``max_workers``). New workers map the
@@ -312,14 +387,21 @@ class Client:
 
 
 def attach(name: str, *, timeout: float = 30.0, min_examples_per_worker: int = 1,
-           max_examples_per_pass: int = 0) -> Client:
+           max_examples_per_pass: int = 0, process_group=None,
+           bucket_cap_mb: Optional[float] = None) -> Client:
     """Attaches to an engine started with ``shmgrad serve --name NAME``.
 
     Waits up to ``timeout`` seconds for it to serve. Raises :class:`EngineNotFoundError`
     if there is none, :class:`BusyError` (naming the holder's pid) if another trainer
     holds it. :meth:`Client.close` releases it without stopping it.
+
+    ``process_group``: a ``torch.distributed`` group with one trainer per node (this
+    node's engine is then one of several; collective, see :class:`Client`);
+    ``bucket_cap_mb``: all-reduce the gradient in buckets of this many MiB (default: one
+    call on the whole buffer).
     """
     _C.check_engine_name(name)
     trainer = _C.Trainer.attach(name, timeout=timeout)
     return Client(name, trainer, min_examples_per_worker=min_examples_per_worker,
-                  max_examples_per_pass=max_examples_per_pass)
+                  max_examples_per_pass=max_examples_per_pass, process_group=process_group,
+                  bucket_cap_mb=bucket_cap_mb)

@@ -75,6 +75,13 @@ class Engine(Client):
         min_examples_per_worker: default for :meth:`gradient` (fewer workers take part in a
             small batch: idle workers cost nothing).
         max_examples_per_pass: default for :meth:`gradient` (bounds worker memory).
+        process_group: a ``torch.distributed`` process group with one trainer per node
+            (e.g. ``torch.distributed.group.WORLD``): this engine is then one node of
+            several, and :meth:`gradient` returns the gradient of the global batch (see
+            docs/MULTINODE.md). Construction waits for every node's engine, refuses a node
+            whose model differs and gives every node rank 0's parameters.
+        bucket_cap_mb: across nodes, all-reduce the gradient in buckets of this many MiB
+            (default: one call on the whole buffer).
 
     Raises what ``serve`` reported when it could not start (InvalidArgumentError for a
     file that is not TorchScript or an unknown dataset, NoSpaceError when /dev/shm is too
@@ -89,7 +96,8 @@ class Engine(Client):
                  name: Optional[str] = None, threads_per_worker: int = 1,
                  max_workers: Optional[int] = None, max_batch: int = 65536,
                  input_capacity_mb: int = 64, startup_timeout: float = 120.0,
-                 min_examples_per_worker: int = 1, max_examples_per_pass: int = 0):
+                 min_examples_per_worker: int = 1, max_examples_per_pass: int = 0,
+                 process_group=None, bucket_cap_mb: Optional[float] = None):
         _check_arguments(workers=workers, loss=loss, max_workers=max_workers)
         name = name or f"py{os.getpid()}-{next(_names)}"
         _C.check_engine_name(name)
@@ -108,7 +116,8 @@ class Engine(Client):
             raise
         self._launcher = launcher
         super().__init__(name, trainer, min_examples_per_worker=min_examples_per_worker,
-                         max_examples_per_pass=max_examples_per_pass)
+                         max_examples_per_pass=max_examples_per_pass,
+                         process_group=process_group, bucket_cap_mb=bucket_cap_mb)
 
     def _model_file(self, model) -> str:
         """The TorchScript file serve loads: ``model`` itself, or a module saved into a

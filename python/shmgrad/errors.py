@@ -38,6 +38,27 @@ class NonFiniteError(Error, ArithmeticError):
     """NaN or infinity in the loss or gradient (raised only when asked for)."""
 
 
+class NodeError(Error, RuntimeError):
+    """A step across nodes failed: a peer died or timed out, or failed its own part of the
+    step (``rank`` names it when known, else None). After a failed collective (a dead or
+    hung peer) the group is broken and every later call raises this at once; after a peer's
+    own failure (it raised its error, every node joined the all-reduce) the group still
+    works. The local engine works either way and closes cleanly."""
+
+    def __init__(self, message, rank=None):
+        super().__init__(message)
+        self.rank = rank
+
+
+class ConsistencyError(Error):
+    """Nodes that should hold bit-identical parameters do not (``rank``: the first that
+    differs from rank 0). The process group still works."""
+
+    def __init__(self, message, rank=None):
+        super().__init__(message)
+        self.rank = rank
+
+
 class SystemError(Error, OSError):  # noqa: A001
     """An operating-system call failed."""
 

@@ -1,0 +1,331 @@
+"""Engines on several nodes: each node reduces its batch in shared memory, as on one
+machine, and its trainer all-reduces the node's reduced gradient with the other nodes'
+through ``torch.distributed`` (the hierarchical shape of NCCL and Horovod: only one
+process per node talks to the network, once per step, on one flat buffer).
+
+:class:`NodeGroup` is what ``shmgrad.Engine(..., process_group=pg)`` and
+``shmgrad.attach(name, ..., process_group=pg)`` build. Its phases, in the order a node
+meets them, are collective (every node calls them, in the same order):
+
+* construction: every node gathers every node's parameter layout and refuses a
+  different one (:class:`~shmgrad.InvalidArgumentError` naming the rank and the first
+  differing parameter), then takes rank 0's parameters (one broadcast);
+* :meth:`NodeGroup.broadcast_parameters` (from ``bind()``): rank 0's parameters again;
+* :meth:`NodeGroup.gradient` (from ``gradient()``): the node's own step, then one
+  all-reduce of the whole reduced gradient (or of buckets of ``bucket_cap_mb``) and one
+  of a small record ``[examples, loss sum, non-finite, failed per rank]``; a mean is
+  taken over the global count after the all-reduce;
+* :meth:`NodeGroup.check_consistency`: a checksum of the parameters, compared.
+
+Errors of the process group (a dead peer, the group's timeout) become
+:class:`~shmgrad.NodeError`, naming the rank when it is known. Nothing here owns the
+process group: the caller creates and destroys it.
+"""
+
+import hashlib
+import os
+import socket
+import time
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import errors
+
+# The timeout this package gives a process group it creates (shmgrad.dask.run, the
+# examples): a step whose peer is gone or hung raises NodeError within it. The first
+# collective (at Engine construction) also waits this long for the slowest node's engine.
+DEFAULT_TIMEOUT_S = 120.0
+# A peer's death is seen on the socket a little before its process is gone from /proc.
+DEAD_PEER_GRACE_S = 1.0
+DEAD_PEER_POLL_S = 0.02
+# The small record all-reduced with each step's gradient (float64): examples, loss sum,
+# non-finite count, then one "failed" flag per rank.
+_COUNT, _LOSS_SUM, _NONFINITE, _FAILED = 0, 1, 2, 3
+_CHECKSUM_BYTES = 8
+_GPU_ONLY_BACKENDS = ("nccl",)
+
+
+class NodeStats:
+    """The figures of one step across nodes, read through :class:`shmgrad.GradientStats`:
+    the global ``num_examples``, ``loss``, ``loss_sum``, ``nonfinite``, this node's
+    ``local_num_examples`` and ``local_loss_sum``, the all-reduce's ``allreduce_seconds``
+    and the number of ``nodes``."""
+
+    __slots__ = ("num_examples", "loss", "loss_sum", "nonfinite", "local_num_examples",
+                 "local_loss_sum", "allreduce_seconds", "nodes")
+
+    def __init__(self, num_examples, loss, loss_sum, nonfinite, local_num_examples,
+                 local_loss_sum, allreduce_seconds, nodes):
+        self.num_examples = num_examples
+        self.loss = loss
+        self.loss_sum = loss_sum
+        self.nonfinite = nonfinite
+        self.local_num_examples = local_num_examples
+        self.local_loss_sum = local_loss_sum
+        self.allreduce_seconds = allreduce_seconds
+        self.nodes = nodes
+
+
+class NoLocalStep:
+    """Stands in for the native statistics of a node that ran no step of its own (its
+    share of the batch was empty, or its step failed): no examples, no workers."""
+
+    num_examples = 0
+    loss = loss_sum = 0.0
+    wall_seconds = reduce_seconds = prepare_seconds = step_seconds = 0.0
+    wake_seconds = finish_seconds = 0.0
+    retries = 0
+    nonfinite = False
+    workers = ()
+
+
+NO_LOCAL_STEP = NoLocalStep()
+
+
+def shard(batch, rank: int, nodes: int):
+    """Node ``rank``'s share of a global ``batch`` (indices, or any tensor or sequence with
+    the examples first) among ``nodes`` nodes: the contiguous slice ``[B*rank/nodes,
+    B*(rank+1)/nodes)``, the rule the engine's workers use for their shards. Shares differ
+    by at most one example; some are empty when the batch has fewer examples than nodes."""
+    if not 0 <= rank < nodes:
+        raise errors.InvalidArgumentError(f"shard: rank {rank} is not in [0, {nodes})")
+    b = len(batch)
+    return batch[b * rank // nodes:b * (rank + 1) // nodes]
+
+
+class NodeGroup:
+    """One engine's place among the nodes of a ``torch.distributed`` process group: one
+    trainer per node. Built by :class:`shmgrad.Client` when given ``process_group``;
+    construction is collective (every node builds its group at the same time)."""
+
+    def __init__(self, process_group, trainer, parameters: Sequence, *, engine_name: str,
+                 bucket_cap_mb: Optional[float] = None):
+        self._pg = _check_process_group(process_group)
+        self.rank = dist.get_rank(self._pg)
+        self.size = dist.get_world_size(self._pg)
+        self._root = _global_rank(self._pg, 0)
+        self._grad = trainer.gradient_buffer()
+        self._params = trainer.parameter_buffer()
+        self._buckets = _buckets(self._grad, bucket_cap_mb)
+        self._record = torch.zeros(_FAILED + self.size, dtype=torch.float64)
+        self._fields = self._record.numpy()  # the same memory; element access without torch
+        self._broken: Optional[errors.NodeError] = None
+        self._steps = 0
+        self._peers = self._exchange_layout(list(parameters), engine_name)
+        self.broadcast_parameters()
+
+    # -- construction -----------------------------------------------------------------
+    def _exchange_layout(self, parameters, engine_name):
+        """Gathers every node's (host, pid, engine, parameter layout); refuses a layout
+        other than rank 0's on every node, naming the rank and the parameter."""
+        mine = {"host": socket.gethostname(), "pid": os.getpid(), "engine": engine_name,
+                "parameters": [(n, tuple(s)) for n, s in parameters],
+                "floats": self._grad.numel(), "buckets": [b.numel() for b in self._buckets]}
+        peers: List[dict] = [None] * self.size
+        self._collective("exchanging parameter layouts",
+                         lambda: dist.all_gather_object(peers, mine, group=self._pg))
+        for rank, peer in enumerate(peers):
+            diff = _layout_difference(peers[0], peer)
+            if diff is not None:
+                raise errors.InvalidArgumentError(
+                    f"rank {rank} (host {peer['host']}, engine {peer['engine']!r}) does not "
+                    f"match rank 0: {diff}. Every node must start its engine with the same "
+                    "model and options")
+        return peers
+
+    def broadcast_parameters(self):
+        """Every node takes rank 0's parameters (one broadcast of the whole buffer), as
+        DDP does at construction, so nodes that started with different weights agree."""
+        self._collective("broadcasting rank 0's parameters",
+                         lambda: dist.broadcast(self._params, src=self._root, group=self._pg))
+
+    # -- a step -----------------------------------------------------------------------
+    def gradient(self, local_step, mean: bool):
+        """Runs this node's step (``local_step()``, returning the native statistics; None
+        when the node's share is empty), then all-reduces the reduced gradient and the
+        step's record with every node. Returns ``(native, NodeStats)``.
+
+        Every node joins the all-reduce whatever happened locally, so that the nodes stay
+        in step: a node whose share is empty joins with zeros; one whose step raised joins
+        with zeros and a failure flag, then raises its own error, while the others raise
+        NodeError naming it."""
+        self._check_usable()
+        self._steps += 1
+        failure = None
+        native = NO_LOCAL_STEP
+        if local_step is None:
+            self._grad.zero_()
+        else:
+            try:
+                native = local_step()
+            except errors.Error as exc:
+                failure = exc
+                native = NO_LOCAL_STEP
+                self._grad.zero_()  # this node's part of the sum; nobody applies it
+        f = self._fields
+        f[:] = 0.0
+        f[_COUNT] = native.num_examples
+        f[_LOSS_SUM] = native.loss_sum
+        f[_NONFINITE] = 1.0 if native.nonfinite else 0.0
+        f[_FAILED + self.rank] = 1.0 if failure is not None else 0.0
+        t0 = time.perf_counter()
+        self._collective(f"all-reducing step {self._steps}", self._allreduce)
+        seconds = time.perf_counter() - t0
+        if failure is not None:
+            raise failure
+        failed = [r for r in range(self.size) if f[_FAILED + r] != 0]
+        if failed:
+            raise errors.NodeError(
+                f"node group: rank {failed[0]}'s own step failed (it raised its error), so "
+                f"step {self._steps}'s gradient is incomplete on every node: do not apply it",
+                rank=failed[0])
+        count = int(f[_COUNT])
+        if count == 0:
+            raise errors.InvalidArgumentError(
+                "empty batch: every node's share was empty; give at least one example")
+        loss_sum = float(f[_LOSS_SUM])
+        if mean:
+            self._grad.mul_(1.0 / count)
+        return native, NodeStats(
+            num_examples=count, loss=loss_sum / count if mean else loss_sum, loss_sum=loss_sum,
+            nonfinite=bool(f[_NONFINITE] != 0), local_num_examples=native.num_examples,
+            local_loss_sum=native.loss_sum, allreduce_seconds=seconds, nodes=self.size)
+
+    def _allreduce(self):
+        # Issued together: gloo runs them on its own threads, so the small record's
+        # latency hides behind the gradient's transfer.
+        works = [dist.all_reduce(self._record, group=self._pg, async_op=True)]
+        works += [dist.all_reduce(b, group=self._pg, async_op=True) for b in self._buckets]
+        for w in works:
+            w.wait()
+
+    # -- consistency ------------------------------------------------------------------
+    def check_consistency(self) -> int:
+        """Compares the parameters' checksum across nodes (collective). Returns it when every
+        node has the same; raises ConsistencyError naming the first rank that differs."""
+        self._check_usable()
+        mine = torch.tensor([checksum(self._params)], dtype=torch.int64)
+        every = [torch.zeros_like(mine) for _ in range(self.size)]
+        self._collective("comparing parameter checksums",
+                         lambda: dist.all_gather(every, mine, group=self._pg))
+        differ = [r for r, c in enumerate(every) if int(c) != int(every[0])]
+        if differ:
+            raise errors.ConsistencyError(
+                f"node group: the parameters of rank(s) {differ} differ from rank 0's "
+                "(checksums " + ", ".join(f"{r}: {int(c):#018x}" for r, c in enumerate(every))
+                + "): every node must apply the same optimizer to the same gradient",
+                rank=differ[0])
+        return int(mine)
+
+    # -- failures ---------------------------------------------------------------------
+    def _check_usable(self):
+        if self._broken is not None:
+            raise errors.NodeError(
+                f"node group: unusable since an earlier failure ({self._broken}); close "
+                "the engine and start again with a new process group",
+                rank=self._broken.rank)
+
+    def _collective(self, what, fn):
+        """Runs ``fn`` (collective calls); a process-group error becomes NodeError (the
+        group is broken from then on)."""
+        self._check_usable()
+        try:
+            return fn()
+        except RuntimeError as exc:  # gloo: "Connection closed by peer", "Timed out ..."
+            rank = self._lost_peer()
+            who = f"rank {rank} failed" if rank is not None else "a peer failed or timed out"
+            err = errors.NodeError(
+                f"node group: {who} while {what} on rank {self.rank} of {self.size} ({exc})",
+                rank=rank)
+            self._broken = err
+            raise err from exc
+
+    def _lost_peer(self) -> Optional[int]:
+        """The rank that is gone, when that can be known: the only other rank, or a rank
+        on this host whose process has exited."""
+        others = [r for r in range(self.size) if r != self.rank]
+        if len(others) == 1:
+            return others[0]
+        peers = getattr(self, "_peers", None)
+        if peers is None:
+            return None
+        here = socket.gethostname()
+        local = [r for r in others if peers[r]["host"] == here]
+        deadline = time.monotonic() + DEAD_PEER_GRACE_S
+        while True:
+            gone = [r for r in local if not _process_alive(peers[r]["pid"])]
+            if gone or time.monotonic() > deadline:
+                return gone[0] if gone else None
+            time.sleep(DEAD_PEER_POLL_S)
+
+
+# -- helpers --------------------------------------------------------------------------
+def checksum(buffer: torch.Tensor) -> int:
+    """A 64-bit checksum (BLAKE2b) of a CPU tensor's bytes: equal only for bit-identical
+    contents, as far as 64 bits tell."""
+    digest = hashlib.blake2b(memoryview(buffer.detach().numpy()), digest_size=_CHECKSUM_BYTES)
+    return int.from_bytes(digest.digest(), "little", signed=True)
+
+
+def _check_process_group(pg):
+    if not dist.is_available() or not dist.is_initialized():
+        raise errors.InvalidArgumentError(
+            "process_group: torch.distributed is not initialised: call "
+            "torch.distributed.init_process_group('gloo', ...) first (torchrun sets the "
+            "environment it reads), or use shmgrad.dask.run")
+    if not isinstance(pg, dist.ProcessGroup):
+        raise errors.InvalidArgumentError(
+            f"process_group must be a torch.distributed process group (e.g. "
+            f"torch.distributed.group.WORLD), got {type(pg).__name__}")
+    backend = dist.get_backend(pg)
+    if backend in _GPU_ONLY_BACKENDS:
+        raise errors.InvalidArgumentError(
+            f"process_group: the {backend} backend reduces GPU tensors, and an engine's "
+            "gradient is in host memory: use a gloo group (see docs/MULTINODE.md)")
+    if dist.get_rank(pg) < 0:
+        raise errors.InvalidArgumentError("process_group: this process is not a member of it")
+    return pg
+
+
+def _global_rank(pg, group_rank):
+    if pg is dist.group.WORLD or pg is None:
+        return group_rank
+    return dist.get_global_rank(pg, group_rank)
+
+
+def _buckets(grad, bucket_cap_mb):
+    if bucket_cap_mb is None:
+        return [grad]
+    if not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
+        raise errors.InvalidArgumentError(
+            f"bucket_cap_mb must be a positive number of MiB (or None: one all-reduce of the "
+            f"whole gradient), got {bucket_cap_mb!r}")
+    per = max(1, int(bucket_cap_mb * 2**20) // grad.element_size())
+    return [grad[i:i + per] for i in range(0, grad.numel(), per)]
+
+
+def _layout_difference(want, got) -> Optional[str]:
+    """How ``got``'s parameter layout differs from ``want``'s (rank 0's), or None."""
+    a, b = want["parameters"], got["parameters"]
+    for i, (pa, pb) in enumerate(zip(a, b)):
+        if pa != pb:
+            return (f"parameter {i} is {pb[0]!r} {pb[1]} there but {pa[0]!r} {pa[1]} on rank 0")
+    if len(a) != len(b):
+        return f"it has {len(b)} parameters, rank 0 has {len(a)}"
+    if want["floats"] != got["floats"]:
+        return f"its parameter buffer holds {got['floats']} floats, rank 0's {want['floats']}"
+    if want["buckets"] != got["buckets"]:
+        return (f"it all-reduces in {len(got['buckets'])} bucket(s), rank 0 in "
+                f"{len(want['buckets'])}: give every node the same bucket_cap_mb")
+    return None
+
+
+def _process_alive(pid) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"  # a zombie has exited

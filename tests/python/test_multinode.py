@@ -1,0 +1,427 @@
+"""Engines on several nodes: two ranks on this machine stand for two nodes (gloo on
+127.0.0.1, torch.multiprocessing spawn), each with its own engine and workers, against a
+single-process PyTorch reference. Every test is bounded in time and checks that no engine
+segment (/dev/shm/shmgrad-*) or process is left behind."""
+
+import copy
+import datetime
+import glob
+import itertools
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import shmgrad
+from conftest import Cnn, Mlp, reference_gradient, relative_error
+from shmgrad.distributed import shard
+
+NODES = 2
+PG_TIMEOUT_S = 10          # the process group's timeout in these tests
+RANKS_TIMEOUT_S = 180      # one test's ranks, start-up included
+CLEANUP_TIMEOUT_S = 30     # a dead rank's engine: serve stops on its parent's death
+FAULT_MARGIN_S = 10        # beyond the group's timeout, for the survivor to report
+KILL_AFTER_STEPS = 5       # the victim is killed once it has done this many steps
+_tags = itertools.count()
+
+
+# -- running ranks -----------------------------------------------------------------------
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_entry(rank, scenario, port, out_dir, timeout_s, kwargs):
+    """One spawned rank: a gloo group on 127.0.0.1, the scenario, its result saved."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=NODES, timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        result = SCENARIOS[scenario](rank, **kwargs)
+    finally:
+        dist.destroy_process_group()
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+class Ranks:
+    """NODES spawned ranks running ``scenario``; every wait is bounded, and on exit every
+    rank still alive is killed."""
+
+    def __init__(self, scenario, tmp_path, *, timeout_s=PG_TIMEOUT_S, **kwargs):
+        self.out = str(tmp_path)
+        self.deadline = time.monotonic() + RANKS_TIMEOUT_S
+        self.ctx = mp.start_processes(
+            _rank_entry, nprocs=NODES, join=False, start_method="spawn",
+            args=(scenario, _free_port(), self.out, timeout_s, kwargs))
+        self.procs = self.ctx.processes
+
+    def result(self, rank):
+        path = os.path.join(self.out, f"rank{rank}.pt")
+        p = self.procs[rank]
+        p.join(max(0.0, self.deadline - time.monotonic()))
+        assert not p.is_alive(), f"rank {rank} did not finish within {RANKS_TIMEOUT_S} s"
+        assert p.exitcode == 0 and os.path.exists(path), f"rank {rank} failed (exit {p.exitcode})"
+        return torch.load(path)
+
+    def results(self):
+        return [self.result(r) for r in range(NODES)]
+
+    def close(self):
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+            p.join(10)
+        assert not any(p.is_alive() for p in self.procs)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _leftovers(prefix):
+    """Engine segments and processes whose engine name starts with ``prefix``."""
+    found = glob.glob(f"/dev/shm/shmgrad-{os.getuid()}-{prefix}-*")
+    for cmdline in glob.glob("/proc/[0-9]*/cmdline"):
+        try:
+            with open(cmdline, "rb") as f:
+                args = f.read().split(b"\0")
+        except OSError:
+            continue
+        if any(a.startswith(f"{prefix}-".encode()) for a in args):
+            found.append(b" ".join(args).decode(errors="replace"))
+    return found
+
+
+@pytest.fixture
+def prefix():
+    """The prefix of this test's engine names; afterwards none of them may remain."""
+    p = f"mn{os.getpid()}x{next(_tags)}"
+    yield p
+    deadline = time.monotonic() + CLEANUP_TIMEOUT_S
+    while _leftovers(p) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _leftovers(p), f"left behind: {_leftovers(p)}"
+
+
+def _engine(rank, model, prefix, tag, **kwargs):
+    return shmgrad.Engine(model=model, loss="cross_entropy", name=f"{prefix}-{tag}-r{rank}",
+                          process_group=dist.group.WORLD, **kwargs)
+
+
+def _grads(model):
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+# -- 1. the gradient of the global batch -------------------------------------------------
+# (share of rank 0, share of rank 1, reduction, explicit inputs): uneven shares, a global
+# batch smaller than the number of nodes (one share empty), both reductions.
+GRADIENT_CASES = [
+    (list(range(0, 7)), list(range(7, 33)), "sum", False),
+    (list(range(0, 7)), list(range(7, 33)), "mean", False),
+    (list(range(40, 43)), list(range(50, 60)), "mean", True),
+    ([5], [], "sum", False),
+    ([5], [], "mean", False),
+    ([], [9], "mean", True),
+    (list(range(0, 60)), list(range(60, 120)), "mean", False),
+]
+
+
+def _gradients(rank, spec, prefix, bucket_cap_mb):
+    torch.manual_seed(100 + rank)  # other weights on every node: bind() takes rank 0's
+    model = Cnn()
+    x, y = _load_npy(spec)
+    out = {"cases": []}
+    # Nodes need not be alike: rank 0 runs two workers, rank 1 one.
+    with _engine(rank, model, prefix, "grad", workers=2 - rank, dataset=spec,
+                 bucket_cap_mb=bucket_cap_mb) as engine:
+        engine.bind(model)
+        out["bound"] = [p.detach().clone() for p in model.parameters()]
+        for case in GRADIENT_CASES:
+            mine = torch.tensor(case[rank], dtype=torch.int64)
+            if case[3]:
+                st = engine.gradient(inputs=x[mine], targets=y[mine], reduction=case[2])
+            else:
+                st = engine.gradient(mine, reduction=case[2])
+            out["cases"].append({
+                "grad": _grads(model), "num_examples": st.num_examples,
+                "local_num_examples": st.local_num_examples, "loss": st.loss,
+                "loss_sum": st.loss_sum, "allreduce_seconds": st.allreduce_seconds,
+                "nodes": st.nodes, "workers": st.workers})
+        try:  # every share empty: refused on every node, and the group still works
+            engine.gradient(torch.zeros(0, dtype=torch.int64))
+        except shmgrad.InvalidArgumentError as exc:
+            out["all_empty"] = str(exc)
+        st = engine.gradient(torch.tensor([rank]))
+        out["after"] = (st.num_examples, _grads(model))
+    return out
+
+
+def _load_npy(spec):
+    xs, ys = spec[len("npy:"):].split(",")
+    return torch.from_numpy(np.load(xs)), torch.from_numpy(np.load(ys))
+
+
+@pytest.mark.parametrize("bucket_cap_mb", [None, 0.001])  # 0.001 MiB: buckets of 262 floats
+def test_gradient_of_the_global_batch(npy_dataset, tmp_path, prefix, bucket_cap_mb):
+    spec, x, y = npy_dataset
+    with Ranks("gradients", tmp_path, spec=spec, prefix=prefix,
+               bucket_cap_mb=bucket_cap_mb) as ranks:
+        results = ranks.results()
+    torch.manual_seed(100)
+    model0 = Cnn()  # rank 0's initial weights, which every node took
+    assert any(not torch.equal(a, b) for a, b in zip(
+        model0.parameters(), (torch.manual_seed(101), Cnn())[1].parameters()))
+    for r in results:
+        assert all(torch.equal(a, b) for a, b in zip(r["bound"], model0.parameters()))
+    for i, (share0, share1, reduction, _) in enumerate(GRADIENT_CASES):
+        union = torch.tensor(share0 + share1)
+        ref = reference_gradient(model0, "cross_entropy", x[union], y[union], reduction)
+        ref_loss = torch.nn.functional.cross_entropy(model0(x[union]), y[union],
+                                                     reduction=reduction).item()
+        for rank, (r, share) in enumerate(zip(results, (share0, share1))):
+            c = r["cases"][i]
+            err = relative_error(c["grad"], ref)
+            assert err < 1e-5, (i, rank, reduction, err)
+            assert c["num_examples"] == len(union) and c["local_num_examples"] == len(share)
+            assert abs(c["loss"] - ref_loss) < 1e-5 * max(1.0, abs(ref_loss)), (i, rank)
+            assert c["nodes"] == NODES and c["allreduce_seconds"] > 0
+            assert c["workers"] == (0 if not share else min(len(share), 2 - rank))
+    for rank, r in enumerate(results):
+        assert "every node's share was empty" in r["all_empty"]
+        ref = reference_gradient(model0, "cross_entropy", x[:2], y[:2])
+        assert r["after"][0] == 2 and relative_error(r["after"][1], ref) < 1e-5
+
+
+# -- 2. bit-identical parameters after training ------------------------------------------
+SGD_STEPS = 20
+SGD_BATCH = 13  # shares of 6 and 7
+
+
+def _sgd(rank, spec, prefix):
+    torch.manual_seed(200 + rank)
+    model = Cnn()
+    out = {}
+    with _engine(rank, model, prefix, "sgd", workers=1, dataset=spec) as engine:
+        engine.bind(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        g = torch.Generator().manual_seed(7)  # the same global batches on every node
+        for _ in range(SGD_STEPS):
+            idx = torch.randint(0, 120, (SGD_BATCH,), generator=g)
+            opt.zero_grad()
+            engine.gradient(shard(idx, rank, NODES), reduction="mean")
+            opt.step()
+        out["params"] = [p.detach().clone() for p in model.parameters()]
+        out["checksum"] = engine.check_consistency()
+        if rank == 1:  # one node drifts: both must see it
+            with torch.no_grad():
+                engine.parameter_tensors()[0].view(-1)[0] += 1e-3
+        try:
+            engine.check_consistency()
+        except shmgrad.ConsistencyError as exc:
+            out["drift"] = (exc.rank, str(exc))
+    return out
+
+
+def test_parameters_stay_bit_identical(npy_dataset, tmp_path, prefix):
+    spec, x, y = npy_dataset
+    with Ranks("sgd", tmp_path, spec=spec, prefix=prefix) as ranks:
+        r0, r1 = ranks.results()
+    for a, b in zip(r0["params"], r1["params"]):
+        assert torch.equal(a, b)  # bit-identical
+    assert r0["checksum"] == r1["checksum"]
+    assert r0["drift"][0] == 1 and r1["drift"][0] == 1 and "rank(s) [1]" in r0["drift"][1]
+    # Against plain PyTorch from rank 0's weights on the global batches.
+    torch.manual_seed(200)
+    ref = Cnn()
+    initial = copy.deepcopy(ref)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(7)
+    for _ in range(SGD_STEPS):
+        idx = torch.randint(0, 120, (SGD_BATCH,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ref(x[idx]), y[idx]).backward()
+        opt.step()
+    assert relative_error(r0["params"], list(ref.parameters())) < 1e-4
+    assert relative_error(r0["params"], list(initial.parameters())) > 1e-3  # it trained
+
+
+# -- 3. a node that dies or hangs ----------------------------------------------------------
+def _until_fault(rank, spec, prefix, marker):
+    torch.manual_seed(0)
+    model = Cnn()
+    out = {}
+    with _engine(rank, model, prefix, "fault", workers=1, dataset=spec) as engine:
+        engine.bind(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        deadline = time.monotonic() + RANKS_TIMEOUT_S
+        for step in itertools.count():
+            if rank == 1 and step == KILL_AFTER_STEPS:
+                open(marker, "w").close()  # the test may now kill or stop this rank
+            idx = shard(torch.arange(step % 100, step % 100 + 16), rank, NODES)
+            try:
+                engine.gradient(idx, reduction="mean")
+            except shmgrad.Error as exc:
+                out["error"] = (type(exc).__name__, getattr(exc, "rank", None), str(exc))
+                out["raised_at"] = time.clock_gettime(time.CLOCK_MONOTONIC)
+                out["steps"] = step
+                break
+            opt.step()
+            if time.monotonic() > deadline:
+                break
+        try:  # the group is broken: the next call raises at once
+            t0 = time.monotonic()
+            engine.gradient(idx)
+        except shmgrad.NodeError:
+            out["again_seconds"] = time.monotonic() - t0
+    out["closed"] = True  # the engine closed without raising
+    return out
+
+
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_dead_or_hung_node_raises_within_the_timeout(npy_dataset, tmp_path, prefix, fault):
+    spec, _, _ = npy_dataset
+    marker = str(tmp_path / "victim-ready")
+    with Ranks("until_fault", tmp_path, spec=spec, prefix=prefix, marker=marker) as ranks:
+        victim = ranks.procs[1]
+        deadline = time.monotonic() + RANKS_TIMEOUT_S
+        while not os.path.exists(marker):
+            assert time.monotonic() < deadline and victim.is_alive(), "rank 1 never trained"
+            time.sleep(0.01)
+        time.sleep(0.05)  # into the next steps
+        hit = time.clock_gettime(time.CLOCK_MONOTONIC)
+        os.kill(victim.pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        survivor = ranks.result(0)
+        if fault == "stop":
+            assert victim.is_alive()  # stopped, not dead: the group's timeout caught it
+            os.kill(victim.pid, signal.SIGKILL)
+        victim.join(10)
+        assert victim.exitcode == -signal.SIGKILL  # the fault landed
+    kind, rank, message = survivor["error"]
+    assert kind == "NodeError" and rank == 1, survivor["error"]
+    assert survivor["steps"] >= KILL_AFTER_STEPS
+    took = survivor["raised_at"] - hit
+    assert 0 < took < PG_TIMEOUT_S + FAULT_MARGIN_S, (took, message)
+    if fault == "stop":
+        assert took > PG_TIMEOUT_S / 2, (took, message)  # it waited for the timeout
+    assert survivor["again_seconds"] < 1.0 and survivor["closed"]
+
+
+# -- 4. a node with another model ------------------------------------------------------------
+def _mismatch(rank, prefix):
+    out = {}
+    torch.manual_seed(rank)
+    model = Cnn(d_out=5 if rank == 0 else 3)  # rank 1's last layer has other shapes
+    try:
+        with _engine(rank, model, prefix, "other-model", workers=1):
+            out["started"] = True
+    except shmgrad.InvalidArgumentError as exc:
+        out["model"] = str(exc)
+    # The group still works: the same model, but another bucket size on rank 1.
+    try:
+        with _engine(rank, Cnn(), prefix, "other-buckets", workers=1,
+                     bucket_cap_mb=None if rank == 0 else 0.001):
+            out["started"] = True
+    except shmgrad.InvalidArgumentError as exc:
+        out["buckets"] = str(exc)
+    return out
+
+
+def test_mismatched_models_are_refused(tmp_path, prefix):
+    with Ranks("mismatch", tmp_path, prefix=prefix) as ranks:
+        results = ranks.results()
+    for r in results:
+        assert "started" not in r
+        assert "rank 1" in r["model"] and "'fc.weight' (3, 100)" in r["model"], r["model"]
+        assert "(5, 100)" in r["model"]
+        assert "rank 1" in r["buckets"] and "bucket_cap_mb" in r["buckets"], r["buckets"]
+
+
+# -- 5. shmgrad.dask.run --------------------------------------------------------------------
+def _dask_train(spec, prefix, steps):
+    rank = dist.get_rank()
+    torch.manual_seed(300 + rank)
+    model = Cnn()
+    with _engine(rank, model, prefix, "dask", workers=1, dataset=spec) as engine:
+        engine.bind(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        g = torch.Generator().manual_seed(3)
+        for _ in range(steps):
+            idx = torch.randint(0, 120, (16,), generator=g)
+            engine.gradient(shard(idx, rank, dist.get_world_size()), reduction="mean")
+            opt.step()
+        return rank, engine.check_consistency()
+
+
+def test_dask_run_on_a_local_cluster(npy_dataset, prefix):
+    import shmgrad.dask
+    from distributed import Client, LocalCluster
+
+    spec, _, _ = npy_dataset
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cluster = LocalCluster(n_workers=2, processes=True, threads_per_worker=1,
+                               dashboard_address=None, silence_logs=logging.ERROR)
+        client = Client(cluster)
+    try:
+        results = shmgrad.dask.run(client, _dask_train, spec, prefix, 5, timeout=PG_TIMEOUT_S)
+        assert [r for r, _ in results] == [0, 1]
+        assert results[0][1] == results[1][1]
+        # One call per host: one node, alone in its group.
+        (alone,) = shmgrad.dask.run(client, _dask_train, spec, prefix, 2, per_host=True,
+                                    timeout=PG_TIMEOUT_S)
+        assert alone[0] == 0
+    finally:
+        client.close()
+        cluster.close()
+
+
+# -- 6. one node, and arguments ----------------------------------------------------------
+def test_one_node_reports_its_own_figures_and_refuses_a_bad_group(prefix):
+    torch.manual_seed(0)
+    model = Mlp(d_in=6, d_out=3)
+    x, y = torch.randn(10, 6), torch.randint(0, 3, (10,))
+    with shmgrad.Engine(model=model, workers=1, loss="cross_entropy") as engine:
+        engine.bind(model)
+        st = engine.gradient(inputs=x, targets=y)
+        assert st.local_num_examples == st.num_examples == 10 and st.nodes == 1
+        assert st.local_loss_sum == st.loss_sum and st.allreduce_seconds == 0.0
+        assert st.as_dict()["local_num_examples"] == 10
+        assert engine.check_consistency() == engine.check_consistency()
+        assert engine.node_rank == 0 and engine.node_count == 1
+        with pytest.raises(shmgrad.InvalidArgumentError, match="empty batch"):
+            engine.gradient([])
+    # torch.distributed is not initialised in this process: refused, engine stopped.
+    with pytest.raises(shmgrad.InvalidArgumentError, match="init_process_group"):
+        shmgrad.Engine(model=model, workers=1, loss="cross_entropy", name=f"{prefix}-bad",
+                       process_group=object())
+    with pytest.raises(shmgrad.InvalidArgumentError, match="rank 2 is not in"):
+        shard(list(range(4)), 2, 2)
+    assert [len(shard(list(range(5)), r, 3)) for r in range(3)] == [1, 2, 2]
+
+
+def test_import_shmgrad_loads_neither_dask_nor_distributed():
+    code = "import sys, shmgrad; print(' '.join(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    modules = out.stdout.split()
+    assert "shmgrad.distributed" in modules and "shmgrad.dask" not in modules
+    assert not [m for m in modules if m.split(".")[0] in ("dask", "distributed")]
+
+
+SCENARIOS = {"gradients": _gradients, "sgd": _sgd, "until_fault": _until_fault,
+             "mismatch": _mismatch}
