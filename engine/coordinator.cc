@@ -1,5 +1,7 @@
 #include "engine/coordinator.h"
 
+#include <dirent.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -70,6 +72,7 @@ class Coordinator {
 
  private:
   ipc::SegmentHeader* h() { return seg_->header(); }
+  bool eager() const { return !opt_.eager_job.empty(); }
   ipc::ControlBlock& c() { return seg_->header()->control; }
 
   void create() {
@@ -105,6 +108,23 @@ class Coordinator {
       spec.data_target_dtype = data.target_dtype;
       spec.data_target_shape = data.target_shape;
       spec.data_description = data.description;
+    }
+    if (eager()) {
+      SHMGRAD_CHECK(!opt_.python.empty(), ErrorKind::kInvalidArgument,
+                    "--eager-job needs --python (the interpreter the eager workers run)");
+      SHMGRAD_CHECK(opt_.dataset.empty() || opt_.eager_dataset_size == 0,
+                    ErrorKind::kInvalidArgument,
+                    "give --dataset or --eager-dataset-size, not both");
+      spec.worker_kind = ipc::WorkerKind::kEager;
+      spec.job_path = realpath(opt_.eager_job.c_str(), resolved) ? resolved : opt_.eager_job;
+      if (opt_.eager_dataset_size > 0) {
+        // The workers hold the dataset: only its size lives here (empty shapes, no data).
+        spec.data_count = opt_.eager_dataset_size;
+        spec.data_example_shape = {0};
+        spec.data_target_shape = {0};
+        spec.data_target_dtype = ipc::DType::kInt64;
+        spec.data_description = "held by the eager workers";
+      }
     }
     seg_ = ipc::Segment::create(spec);
     // Initial parameter values and the dataset, written once before any worker runs.
@@ -163,7 +183,10 @@ class Coordinator {
     std::string bin = workerBinary();
     std::string slot_s = std::to_string(slot), parent_s = std::to_string(getpid());
     std::string threads_s = std::to_string(h()->threads_per_worker);
-    std::vector<std::string> args = {bin, "__worker", opt_.name, slot_s, parent_s};
+    std::vector<std::string> args =
+        eager() ? std::vector<std::string>{opt_.python, "-m", "shmgrad._eager_worker", opt_.name,
+                                           slot_s, parent_s}
+                : std::vector<std::string>{bin, "__worker", opt_.name, slot_s, parent_s};
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -367,6 +390,22 @@ class Coordinator {
     }
   }
 
+  // --owned-dir: the files a launcher made for this engine (the eager job, the
+  // parameters' holder) go with it. Only plain files directly inside are removed.
+  void removeOwnedDir() {
+    if (opt_.owned_dir.empty()) return;
+    if (DIR* d = opendir(opt_.owned_dir.c_str())) {
+      while (dirent* ent = readdir(d)) {
+        if (ent->d_type == DT_REG) unlinkat(dirfd(d), ent->d_name, 0);
+      }
+      closedir(d);
+    }
+    if (rmdir(opt_.owned_dir.c_str()) != 0 && errno != ENOENT) {
+      std::fprintf(stderr, "shmgrad: could not remove %s: %s\n", opt_.owned_dir.c_str(),
+                   detail::errnoText().c_str());
+    }
+  }
+
   // Stops every worker (a bounded wait, then SIGKILL) and removes the segment. Never
   // throws before the segment is gone: a failing system call is logged and the
   // shutdown goes on.
@@ -383,6 +422,7 @@ class Coordinator {
       std::fprintf(stderr, "shmgrad: while stopping the workers: %s\n", e.what());
     }
     ipc::Segment::remove(opt_.name);
+    removeOwnedDir();
     if (!opt_.quiet) {
       std::printf("shmgrad: engine '%s' stopped after %" PRIu64 " steps; segment removed\n",
                   opt_.name.c_str(), c().steps_served.load());

@@ -24,6 +24,14 @@ struct ServeOptions {
   std::string worker_binary;
   bool quiet = false;
   int status_fd = -1;              // >= 0: write the start-up report there (writeServeReport)
+  // Eager workers: run `python -m shmgrad._eager_worker` on this pickled job (model, loss,
+  // dataset, ...) instead of the TorchScript worker; model_path then holds the
+  // parameters' holder the launcher wrote. eager_dataset_size: examples of the dataset the
+  // workers hold (0: none).
+  std::string eager_job;
+  std::string python;
+  int64_t eager_dataset_size = 0;
+  std::string owned_dir;           // removed (its plain files, then itself) when the engine stops
 };
 
 // Runs the engine until `shmgrad stop`, SIGTERM or SIGINT. Returns the exit code.

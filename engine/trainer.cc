@@ -255,25 +255,36 @@ GradientStats Trainer::gradient(const torch::Tensor& inputs, const torch::Tensor
   SHMGRAD_CHECK(inputs.dim() - 1 <= static_cast<int64_t>(ipc::kMaxDims) &&
                     targets.dim() - 1 <= static_cast<int64_t>(ipc::kMaxDims),
                 ErrorKind::kInvalidArgument, "too many dimensions");
-  SHMGRAD_CHECK(inputs.is_floating_point(), ErrorKind::kInvalidArgument,
-                "inputs must be a floating-point tensor, got ", inputs.scalar_type());
+  auto integral = [](const torch::Tensor& t) {
+    return !t.is_floating_point() && !t.is_complex() && t.scalar_type() != torch::kBool;
+  };
+  SHMGRAD_CHECK(inputs.is_floating_point() || integral(inputs), ErrorKind::kInvalidArgument,
+                "inputs must be floating-point (sent as float32) or integer (sent as int64, e.g. "
+                "token ids), got ", inputs.scalar_type());
   SHMGRAD_CHECK(B <= h->max_batch, ErrorKind::kInvalidArgument, "batch of ", B,
                 " examples exceeds the engine's --max-batch ", h->max_batch);
-  const auto loss = static_cast<ipc::LossKind>(h->loss);
-  torch::Tensor x = inputs.to(torch::kCPU, torch::kFloat32).contiguous();
+  // Inputs keep their kind: float32 for floating point, int64 for integers.
+  const bool int_inputs = integral(inputs);
+  torch::Tensor x = inputs.to(torch::kCPU, int_inputs ? torch::kInt64 : torch::kFloat32).contiguous();
   torch::Tensor y;
-  if (loss == ipc::LossKind::kMse) {
+  const bool eager = h->worker_kind == static_cast<uint32_t>(ipc::WorkerKind::kEager);
+  const auto loss = static_cast<ipc::LossKind>(h->loss);
+  if (eager) {
+    // Any loss: targets keep their kind too.
+    SHMGRAD_CHECK(targets.is_floating_point() || integral(targets), ErrorKind::kInvalidArgument,
+                  "targets must be floating-point or integer, got ", targets.scalar_type());
+    y = targets.to(torch::kCPU, integral(targets) ? torch::kInt64 : torch::kFloat32).contiguous();
+  } else if (loss == ipc::LossKind::kMse) {
     SHMGRAD_CHECK(targets.is_floating_point(), ErrorKind::kInvalidArgument,
                   "mse needs floating-point targets, got ", targets.scalar_type());
     y = targets.to(torch::kCPU, torch::kFloat32).contiguous();
   } else {
-    SHMGRAD_CHECK(!targets.is_floating_point() && !targets.is_complex(),
-                  ErrorKind::kInvalidArgument,
+    SHMGRAD_CHECK(integral(targets), ErrorKind::kInvalidArgument,
                   "cross_entropy and nll need integer class labels as targets, got ",
                   targets.scalar_type(), " (convert with targets.long())");
     y = targets.to(torch::kCPU, torch::kInt64).contiguous();
   }
-  const uint64_t in_bytes = static_cast<uint64_t>(x.numel()) * 4;
+  const uint64_t in_bytes = static_cast<uint64_t>(x.numel()) * x.element_size();
   const uint64_t tg_bytes = static_cast<uint64_t>(y.numel()) * y.element_size();
   SHMGRAD_CHECK(in_bytes <= h->req_inputs.size, ErrorKind::kInvalidArgument, "inputs of ",
                 in_bytes, " bytes exceed the engine's input capacity of ", h->req_inputs.size,
@@ -283,12 +294,12 @@ GradientStats Trainer::gradient(const torch::Tensor& inputs, const torch::Tensor
   const uint64_t start = ipc::monotonicNs();
   const uint64_t deadline = deadlineFor(o);
   waitIdle(deadline);
-  std::memcpy(seg_->region<float>(h->req_inputs), x.data_ptr<float>(), in_bytes);
+  std::memcpy(seg_->region<uint8_t>(h->req_inputs), x.data_ptr(), in_bytes);
   std::memcpy(seg_->region<uint8_t>(h->req_targets), y.data_ptr(), tg_bytes);
   ipc::StepRequest& r = h->request;
   std::memset(&r.example_shape, 0, sizeof(r.example_shape));
   std::memset(&r.target_shape, 0, sizeof(r.target_shape));
-  r.input_dtype = static_cast<uint32_t>(ipc::DType::kFloat32);
+  r.input_dtype = static_cast<uint32_t>(int_inputs ? ipc::DType::kInt64 : ipc::DType::kFloat32);
   r.example_shape.ndim = static_cast<uint32_t>(x.dim() - 1);
   for (int64_t d = 1; d < x.dim(); ++d) r.example_shape.dims[d - 1] = x.size(d);
   r.target_dtype = static_cast<uint32_t>(y.scalar_type() == torch::kInt64 ? ipc::DType::kInt64
@@ -386,6 +397,8 @@ uint32_t Trainer::publish(int64_t B, const GradientOptions& o, uint32_t kind,
   r.reduction_scale_is_mean = o.mean ? 1 : 0;
   r.scale = o.mean ? static_cast<float>(1.0 / static_cast<double>(B)) : 1.0f;
   r.max_examples_per_pass = o.max_examples_per_pass;
+  r.seed = o.seed;
+  r.train_mode = o.train ? 1 : 0;
   for (uint32_t k = 0; k < p.n; ++k) {
     r.participants[k] = p.slots[k];
     h->workers[p.slots[k]].assigned_rank.store(k, std::memory_order_relaxed);
@@ -451,11 +464,13 @@ void Trainer::collect(uint32_t e, const Participants& p, int64_t B, const Gradie
     SHMGRAD_CHECK(w.result_epoch == e, ErrorKind::kCorrupt, "worker ", int(p.slots[k]),
                   " reported a result for another step");
     if (w.error != 0) {
-      char text[ipc::kErrorLen];
-      std::memcpy(text, w.error_text, sizeof(text));
-      text[ipc::kErrorLen - 1] = '\0';
-      raise(ErrorKind::kWorkerFailed, "worker ", int(p.slots[k]), " could not compute its shard: ",
-            text);
+      // Copied out before use (a stale worker could still write), always terminated.
+      std::string type(w.error_type, strnlen(w.error_type, ipc::kErrorTypeLen));
+      std::string text(w.error_text, strnlen(w.error_text, ipc::kErrorLen));
+      std::ostringstream os;
+      os << "worker " << int(p.slots[k]) << " could not compute its shard: "
+         << (type.empty() ? "" : type + ": ") << text;
+      throw Error(ErrorKind::kWorkerFailed, os.str(), p.slots[k], type);
     }
     WorkerStepStats ws;
     ws.slot = p.slots[k];

@@ -26,10 +26,18 @@ class Error : public std::runtime_error {
  public:
   Error(ErrorKind kind, const std::string& message)
       : std::runtime_error(message), kind_(kind) {}
+  // A worker's failure: which slot, and the type of the error it raised there
+  // ("TypeError" from an eager worker, "" from C++).
+  Error(ErrorKind kind, const std::string& message, int worker, std::string error_type)
+      : std::runtime_error(message), kind_(kind), worker_(worker), error_type_(std::move(error_type)) {}
   ErrorKind kind() const { return kind_; }
+  int worker() const { return worker_; }                       // -1: not a worker's
+  const std::string& errorType() const { return error_type_; }
 
  private:
   ErrorKind kind_;
+  int worker_ = -1;
+  std::string error_type_;
 };
 
 namespace detail {

@@ -30,7 +30,7 @@
 namespace shmgrad::ipc {
 
 constexpr uint64_t kMagic = 0x31444152474d4853ull;  // "SHMGRAD1", little endian
-constexpr uint32_t kLayoutVersion = 3;
+constexpr uint32_t kLayoutVersion = 4;
 constexpr uint64_t kAlign = 64;            // every region and tensor starts on a cache line
 constexpr uint32_t kAlignFloats = kAlign / sizeof(float);
 constexpr uint32_t kMaxWorkers = 64;       // gradient slots in one segment, at most
@@ -38,7 +38,8 @@ constexpr uint32_t kMaxThreadsPerWorker = 256;  // intra-op threads of one worke
 constexpr uint32_t kMaxParams = 1024;      // parameter tensors in one model, at most
 constexpr uint32_t kMaxDims = 8;           // dimensions of a tensor, at most
 constexpr uint32_t kNameLen = 128;         // parameter name, NUL-terminated
-constexpr uint32_t kErrorLen = 512;        // a worker's error message, NUL-terminated
+constexpr uint32_t kErrorLen = 8192;       // a worker's error message (with traceback), NUL-terminated
+constexpr uint32_t kErrorTypeLen = 128;    // the error's type name ("TypeError"), NUL-terminated
 constexpr uint32_t kPathLen = 512;         // model path, NUL-terminated
 constexpr uint32_t kStatsRing = 16;        // last steps kept for `shmgrad status`
 constexpr uint32_t kDeviceReserved = 8192; // bytes kept for CUDA IPC handles
@@ -67,7 +68,7 @@ constexpr const char* kEngineStateNames[] = {"starting", "serving", "stopping", 
 enum class WorkerState : uint32_t { kEmpty = 0, kStarting = 1, kReady = 2, kDead = 3, kExited = 4, kRetired = 5 };
 constexpr const char* kWorkerStateNames[] = {"empty", "starting", "ready", "dead", "exited", "retired"};
 
-enum class BatchKind : uint32_t { kIndices = 1, kExplicit = 2 };
+
 
 template <typename T, size_t N>
 constexpr const char* enumName(const char* const (&names)[N], T v) {
@@ -80,6 +81,14 @@ inline const char* engineStateName(EngineState v) { return enumName(kEngineState
 inline const char* workerStateName(WorkerState v) { return enumName(kWorkerStateNames, v); }
 inline bool lossKindValid(uint32_t v) { return v >= 1 && v <= kNumLossKinds; }
 inline bool dtypeValid(uint32_t v) { return v <= static_cast<uint32_t>(DType::kInt64); }
+
+enum class BatchKind : uint32_t { kIndices = 1, kExplicit = 2 };
+
+// Which program the workers run: the C++ TorchScript replica, or Python (an eager
+// nn.Module, any loss, a torch Dataset the workers hold; python/shmgrad/_eager_worker.py).
+enum class WorkerKind : uint32_t { kScript = 0, kEager = 1 };
+constexpr const char* kWorkerKindNames[] = {"script", "eager"};
+inline const char* workerKindName(WorkerKind v) { return enumName(kWorkerKindNames, v); }
 
 // A byte range of the segment. Checked on attach: offset % kAlign == 0 and
 // offset + size <= total_size.
@@ -121,7 +130,7 @@ struct alignas(64) WorkerRecord {
   // Result of the step in result_epoch, written by the worker before it arrives at
   // the compute barrier (compute part) and at the reduce barrier (reduce_ns).
   uint32_t result_epoch;
-  uint32_t error;                     // 1: error_text says why this shard failed
+  uint32_t error;                     // 1: error_type and error_text say why this shard failed
   uint64_t start_ns;                  // CLOCK_MONOTONIC when it saw the step (wake-up latency)
   int64_t examples;                   // examples in this worker's shard
   double loss_sum;                    // sum of the loss over the shard
@@ -130,7 +139,8 @@ struct alignas(64) WorkerRecord {
   uint64_t barrier_wait_ns;           // time spent waiting for the others
   uint32_t nonfinite_loss;            // 1 when loss_sum is NaN or infinite
   std::atomic<uint32_t> nonfinite_grad;  // 1 when its slot holds a NaN or infinity (set by reducers)
-  char error_text[kErrorLen];
+  char error_type[kErrorTypeLen];     // the exception's type ("TypeError"), "" if none
+  char error_text[kErrorLen];         // its message and, from Python, the traceback's last frames
 };
 
 // The step request. Written only by the lease-holding trainer, and only while no
@@ -154,6 +164,11 @@ struct StepRequest {
   // sets it only when every process of the step has a core of its own (participants x
   // threads + the trainer <= cores); 0 otherwise, as spinning would steal their cores.
   uint64_t spin_ns;
+  // Eager workers: the step's seed (shmgrad.example_seed(seed, i) seeds the generators
+  // before dataset[i]) and the trainer module's mode (1: train, 0: eval).
+  uint64_t seed;
+  uint32_t train_mode;
+  uint32_t reserved2;
   uint8_t participants[kMaxWorkers];  // slot ids, rank order
 };
 
@@ -199,7 +214,8 @@ struct alignas(64) SegmentHeader {
   uint32_t owner_uid;        // uid of the coordinator
   int32_t coordinator_pid;
   uint64_t created_ns;       // CLOCK_REALTIME at creation
-  char model_path[kPathLen];
+  char model_path[kPathLen];  // TorchScript model (script), or its parameters' holder (eager)
+  char job_path[kPathLen];    // eager: the pickled job (model, loss, dataset, ...), else 
   uint32_t loss;             // LossKind
   uint32_t num_slots;        // gradient slots = most workers, <= kMaxWorkers
   uint32_t num_params;       // <= kMaxParams
@@ -222,7 +238,7 @@ struct alignas(64) SegmentHeader {
   int64_t data_count;        // examples
   Shape data_example_shape;  // shape of one input
   uint32_t data_target_dtype;  // DType
-  uint32_t reserved1;
+  uint32_t worker_kind;      // WorkerKind
   Shape data_target_shape;   // shape of one target (ndim 0: a class label)
   char data_description[128];
   ControlBlock control;

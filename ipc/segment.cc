@@ -198,7 +198,9 @@ void validateHeader(const SegmentHeader* h, uint64_t size) {
                 "segment header: max_batch ", h->max_batch);
   SHMGRAD_CHECK(h->param_floats % kAlignFloats == 0 && h->param_floats < kMaxParamFloats,
                 ErrorKind::kCorrupt, "segment header: param_floats ", h->param_floats);
-  SHMGRAD_CHECK(terminated(h->model_path, kPathLen) &&
+  SHMGRAD_CHECK(h->worker_kind <= static_cast<uint32_t>(WorkerKind::kEager), ErrorKind::kCorrupt,
+                "segment header: worker kind ", h->worker_kind);
+  SHMGRAD_CHECK(terminated(h->model_path, kPathLen) && terminated(h->job_path, kPathLen) &&
                     terminated(h->data_description, sizeof(h->data_description)),
                 ErrorKind::kCorrupt, "segment header: unterminated string");
   const uint64_t pbytes = h->param_floats * sizeof(float);
@@ -274,8 +276,9 @@ Segment::~Segment() {
 std::unique_ptr<Segment> Segment::create(const SegmentSpec& spec) {
   checkEngineName(spec.name);
   Layout l = computeLayout(spec);
-  SHMGRAD_CHECK(spec.model_path.size() < kPathLen, ErrorKind::kInvalidArgument,
-                "model path longer than ", kPathLen - 1, " characters");
+  SHMGRAD_CHECK(spec.model_path.size() < kPathLen && spec.job_path.size() < kPathLen,
+                ErrorKind::kInvalidArgument, "model or job path longer than ", kPathLen - 1,
+                " characters");
 
   // A segment of this name may be left by a coordinator that was killed.
   removeIfStale(spec.name);
@@ -359,6 +362,8 @@ void Segment::writeHeader(const SegmentSpec& spec, const Layout& l, uint8_t* bas
   clock_gettime(CLOCK_REALTIME, &ts);
   h->created_ns = static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + ts.tv_nsec;
   std::snprintf(h->model_path, kPathLen, "%s", spec.model_path.c_str());
+  std::snprintf(h->job_path, kPathLen, "%s", spec.job_path.c_str());
+  h->worker_kind = static_cast<uint32_t>(spec.worker_kind);
   h->loss = static_cast<uint32_t>(spec.loss);
   h->num_slots = spec.num_slots;
   h->num_params = static_cast<uint32_t>(spec.params.size());

@@ -21,6 +21,8 @@ struct ParamSpec {
 struct SegmentSpec {
   std::string name;                 // engine name, [A-Za-z0-9_.-]{1,64}
   std::string model_path;
+  WorkerKind worker_kind = WorkerKind::kScript;
+  std::string job_path;             // eager workers' pickled job
   LossKind loss = LossKind::kCrossEntropy;
   uint32_t num_slots = 1;           // gradient slots (most workers at once)
   uint32_t threads_per_worker = 1;
@@ -34,6 +36,8 @@ struct SegmentSpec {
   DType data_target_dtype = DType::kNone;
   std::vector<int64_t> data_target_shape;
   std::string data_description;
+  // A dataset that eager workers hold themselves is described with empty example and
+  // target shapes ({0}): data_count examples addressed by index, no data in the segment.
 };
 
 // Checks an engine name; throws InvalidArgument naming the rule otherwise.

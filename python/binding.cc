@@ -82,8 +82,10 @@ py::list lossNames() {
 
 shmgrad::GradientOptions makeOptions(bool mean, double timeout, int max_retries,
                                      int64_t min_examples_per_worker, int64_t max_examples_per_pass,
-                                     bool raise_on_nonfinite) {
+                                     bool raise_on_nonfinite, uint64_t seed, bool train) {
   shmgrad::GradientOptions o;
+  o.seed = seed;
+  o.train = train;
   o.mean = mean;
   o.timeout_seconds = timeout;
   o.max_retries = max_retries;
@@ -94,6 +96,10 @@ shmgrad::GradientOptions makeOptions(bool mean, double timeout, int max_retries,
 }
 
 }  // namespace
+
+namespace shmgrad {
+void bindEagerWorker(py::module_& m);  // python/worker_binding.cc
+}
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "shmgrad native module (use the shmgrad package instead)";
@@ -106,7 +112,11 @@ PYBIND11_MODULE(_C, m) {
       py::gil_scoped_acquire gil;
       py::object errors = py::module_::import("shmgrad.errors");
       py::object cls = errors.attr("error_class")(shmgrad::errorKindName(e.kind()));
-      PyErr_SetObject(cls.ptr(), py::str(e.what()).ptr());
+      py::object exc = cls(py::str(e.what()));
+      // A worker's failure says which worker and the type of what it raised.
+      exc.attr("worker") = e.worker() >= 0 ? py::object(py::int_(e.worker())) : py::none();
+      exc.attr("error_type") = e.errorType().empty() ? py::none() : py::object(py::str(e.errorType()));
+      PyErr_SetObject(cls.ptr(), exc.ptr());
     }
   });
 
@@ -170,12 +180,13 @@ PYBIND11_MODULE(_C, m) {
           [](shmgrad::Trainer& t, std::optional<at::Tensor> indices,
              std::optional<at::Tensor> inputs, std::optional<at::Tensor> targets, bool mean,
              double timeout, int max_retries, int64_t min_epw, int64_t max_epp,
-             bool raise_nonfinite) {
+             bool raise_nonfinite, uint64_t seed, bool train) {
             SHMGRAD_CHECK(inputs.has_value() == targets.has_value() &&
                               indices.has_value() != inputs.has_value(),
                           shmgrad::ErrorKind::kInvalidArgument,
                           "give either indices or both inputs and targets");
-            auto o = makeOptions(mean, timeout, max_retries, min_epw, max_epp, raise_nonfinite);
+            auto o = makeOptions(mean, timeout, max_retries, min_epw, max_epp, raise_nonfinite,
+                                 seed, train);
             shmgrad::GradientStats s;
             {
               py::gil_scoped_release nogil;
@@ -185,7 +196,8 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("indices"), py::arg("inputs"), py::arg("targets"), py::arg("mean"),
           py::arg("timeout"), py::arg("max_retries"), py::arg("min_examples_per_worker"),
-          py::arg("max_examples_per_pass"), py::arg("raise_on_nonfinite"));
+          py::arg("max_examples_per_pass"), py::arg("raise_on_nonfinite"), py::arg("seed") = 0,
+          py::arg("train") = true);
 
   // The client side of a running engine (engine/control.h).
   m.def(
@@ -207,6 +219,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("name"), py::arg("timeout") = shmgrad::engine::kDefaultStopTimeoutS);
   m.def("request_resize", &shmgrad::engine::requestResize, py::arg("name"), py::arg("workers"));
   m.def("loss_names", &lossNames);
+  shmgrad::bindEagerWorker(m);
   m.def("segment_path", &shmgrad::ipc::segmentPath, py::arg("name"));
   m.def("segment_exists", &shmgrad::ipc::Segment::exists, py::arg("name"));
   m.def("check_engine_name", &shmgrad::ipc::checkEngineName, py::arg("name"));

@@ -93,7 +93,19 @@ void reportServeFailure(const engine::ServeOptions& o, const char* kind, const c
   }
 }
 
+// `serve --eager MODULE:FUNCTION`: Python builds the job (it must import the user's
+// module), then execs `shmgrad serve` again with --eager-job and the rest of the options.
+std::string g_eager_spec;
+std::vector<std::string> g_serve_args;  // the arguments after "serve", as given
+
+int execPython(const char* module, const std::vector<std::string>& rest);
+
 int runServe(const engine::ServeOptions& o) {
+  if (!g_eager_spec.empty()) return execPython("shmgrad._serve_eager", g_serve_args);
+  if (o.model_path.empty()) {
+    throw shmgrad::Error(shmgrad::ErrorKind::kInvalidArgument,
+                         "give --model PATH (a TorchScript file) or --eager MODULE:FUNCTION");
+  }
   try {
     // The coordinator execs its workers: they must not hold the report's descriptor
     // open (its reader would wait for their exit to see the end of the stream).
@@ -122,11 +134,25 @@ Command addServe(CLI::App& app, engine::ServeOptions* o) {
   cmd->add_option("--name", o->name, "engine name: 1-64 of [A-Za-z0-9_.-] (required)")
       ->required()
       ->type_name("NAME");
-  cmd->add_option("--model", o->model_path,
-                  "TorchScript model file, from torch.jit.save or\n"
-                  "shmgrad.save_model (required)")
-      ->required()
-      ->type_name("PATH");
+  CLI::Option* model = cmd->add_option("--model", o->model_path,
+                                       "TorchScript model file, from torch.jit.save or\n"
+                                       "shmgrad.save_model (required unless --eager)")
+                           ->type_name("PATH");
+  CLI::Option* eager = cmd->add_option("--eager", g_eager_spec,
+                                       "eager Python workers instead: MODULE:FUNCTION, where\n"
+                                       "FUNCTION() returns a dict with model, loss, dataset\n"
+                                       "(optionally collate_fn, forward); any nn.Module,\n"
+                                       "any loss, any torch Dataset (python3 -m\n"
+                                       "shmgrad._serve_eager prepares it)")
+                           ->type_name("MODULE:FUNCTION");
+  model->excludes(eager);
+  // Set by the eager launcher (shmgrad._serve_eager or shmgrad.Engine); not for users.
+  cmd->add_option("--eager-job", o->eager_job, "pickled eager job")->group("");
+  cmd->add_option("--python", o->python, "interpreter of the eager workers")->group("");
+  cmd->add_option("--eager-dataset-size", o->eager_dataset_size, "examples the workers hold")
+      ->group("")
+      ->check(CLI::Range(int64_t{0}, shmgrad::ipc::kMaxBatch - 1));
+  cmd->add_option("--owned-dir", o->owned_dir, "removed with the engine")->group("");
   integerIn(
       cmd->add_option("--workers", o->workers, "worker processes (default 1)")->type_name("N"),
       uint32_t{1}, shmgrad::ipc::kMaxWorkers);
@@ -301,6 +327,7 @@ int main(int argc, char** argv) {
   // After the commands: a subcommand inherits its parent's footer when it is added.
   app.footer("`shmgrad <command> --help` documents each command's options.");
 
+  if (argc > 1 && std::strcmp(argv[1], "serve") == 0) g_serve_args.assign(argv + 2, argv + argc);
   try {
     app.parse(argc, argv);
     if (app.get_subcommands().empty()) throw CLI::RequiredError("A command");

@@ -41,11 +41,25 @@ bool StepParticipant::becomeReady() {
   return true;
 }
 
-void StepParticipant::reportStartupFailure(const std::string& text) { setError(text.c_str()); }
+void StepParticipant::reportStartupFailure(const std::string& text) { setError("", text.c_str()); }
 
-void StepParticipant::setError(const char* text) {
+// A message that does not fit keeps its head and its tail (a traceback's last frames are
+// at the end), with a marker between them.
+void StepParticipant::setError(const char* type, const char* text) {
   me_.error = 1;
-  std::snprintf(me_.error_text, ipc::kErrorLen, "%s", text);
+  std::snprintf(me_.error_type, ipc::kErrorTypeLen, "%s", type);
+  const size_t len = std::strlen(text);
+  if (len < ipc::kErrorLen) {
+    std::memcpy(me_.error_text, text, len + 1);
+    return;
+  }
+  static const char kCut[] = "\n[... cut to fit the engine's error record ...]\n";
+  const size_t keep = ipc::kErrorLen - sizeof(kCut);  // bytes of the original kept
+  const size_t head = keep / 2, tail = keep - head;
+  std::memcpy(me_.error_text, text, head);
+  std::memcpy(me_.error_text + head, kCut, sizeof(kCut) - 1);
+  std::memcpy(me_.error_text + head + sizeof(kCut) - 1, text + len - tail, tail);
+  me_.error_text[ipc::kErrorLen - 1] = '\0';
 }
 
 bool StepParticipant::stopRequested() {
@@ -107,6 +121,7 @@ uint32_t StepParticipant::waitForStep() {
 void StepParticipant::runStep(uint32_t e, ShardComputer& computer) {
   me_.busy_epoch.store(e, std::memory_order_release);
   me_.error = 0;
+  me_.error_type[0] = '\0';
   me_.error_text[0] = '\0';
   me_.examples = 0;
   me_.loss_sum = 0;
@@ -153,7 +168,7 @@ bool StepParticipant::prepareShard(uint32_t e, Shard* s) {
                r.max_examples_per_pass >= 0 && std::isfinite(r.scale);
   for (uint32_t k = 0; valid && k < n; ++k) valid = r.participants[k] < h_->num_slots;
   if (!valid) {
-    setError("corrupt step request (participants, rank, batch size or kind out of range)");
+    setError("", "corrupt step request (participants, rank, batch size or kind out of range)");
     return false;
   }
   const int64_t B = r.num_examples;
@@ -169,6 +184,8 @@ bool StepParticipant::prepareShard(uint32_t e, Shard* s) {
   const bool alone = n == 1;
   s->grads = alone ? seg_.reduced() : seg_.slot(slot_);
   s->grad_scale = alone ? r.scale : 1.0f;
+  s->seed = r.seed;
+  s->train = r.train_mode != 0;
   spin_ns_ = std::min<uint64_t>(r.spin_ns, ipc::kMaxSpinNs);
   return true;
 }
@@ -234,8 +251,10 @@ void StepParticipant::computePhase(const Shard& shard, ShardComputer& computer) 
     const double loss = computer.compute(s);
     me_.loss_sum = loss;
     me_.nonfinite_loss = std::isfinite(loss) ? 0 : 1;
+  } catch (const ShardError& ex) {
+    setError(ex.type().c_str(), ex.what());
   } catch (const std::exception& ex) {
-    setError(ex.what());
+    setError("", ex.what());
   }
 }
 

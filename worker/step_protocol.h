@@ -8,6 +8,7 @@
 #pragma once
 
 #include <chrono>
+#include <stdexcept>
 #include <cstdint>
 #include <string>
 
@@ -56,7 +57,25 @@ struct Shard {
   const ipc::Shape* example_shape = nullptr;  // one input example
   const ipc::Shape* target_shape = nullptr;   // one target (ndim 0: a class label)
 
+  // Eager workers: seed generators with example_seed(seed, i) before dataset[i]; run the
+  // module in train (true) or eval mode, as the trainer's module is.
+  uint64_t seed = 0;
+  bool train = true;
+
   int64_t size() const { return end - begin; }
+};
+
+// What a compute phase throws to report its error's type besides its message (an eager
+// worker: the Python exception's type name; the message carries the traceback's last
+// frames). Any other std::exception is reported with an empty type.
+class ShardError : public std::runtime_error {
+ public:
+  ShardError(std::string type, const std::string& text)
+      : std::runtime_error(text), type_(std::move(type)) {}
+  const std::string& type() const { return type_; }
+
+ private:
+  std::string type_;
 };
 
 // The compute phase of one kind of worker.
@@ -102,7 +121,7 @@ class StepParticipant {
   bool barrier(std::atomic<uint32_t>& word, uint32_t e, uint32_t n);
   void reducePhase(const Shard& shard);
   void completeStep(uint32_t e, uint32_t n);
-  void setError(const char* text);
+  void setError(const char* type, const char* text);
   bool stopRequested();
   bool coordinatorGone();
 

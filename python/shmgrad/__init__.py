@@ -36,6 +36,7 @@ from .errors import (  # noqa: F401
 )
 from .client import Client, GradientStats, attach  # noqa: F401
 from .engine import Engine, save_model  # noqa: F401
+from .eager import example_seed  # noqa: F401
 from .status import EngineStatus, StepSummary, WorkerStatus, read_status  # noqa: F401
 from . import distributed, schedules  # noqa: F401
 
@@ -53,6 +54,7 @@ __all__ = [
     "attach",
     "read_status",
     "save_model",
+    "example_seed",
     "Error",
     "InvalidArgumentError",
     "EngineNotFoundError",

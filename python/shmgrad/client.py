@@ -10,6 +10,7 @@ import torch
 
 from . import distributed, errors
 from ._native import _C
+from .eager import step_seed
 from .status import EngineStatus, read_status
 
 REDUCTIONS = ("sum", "mean")
@@ -32,8 +33,8 @@ class GradientStats:
     Across nodes (an engine with a ``process_group``), ``num_examples``, ``loss``,
     ``loss_sum`` and ``nonfinite`` are the global batch's; ``local_num_examples`` and
     ``local_loss_sum`` this node's, ``allreduce_seconds`` the all-reduce's (not in
-    ``wall_seconds``, which is the node's own step), ``nodes`` how many. On one node these
-    are the same figures, 0.0 and 1.
+    ``wall_seconds``, which is the node's own step), ``allreduce_bytes`` the bytes it
+    all-reduced, ``nodes`` how many. On one node these are the same figures, 0.0, 0 and 1.
     """
 
     __slots__ = ("_native", "_nodes")
@@ -42,6 +43,7 @@ class GradientStats:
                 "finish_seconds")
     _NODE_FIELDS = distributed.NodeStats.__slots__
     _ONE_NODE = {"local_num_examples": "num_examples", "local_loss_sum": "loss_sum"}
+    _ONE_NODE_CONSTANTS = {"allreduce_seconds": 0.0, "allreduce_bytes": 0, "nodes": 1}
 
     def __init__(self, native, nodes=None):
         self._native = native
@@ -54,10 +56,8 @@ class GradientStats:
             return getattr(self._native, name)
         if name in GradientStats._ONE_NODE:
             return getattr(self._native, GradientStats._ONE_NODE[name])
-        if name == "allreduce_seconds":
-            return 0.0
-        if name == "nodes":
-            return 1
+        if name in GradientStats._ONE_NODE_CONSTANTS:
+            return GradientStats._ONE_NODE_CONSTANTS[name]
         raise AttributeError(f"GradientStats has no field {name!r}")
 
     def _column(self, i):
@@ -123,14 +123,17 @@ class Client:
     _closed = False
     _nodes = None
 
-    def __init__(self, name: str, trainer, *, min_examples_per_worker: int = 1,
+    def __init__(self, name: str, trainer, *, seed: int = 0, min_examples_per_worker: int = 1,
                  max_examples_per_pass: int = 0, process_group=None,
                  bucket_cap_mb: Optional[float] = None):
         """Wraps ``trainer``, a native ``_C.Trainer`` attached to engine ``name``. Use
         :func:`attach` (or :class:`shmgrad.Engine`) rather than this."""
         self.name = name
+        self.seed = seed          # eager workers' step seeds derive from it
+        self._steps = 0           # gradient calls so far
         self._trainer = trainer
         self._bound = []
+        self._bound_module = None
         self._views_handed_out = False  # gradient_tensors()/parameter_tensors() were asked for
         self._warned_unbound = False
         self.min_examples_per_worker = min_examples_per_worker
@@ -202,6 +205,7 @@ class Client:
                 p.data = view
                 p.grad = grad
         self._bound = [p for _, p in named]
+        self._bound_module = module
         self._grad_ptrs = [g.data_ptr() for g in self._grad_views]
         if self._nodes is not None:
             self._nodes.broadcast_parameters()  # every node takes rank 0's values
@@ -211,7 +215,7 @@ class Client:
                  timeout: float = 600.0, max_retries: int = 3,
                  min_examples_per_worker: Optional[int] = None,
                  max_examples_per_pass: Optional[int] = None,
-                 raise_on_nonfinite: bool = False) -> GradientStats:
+                 raise_on_nonfinite: bool = False, seed: Optional[int] = None) -> GradientStats:
         """Computes the gradient of the loss over a batch into the reduced gradient (and so
         into the ``.grad`` of a bound module).
 
@@ -231,6 +235,12 @@ class Client:
         After its own step the node all-reduces its reduced gradient with the others'
         (a synchronisation point of all nodes, bounded by the process group's timeout).
 
+        Eager workers seed Python's ``random``, NumPy and torch with
+        :func:`shmgrad.example_seed` ``(seed, i)`` before ``dataset[i]``: ``seed`` as
+        given, else derived from the engine's seed and this client's step count
+        (:func:`shmgrad.eager.step_seed`). The bound module's train/eval mode goes to the
+        workers with the step.
+
         Raises:
             InvalidArgumentError: bad indices, shapes, dtypes, an empty batch.
             WorkerError: the model rejected the input (the worker's message follows).
@@ -245,22 +255,29 @@ class Client:
         nodes = self._nodes  # across nodes the mean is taken after the all-reduce
         mepw = self.min_examples_per_worker if min_examples_per_worker is None else min_examples_per_worker
         mepp = self.max_examples_per_pass if max_examples_per_pass is None else max_examples_per_pass
+        if seed is None:
+            seed = step_seed(self.seed, self._steps)
+        elif not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**64:
+            raise errors.InvalidArgumentError(f"seed must be an int in [0, 2^64), got {seed!r}")
+        self._steps += 1
+        train = self._bound_module.training if self._bound_module is not None else True
         args = (mean and nodes is None, float(timeout), int(max_retries), int(mepw), int(mepp),
-                bool(raise_on_nonfinite))
+                bool(raise_on_nonfinite), seed, train)
         if indices is not None:
             if inputs is not None or targets is not None:
                 raise errors.InvalidArgumentError("give either indices or inputs and targets, not both")
             idx = indices if isinstance(indices, torch.Tensor) else torch.as_tensor(indices)
             if idx.numel() == 0 and nodes is None:
                 raise errors.InvalidArgumentError("empty batch: give at least one index")
-            if idx.dtype.is_floating_point or idx.dtype == torch.bool or idx.is_complex():
+            empty = idx.numel() == 0  # across nodes, an empty share (any dtype: [] is float)
+            if not empty and (idx.dtype.is_floating_point or idx.dtype == torch.bool
+                              or idx.is_complex()):
                 raise errors.InvalidArgumentError(f"indices must be integers, got {idx.dtype}")
             if idx.dim() != 1:
                 idx = idx.reshape(-1) if idx.dim() == 0 else idx
                 if idx.dim() != 1:
                     raise errors.InvalidArgumentError(
                         f"indices must be 1-D, got shape {tuple(idx.shape)}")
-            empty = idx.numel() == 0
 
             def local_step():
                 return t.gradient(idx.to(torch.int64), None, None, *args)
@@ -386,7 +403,7 @@ class Client:
         return f"<shmgrad.{type(self).__name__} {getattr(self, 'name', '?')!r} {state}>"
 
 
-def attach(name: str, *, timeout: float = 30.0, min_examples_per_worker: int = 1,
+def attach(name: str, *, timeout: float = 30.0, seed: int = 0, min_examples_per_worker: int = 1,
            max_examples_per_pass: int = 0, process_group=None,
            bucket_cap_mb: Optional[float] = None) -> Client:
     """Attaches to an engine started with ``shmgrad serve --name NAME``.
@@ -402,6 +419,6 @@ def attach(name: str, *, timeout: float = 30.0, min_examples_per_worker: int = 1
     """
     _C.check_engine_name(name)
     trainer = _C.Trainer.attach(name, timeout=timeout)
-    return Client(name, trainer, min_examples_per_worker=min_examples_per_worker,
+    return Client(name, trainer, seed=seed, min_examples_per_worker=min_examples_per_worker,
                   max_examples_per_pass=max_examples_per_pass, process_group=process_group,
                   bucket_cap_mb=bucket_cap_mb)

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from . import errors
+from . import eager, errors
 from ._native import _C
 from .client import Client
 from .launcher import STOP_TIMEOUT_S, Launcher, ServeOptions
@@ -62,10 +62,26 @@ class Engine(Client):
         model: a ``torch.nn.Module`` (saved with :func:`save_model`) or the path of a
             TorchScript file.
         workers: number of worker processes.
-        loss: ``"cross_entropy"``, ``"nll"`` or ``"mse"``; summed over the batch.
+        loss: ``"cross_entropy"``, ``"nll"`` or ``"mse"`` (summed over the batch), or, with
+            eager workers, any callable ``loss(outputs, targets)`` that returns the loss
+            summed over the batch (an ``nn`` loss with ``reduction="sum"``).
         dataset: ``None``, ``"fashion-mnist"``, ``"fashion-mnist:test"`` or
-            ``"npy:INPUTS.npy,TARGETS.npy"``: loaded once into shared memory and addressed
-            by index in :meth:`gradient`.
+            ``"npy:INPUTS.npy,TARGETS.npy"`` (loaded once into shared memory), or, with
+            eager workers, any map-style ``torch.utils.data.Dataset`` (each worker holds a
+            copy; per-example transforms run in the workers). Addressed by index in
+            :meth:`gradient`.
+        mode: ``"script"``: TorchScript workers (C++); ``"eager"``: Python workers running
+            the module as it is; ``"auto"`` (default): TorchScript when the loss is a name,
+            the dataset a spec string or None and the model scripts, eager otherwise.
+            ``engine.mode`` and ``status().worker_kind`` say which.
+        seed: eager workers seed Python's ``random``, NumPy and torch with
+            :func:`shmgrad.example_seed` ``(step_seed, i)`` before ``dataset[i]``, where
+            ``step_seed`` is ``gradient(..., seed=S)`` or derived from this seed and the
+            step count.
+        collate_fn: eager: builds a batch from ``[dataset[i] for i in shard]`` (default
+            ``torch.utils.data.default_collate``).
+        forward: eager: ``forward(model, batch) -> summed loss`` replaces
+            ``loss(model(batch[0]), batch[1])`` (several inputs, losses that need more).
         name: engine name (default: a unique one); others attach by it.
         threads_per_worker: intra-op threads of each worker (default 1).
         max_workers: gradient slots, the most workers :meth:`resize` can ask for.
@@ -92,20 +108,40 @@ class Engine(Client):
     _launcher = None
     _model_dir = None
 
-    def __init__(self, *, model, workers: int, loss: str, dataset: Optional[str] = None,
+    def __init__(self, *, model, workers: int, loss, dataset=None,
+                 mode: str = "auto", seed: int = 0, collate_fn=None, forward=None,
                  name: Optional[str] = None, threads_per_worker: int = 1,
                  max_workers: Optional[int] = None, max_batch: int = 65536,
                  input_capacity_mb: int = 64, startup_timeout: float = 120.0,
                  min_examples_per_worker: int = 1, max_examples_per_pass: int = 0,
                  process_group=None, bucket_cap_mb: Optional[float] = None):
-        _check_arguments(workers=workers, loss=loss, max_workers=max_workers)
+        loss_names = _C.loss_names()
+        self.mode = eager.choose_mode(mode, model=model, loss=loss, dataset=dataset,
+                                      collate_fn=collate_fn, forward=forward,
+                                      loss_names=loss_names)
+        if self.mode == "script":
+            _check_arguments(workers=workers, loss=loss, max_workers=max_workers)
+        else:
+            eager.check_loss(loss, loss_names)
+            _check_arguments(workers=workers, loss=loss_names[0], max_workers=max_workers)
+        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+            raise errors.InvalidArgumentError(f"seed must be an int >= 0, got {seed!r}")
         name = name or f"py{os.getpid()}-{next(_names)}"
         _C.check_engine_name(name)
+        eager_job = None
+        if self.mode == "eager":
+            job = eager.prepare_job(model=model, loss=loss, dataset=dataset, collate_fn=collate_fn,
+                                    forward=forward, loss_names=loss_names)
+            self._model_dir = job.directory
+            eager_job = job
+            model_path, serve_loss, serve_dataset = job.holder_path, loss_names[0], None
+        else:
+            model_path, serve_loss, serve_dataset = self._model_file(model), loss, dataset
         options = ServeOptions(
-            name=name, model_path=self._model_file(model), workers=workers, loss=loss,
-            dataset=dataset, threads_per_worker=threads_per_worker, max_workers=max_workers,
+            name=name, model_path=model_path, workers=workers, loss=serve_loss,
+            dataset=serve_dataset, threads_per_worker=threads_per_worker, max_workers=max_workers,
             max_batch=max_batch, input_capacity_mb=input_capacity_mb,
-            startup_timeout=startup_timeout)
+            startup_timeout=startup_timeout, eager_job=eager_job)
         launcher = Launcher(options)
         try:
             launcher.start()
@@ -115,7 +151,7 @@ class Engine(Client):
             self._remove_model_file()
             raise
         self._launcher = launcher
-        super().__init__(name, trainer, min_examples_per_worker=min_examples_per_worker,
+        super().__init__(name, trainer, seed=seed, min_examples_per_worker=min_examples_per_worker,
                          max_examples_per_pass=max_examples_per_pass,
                          process_group=process_group, bucket_cap_mb=bucket_cap_mb)
 

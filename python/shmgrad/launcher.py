@@ -20,6 +20,7 @@ import os
 import select
 import shutil
 import signal
+import sys
 import subprocess
 import tempfile
 import time
@@ -68,6 +69,7 @@ class ServeOptions:
     max_batch: int = 65536
     input_capacity_mb: int = 64
     startup_timeout: float = 120.0
+    eager_job: Optional[object] = None  # shmgrad.eager.EagerJob: Python workers run it
 
     def arguments(self) -> List[str]:
         args = ["--name", self.name, "--model", self.model_path, "--workers", str(self.workers),
@@ -79,6 +81,10 @@ class ServeOptions:
             args += ["--max-workers", str(self.max_workers)]
         if self.dataset is not None:
             args += ["--dataset", str(self.dataset)]
+        if self.eager_job is not None:
+            args += ["--eager-job", self.eager_job.job_path, "--python", sys.executable,
+                     "--eager-dataset-size", str(self.eager_job.dataset_size),
+                     "--owned-dir", self.eager_job.directory]
         return args
 
 

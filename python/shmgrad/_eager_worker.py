@@ -1,0 +1,150 @@
+"""An eager worker process: ``python -m shmgrad._eager_worker NAME SLOT PPID``.
+
+Started and supervised by the coordinator like a TorchScript worker. It loads the job
+that the launcher pickled once (model, loss, dataset, collate_fn, forward), makes the
+model's parameters views of the shared parameters and their ``.grad`` views of its slot,
+then hands the step protocol to the native ``StepParticipant`` (the same C++ code as the
+TorchScript worker: wait, barriers, in-place reduction of its slice, with the GIL
+released). Python runs only the compute phase, :meth:`ShardRunner.compute`.
+"""
+
+import ctypes
+import os
+import signal
+import sys
+import traceback
+
+TRACEBACK_FRAMES = 8  # frames of a failing shard's traceback sent to the trainer
+PR_SET_PDEATHSIG = 1
+
+
+def describe(exc: BaseException) -> str:
+    """The exception's message and its traceback's last frames, as the trainer shows them."""
+    frames = traceback.extract_tb(exc.__traceback__)[-TRACEBACK_FRAMES:]
+    text = str(exc) or repr(exc)
+    if frames:
+        text += f"\nTraceback (most recent call last, last {len(frames)} frames in the worker):\n"
+        text += "".join(traceback.format_list(frames)).rstrip("\n")
+    return text
+
+
+class ShardRunner:
+    """The compute phase of an eager worker."""
+
+    def __init__(self, participant, job):
+        import torch
+        from . import eager
+
+        self._torch = torch
+        self._eager = eager
+        self.model = job["model"]
+        self.loss = eager.resolve_loss(job["loss"])
+        self.dataset = job["dataset"]
+        self.forward = job["forward"]
+        collate = job["collate_fn"]
+        if collate is None:
+            from torch.utils.data import default_collate
+            collate = default_collate
+        self.collate = collate
+        names = participant.parameter_names()
+        named = list(self.model.named_parameters())
+        if [n for n, _ in named] != names:
+            raise RuntimeError(
+                f"the job's model has parameters {[n for n, _ in named][:5]}... but the engine "
+                f"has {names[:5]}...: the job file does not match this engine")
+        self.params = [p for _, p in named]
+        self.slot_grads = participant.slot_views()
+        self.reduced_grads = participant.reduced_views()
+        with torch.no_grad():
+            for p, view in zip(self.params, participant.parameter_views()):
+                p.data = view  # the shared parameters: an optimizer step is seen at once
+        self.grads_in_reduced = None
+        self._bind_grads(False)
+        self.model.train()
+
+    def _bind_grads(self, in_reduced: bool):
+        if in_reduced == self.grads_in_reduced:
+            return
+        # A defined .grad is accumulated into in place: backward writes shared memory.
+        for p, g in zip(self.params, self.reduced_grads if in_reduced else self.slot_grads):
+            p.grad = g
+        self.grads_in_reduced = in_reduced
+
+    def compute(self, shard):
+        """The shard's summed loss, or (type name, message with traceback) on an error."""
+        try:
+            return self._compute(shard)
+        except Exception as exc:  # any error of the user's code goes to the trainer
+            return (type(exc).__name__, describe(exc))
+
+    def _compute(self, shard):
+        torch = self._torch
+        self._bind_grads(shard.grads_in_reduced)
+        if self.model.training != shard.train:
+            self.model.train(shard.train)
+        n = shard.end - shard.begin
+        per_pass = shard.max_examples_per_pass if shard.max_examples_per_pass > 0 else n
+        total = 0.0
+        for start in range(0, n, per_pass):
+            stop = min(n, start + per_pass)
+            batch = self._batch(shard, start, stop)
+            if self.forward is not None:
+                loss = self.forward(self.model, batch)
+            else:
+                loss = self.loss(self.model(batch[0]), batch[1])
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise TypeError(
+                    "the loss must be one number, the sum over the batch; got "
+                    + (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
+                       else type(loss).__name__)
+                    + " (use reduction='sum')")
+            (loss * shard.grad_scale if shard.grad_scale != 1.0 else loss).backward()
+            total += float(loss.detach())
+        return total
+
+    def _batch(self, shard, start, stop):
+        if shard.kind == "explicit":
+            return (shard.inputs[start:stop], shard.targets[start:stop])
+        if self.dataset is None:
+            raise ValueError("this engine has no dataset: pass inputs= and targets=, or start "
+                             "it with dataset=")
+        samples = []
+        for i in shard.indices[start:stop].tolist():
+            self._eager.seed_everything(self._eager.example_seed(shard.seed, i))
+            samples.append(self.dataset[i])
+        return self.collate(samples)
+
+
+def main(argv) -> int:
+    if len(argv) != 4:
+        print("shmgrad._eager_worker is started by `shmgrad serve`, not by hand", file=sys.stderr)
+        return 2
+    name, slot, ppid = argv[1], int(argv[2]), int(argv[3])
+    # Die with the coordinator; the check after it covers the race where it died first.
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    from ._native import _C
+    if os.getppid() != ppid:
+        return _C.EXIT_COORDINATOR_GONE
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C goes to serve, which stops us
+    try:
+        participant = _C.StepParticipant(name, slot, ppid)
+    except Exception as exc:
+        print(f"shmgrad eager worker {slot}: cannot map the engine: {exc}", file=sys.stderr)
+        return _C.EXIT_STARTUP_FAILED
+    try:
+        import torch
+        torch.set_num_threads(max(1, participant.threads_per_worker))
+        from .eager import load_job
+        runner = ShardRunner(participant, load_job(participant.job_path))
+    except Exception as exc:
+        text = f"eager worker start-up failed: {type(exc).__name__}: {describe(exc)}"
+        participant.report_startup_failure(text)
+        print(f"shmgrad eager worker {slot}: {text}", file=sys.stderr)
+        return _C.EXIT_STARTUP_FAILED
+    if not participant.become_ready():
+        return _C.EXIT_STOPPED  # retired while starting
+    return participant.serve(runner.compute)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

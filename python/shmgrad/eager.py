@@ -1,0 +1,233 @@
+"""Eager Python workers: any ``nn.Module``, any loss, any ``torch.utils.data.Dataset``.
+
+The launcher side lives here: choosing the mode, checking and pickling the job once
+(cloudpickle, so classes and functions from ``__main__`` or a notebook work), and the
+parameters' holder that tells ``shmgrad serve`` the layout of the shared parameters.
+The worker side is :mod:`shmgrad._eager_worker`. docs/DESIGN.md, "Eager workers".
+"""
+
+import os
+import pickle
+import tempfile
+from typing import Callable, NamedTuple, Optional
+
+import torch
+
+from . import errors
+
+MODES = ("auto", "eager", "script")
+JOB_FILE = "job.pkl"
+HOLDER_FILE = "params.pt"
+
+_MASK64 = (1 << 64) - 1
+
+
+def example_seed(seed: int, index: int) -> int:
+    """The seed of example ``index`` in a step seeded with ``seed``: an integer in [0, 2^32).
+
+    Before ``dataset[index]`` an eager worker seeds Python's ``random``, NumPy's global
+    generator and torch's CPU generator with it, so the transforms' random draws depend on
+    the example and the step only, not on which worker took the example. The formula
+    (splitmix64's finaliser over a combination of both, top 32 bits)::
+
+        z = (seed * 0x9E3779B97F4A7C15 + index + 1) mod 2^64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) mod 2^64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) mod 2^64
+        return (z ^ (z >> 31)) >> 32
+
+    To reproduce an example in one process::
+
+        s = shmgrad.example_seed(step_seed, i)
+        random.seed(s); numpy.random.seed(s); torch.manual_seed(s)
+        x, y = dataset[i]
+    """
+    z = (int(seed) * 0x9E3779B97F4A7C15 + int(index) + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 32
+
+
+def step_seed(engine_seed: int, step: int) -> int:
+    """The seed of the engine's ``step``-th gradient call when the call gives none."""
+    return example_seed(engine_seed, (1 << 40) + step)
+
+
+def seed_everything(seed: int):
+    """Seeds the three generators an example's transforms may draw from."""
+    import random
+    random.seed(seed)
+    try:
+        import numpy
+        numpy.random.seed(seed)
+    except ImportError:  # pragma: no cover - numpy ships with torch on Debian
+        pass
+    torch.manual_seed(seed)
+
+
+# -- losses ------------------------------------------------------------------------
+def _named_loss(name):
+    f = torch.nn.functional
+    table = {
+        "cross_entropy": lambda out, y: f.cross_entropy(out, y, reduction="sum"),
+        "nll": lambda out, y: f.nll_loss(out, y, reduction="sum"),
+        "mse": lambda out, y: f.mse_loss(out, y, reduction="sum"),
+    }
+    return table[name]
+
+
+def check_loss(loss, loss_names) -> None:
+    """Refuses a loss that cannot be summed over the batch, naming the fix."""
+    if isinstance(loss, str):
+        if loss not in loss_names:
+            raise errors.InvalidArgumentError(
+                f"unknown loss {loss!r}: use one of {', '.join(loss_names)}, or pass a callable "
+                "loss(outputs, targets) that returns the loss summed over the batch")
+        return
+    if not callable(loss):
+        raise errors.InvalidArgumentError(
+            f"loss must be a name ({', '.join(loss_names)}) or a callable, got {type(loss).__name__}")
+    reduction = getattr(loss, "reduction", None)
+    if isinstance(loss, torch.nn.Module) and reduction is not None and reduction != "sum":
+        raise errors.InvalidArgumentError(
+            f"the loss {type(loss).__name__}(reduction={reduction!r}) is not summed over the "
+            f"batch: create it with reduction='sum' (e.g. {type(loss).__name__}(reduction='sum')) "
+            "and ask engine.gradient(..., reduction='mean') for the mean")
+
+
+# -- mode --------------------------------------------------------------------------
+def _scripts(model) -> bool:
+    if isinstance(model, torch.jit.ScriptModule):
+        return True
+    try:
+        torch.jit.script(model)
+        return True
+    except Exception:  # scripting fails in many ways
+        return False
+
+
+def choose_mode(mode: str, *, model, loss, dataset, collate_fn, forward, loss_names) -> str:
+    """"script" (TorchScript workers, C++) or "eager" (Python workers), as asked or chosen."""
+    if mode not in MODES:
+        raise errors.InvalidArgumentError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
+    python_only = []
+    if not isinstance(loss, str):
+        python_only.append("a callable loss")
+    if dataset is not None and not isinstance(dataset, str):
+        python_only.append("a torch Dataset")
+    if collate_fn is not None:
+        python_only.append("collate_fn")
+    if forward is not None:
+        python_only.append("forward")
+    if mode == "script":
+        if python_only:
+            raise errors.InvalidArgumentError(
+                f"mode='script' runs TorchScript workers, which cannot take {', '.join(python_only)}: "
+                "use mode='eager' (or 'auto')")
+        return "script"
+    if mode == "eager":
+        return "eager"
+    if python_only:
+        return "eager"
+    if isinstance(model, (str, os.PathLike)):
+        return "script"
+    return "script" if _scripts(model) else "eager"
+
+
+# -- the job -----------------------------------------------------------------------
+class EagerJob(NamedTuple):
+    directory: str       # private (0700), removed with the engine
+    holder_path: str     # TorchScript module with the model's parameters, for serve
+    job_path: str        # the pickled job, 0600
+    dataset_size: int    # examples of a Dataset the workers hold (0: none or a spec string)
+
+
+def _pickle(name, obj, pickler):
+    try:
+        return pickler.dumps(obj)
+    except Exception as exc:
+        raise errors.InvalidArgumentError(
+            f"the {name} ({type(obj).__name__}) cannot be pickled for the eager workers: {exc}. "
+            "Define it at module level or in __main__, and keep open files, locks and sockets "
+            "out of it (open them lazily in the worker)") from exc
+
+
+class _Holder(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def write_holder(model: torch.nn.Module, path: str) -> None:
+    """A TorchScript module with ``model``'s parameters under the same names, in the same
+    order and with the same values: ``shmgrad serve`` learns the layout from it."""
+    root = _Holder()
+    for name, p in model.named_parameters():
+        if p.dtype != torch.float32 or p.device.type != "cpu":
+            raise errors.InvalidArgumentError(
+                f"parameter {name} is {p.dtype} on {p.device}; shmgrad engines hold float32 CPU "
+                "parameters: call model.float().cpu() first")
+        *path_parts, leaf = name.split(".")
+        mod = root
+        for part in path_parts:
+            if not hasattr(mod, part):
+                mod.add_module(part, _Holder())
+            mod = getattr(mod, part)
+        mod.register_parameter(leaf, torch.nn.Parameter(p.detach().clone()))
+    torch.jit.save(torch.jit.script(root), path)
+
+
+def prepare_job(*, model, loss, dataset, collate_fn: Optional[Callable], forward: Optional[Callable],
+                loss_names) -> EagerJob:
+    """Checks and pickles the job once, into a private directory."""
+    try:
+        import cloudpickle
+    except ImportError as exc:  # pragma: no cover - tools/setup.sh installs it
+        raise errors.InvalidArgumentError(
+            "eager workers need cloudpickle: apt-get install python3-cloudpickle") from exc
+    if isinstance(model, (str, os.PathLike)):
+        model = torch.jit.load(os.fspath(model))
+    if not isinstance(model, torch.nn.Module):
+        raise errors.InvalidArgumentError(
+            f"model must be a torch.nn.Module or a TorchScript file path, got {type(model).__name__}")
+    check_loss(loss, loss_names)
+    if isinstance(dataset, str):
+        raise errors.InvalidArgumentError(
+            "eager workers take a torch.utils.data.Dataset (or None); a dataset spec string "
+            f"({dataset!r}) needs mode='script' (or use shmgrad's TorchScript workers)")
+    size = 0
+    if dataset is not None:
+        try:
+            size = len(dataset)
+        except TypeError as exc:
+            raise errors.InvalidArgumentError(
+                f"the dataset ({type(dataset).__name__}) has no len(): shmgrad addresses "
+                "examples by index, so it needs a map-style Dataset") from exc
+        if size < 1:
+            raise errors.InvalidArgumentError("the dataset is empty")
+    for what, obj in (("model", model), ("loss", loss), ("dataset", dataset),
+                      ("collate_fn", collate_fn), ("forward", forward)):
+        if obj is not None:
+            _pickle(what, obj, cloudpickle)
+    blob = _pickle("job", {"model": model, "loss": loss, "dataset": dataset,
+                           "collate_fn": collate_fn, "forward": forward}, cloudpickle)
+    directory = tempfile.mkdtemp(prefix="shmgrad-eager-")  # mode 0700
+    try:
+        holder = os.path.join(directory, HOLDER_FILE)
+        write_holder(model, holder)
+        job = os.path.join(directory, JOB_FILE)
+        fd = os.open(job, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+    except BaseException:
+        import shutil
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+    return EagerJob(directory, holder, job, size)
+
+
+def load_job(path: str) -> dict:
+    with open(path, "rb") as f:
+        return pickle.load(f)  # cloudpickle's output loads with pickle
+
+
+def resolve_loss(loss):
+    return _named_loss(loss) if isinstance(loss, str) else loss

@@ -1,0 +1,174 @@
+// shmgrad._C.StepParticipant: the worker side of the step protocol for eager Python
+// workers (python/shmgrad/_eager_worker.py). The protocol itself is
+// worker/step_protocol.cc, shared with the TorchScript worker; Python supplies only the
+// compute phase, called with the GIL held while everything else runs without it.
+#include <torch/extension.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ipc/error.h"
+#include "ipc/layout.h"
+#include "ipc/segment.h"
+#include "worker/step_protocol.h"
+
+namespace py = pybind11;
+
+namespace shmgrad {
+namespace {
+
+torch::ScalarType torchType(ipc::DType t) {
+  return t == ipc::DType::kInt64 ? torch::kInt64 : torch::kFloat32;
+}
+
+// A shard as Python sees it. Its tensors view the segment and are valid during the
+// compute call only.
+struct PyShard {
+  int64_t begin = 0, end = 0;
+  uint32_t epoch = 0, rank = 0, participants = 0;
+  int64_t max_examples_per_pass = 0;
+  float grad_scale = 1.0f;
+  bool grads_in_reduced = false;  // this worker is alone: .grad must view the reduced buffer
+  uint64_t seed = 0;
+  bool train = true;
+  std::string kind;               // "indices" or "explicit"
+  torch::Tensor indices, inputs, targets;
+};
+
+torch::Tensor viewOf(const void* data, int64_t n, const ipc::Shape& example, ipc::DType dtype) {
+  std::vector<int64_t> dims{n};
+  dims.insert(dims.end(), example.dims, example.dims + example.ndim);
+  return torch::from_blob(const_cast<void*>(data), dims, torchType(dtype));
+}
+
+// Calls the Python compute function. It returns the shard's loss sum (a float), or a
+// (type, text) pair describing an exception it caught (text: message and traceback).
+class PyShardComputer : public worker::ShardComputer {
+ public:
+  PyShardComputer(py::function fn, const ipc::Segment& seg) : fn_(std::move(fn)), seg_(seg) {}
+
+  double compute(const worker::Shard& s) override {
+    PyShard shard;
+    shard.begin = s.begin;
+    shard.end = s.end;
+    shard.epoch = s.epoch;
+    shard.rank = s.rank;
+    shard.participants = s.participants;
+    shard.max_examples_per_pass = s.max_examples_per_pass;
+    shard.grad_scale = s.grad_scale;
+    shard.grads_in_reduced = s.grads == seg_.reduced();
+    shard.seed = s.seed;
+    shard.train = s.train;
+    if (s.kind == ipc::BatchKind::kIndices) {
+      shard.kind = "indices";
+      shard.indices = torch::from_blob(const_cast<int64_t*>(s.indices), {s.size()}, torch::kInt64);
+    } else {
+      shard.kind = "explicit";
+      shard.inputs = viewOf(s.inputs, s.size(), *s.example_shape, s.input_dtype);
+      shard.targets = viewOf(s.targets, s.size(), *s.target_shape, s.target_dtype);
+    }
+    py::gil_scoped_acquire gil;
+    try {
+      py::object out = fn_(py::cast(&shard, py::return_value_policy::reference));
+      if (py::isinstance<py::tuple>(out)) {
+        auto t = out.cast<py::tuple>();
+        throw worker::ShardError(py::str(t[0]).cast<std::string>(), py::str(t[1]).cast<std::string>());
+      }
+      return out.cast<double>();
+    } catch (py::error_already_set& e) {
+      // Raised past the worker's own handler (it formats the ordinary ones).
+      throw worker::ShardError(py::str(e.type().attr("__name__")).cast<std::string>(), e.what());
+    }
+  }
+
+ private:
+  py::function fn_;
+  const ipc::Segment& seg_;
+};
+
+// One eager worker's handle on its engine: the mapping, its slot's participant, and
+// tensors over the shared buffers.
+class EagerParticipant {
+ public:
+  EagerParticipant(const std::string& name, uint32_t slot, int parent_pid)
+      : seg_(ipc::Segment::open(name)), slot_(slot) {
+    participant_ = std::make_unique<worker::StepParticipant>(*seg_, slot, parent_pid);
+    SHMGRAD_CHECK(seg_->header()->worker_kind == static_cast<uint32_t>(ipc::WorkerKind::kEager),
+                  ErrorKind::kInvalidArgument, "engine '", name,
+                  "' runs TorchScript workers, not eager ones");
+  }
+
+  std::vector<torch::Tensor> views(float* base) const {
+    std::vector<torch::Tensor> out;
+    const ipc::ParamEntry* table = seg_->paramTable();
+    auto keep = seg_;
+    for (uint32_t i = 0; i < seg_->header()->num_params; ++i) {
+      std::vector<int64_t> shape(table[i].shape.dims, table[i].shape.dims + table[i].shape.ndim);
+      out.push_back(torch::from_blob(base + table[i].offset, shape, [keep](void*) {},
+                                     torch::kFloat32));
+    }
+    return out;
+  }
+  std::vector<std::string> parameterNames() const {
+    std::vector<std::string> out;
+    const ipc::ParamEntry* table = seg_->paramTable();
+    for (uint32_t i = 0; i < seg_->header()->num_params; ++i) out.emplace_back(table[i].name);
+    return out;
+  }
+
+  int serve(py::function compute) {
+    PyShardComputer computer(std::move(compute), *seg_);
+    py::gil_scoped_release nogil;
+    return participant_->serve(computer);
+  }
+
+  std::shared_ptr<ipc::Segment> seg_;
+  uint32_t slot_;
+  std::unique_ptr<worker::StepParticipant> participant_;
+};
+
+}  // namespace
+
+void bindEagerWorker(py::module_& m) {
+  m.attr("EXIT_STOPPED") = worker::kExitStopped;
+  m.attr("EXIT_COORDINATOR_GONE") = worker::kExitCoordinatorGone;
+  m.attr("EXIT_STARTUP_FAILED") = worker::kExitStartupFailed;
+  py::class_<PyShard>(m, "Shard")
+      .def_readonly("begin", &PyShard::begin)
+      .def_readonly("end", &PyShard::end)
+      .def_readonly("epoch", &PyShard::epoch)
+      .def_readonly("rank", &PyShard::rank)
+      .def_readonly("participants", &PyShard::participants)
+      .def_readonly("max_examples_per_pass", &PyShard::max_examples_per_pass)
+      .def_readonly("grad_scale", &PyShard::grad_scale)
+      .def_readonly("grads_in_reduced", &PyShard::grads_in_reduced)
+      .def_readonly("seed", &PyShard::seed)
+      .def_readonly("train", &PyShard::train)
+      .def_readonly("kind", &PyShard::kind)
+      .def_readonly("indices", &PyShard::indices)
+      .def_readonly("inputs", &PyShard::inputs)
+      .def_readonly("targets", &PyShard::targets);
+
+  py::class_<EagerParticipant>(m, "StepParticipant")
+      .def(py::init<const std::string&, uint32_t, int>(), py::arg("name"), py::arg("slot"),
+           py::arg("parent_pid"))
+      .def_property_readonly("job_path",
+                             [](const EagerParticipant& p) { return std::string(p.seg_->header()->job_path); })
+      .def_property_readonly("threads_per_worker",
+                             [](const EagerParticipant& p) { return p.seg_->header()->threads_per_worker; })
+      .def_property_readonly("dataset_size",
+                             [](const EagerParticipant& p) { return p.seg_->header()->data_count; })
+      .def("parameter_names", &EagerParticipant::parameterNames)
+      .def("parameter_views", [](const EagerParticipant& p) { return p.views(p.seg_->params()); })
+      .def("slot_views", [](const EagerParticipant& p) { return p.views(p.seg_->slot(p.slot_)); })
+      .def("reduced_views", [](const EagerParticipant& p) { return p.views(p.seg_->reduced()); })
+      .def("report_startup_failure",
+           [](EagerParticipant& p, const std::string& text) { p.participant_->reportStartupFailure(text); })
+      .def("become_ready", [](EagerParticipant& p) { return p.participant_->becomeReady(); })
+      .def("serve", &EagerParticipant::serve, py::arg("compute"),
+           "Serves steps until the engine stops, the slot is retired or the coordinator dies; "
+           "returns the exit code. compute(shard) runs with the GIL held.");
+}
+
+}  // namespace shmgrad
