@@ -51,13 +51,14 @@ class NodeStats:
     """The figures of one step across nodes, read through :class:`shmgrad.GradientStats`:
     the global ``num_examples``, ``loss``, ``loss_sum``, ``nonfinite``, this node's
     ``local_num_examples`` and ``local_loss_sum``, the all-reduce's ``allreduce_seconds``
-    and the number of ``nodes``."""
+    and ``allreduce_bytes`` (the buffers all-reduced: the whole reduced gradient, padding
+    included, and the small record), and the number of ``nodes``."""
 
     __slots__ = ("num_examples", "loss", "loss_sum", "nonfinite", "local_num_examples",
-                 "local_loss_sum", "allreduce_seconds", "nodes")
+                 "local_loss_sum", "allreduce_seconds", "allreduce_bytes", "nodes")
 
     def __init__(self, num_examples, loss, loss_sum, nonfinite, local_num_examples,
-                 local_loss_sum, allreduce_seconds, nodes):
+                 local_loss_sum, allreduce_seconds, allreduce_bytes, nodes):
         self.num_examples = num_examples
         self.loss = loss
         self.loss_sum = loss_sum
@@ -65,6 +66,7 @@ class NodeStats:
         self.local_num_examples = local_num_examples
         self.local_loss_sum = local_loss_sum
         self.allreduce_seconds = allreduce_seconds
+        self.allreduce_bytes = allreduce_bytes
         self.nodes = nodes
 
 
@@ -111,6 +113,8 @@ class NodeGroup:
         self._buckets = _buckets(self._grad, bucket_cap_mb)
         self._record = torch.zeros(_FAILED + self.size, dtype=torch.float64)
         self._fields = self._record.numpy()  # the same memory; element access without torch
+        self.allreduce_bytes = (self._grad.numel() * self._grad.element_size()
+                                + self._record.numel() * self._record.element_size())
         self._broken: Optional[errors.NodeError] = None
         self._steps = 0
         self._peers = self._exchange_layout(list(parameters), engine_name)
@@ -191,7 +195,8 @@ class NodeGroup:
         return native, NodeStats(
             num_examples=count, loss=loss_sum / count if mean else loss_sum, loss_sum=loss_sum,
             nonfinite=bool(f[_NONFINITE] != 0), local_num_examples=native.num_examples,
-            local_loss_sum=native.loss_sum, allreduce_seconds=seconds, nodes=self.size)
+            local_loss_sum=native.loss_sum, allreduce_seconds=seconds,
+            allreduce_bytes=self.allreduce_bytes, nodes=self.size)
 
     def _allreduce(self):
         # Issued together: gloo runs them on its own threads, so the small record's

@@ -7,6 +7,7 @@ import copy
 import datetime
 import glob
 import itertools
+import json
 import logging
 import os
 import signal
@@ -151,8 +152,9 @@ def _gradients(rank, spec, prefix, bucket_cap_mb):
         engine.bind(model)
         out["bound"] = [p.detach().clone() for p in model.parameters()]
         for case in GRADIENT_CASES:
-            mine = torch.tensor(case[rank], dtype=torch.int64)
+            mine = case[rank]  # a list: an empty one becomes a float tensor, still accepted
             if case[3]:
+                mine = torch.tensor(mine, dtype=torch.int64)
                 st = engine.gradient(inputs=x[mine], targets=y[mine], reduction=case[2])
             else:
                 st = engine.gradient(mine, reduction=case[2])
@@ -160,7 +162,7 @@ def _gradients(rank, spec, prefix, bucket_cap_mb):
                 "grad": _grads(model), "num_examples": st.num_examples,
                 "local_num_examples": st.local_num_examples, "loss": st.loss,
                 "loss_sum": st.loss_sum, "allreduce_seconds": st.allreduce_seconds,
-                "nodes": st.nodes, "workers": st.workers})
+                "nodes": st.nodes, "workers": st.workers, "bytes": st.allreduce_bytes})
         try:  # every share empty: refused on every node, and the group still works
             engine.gradient(torch.zeros(0, dtype=torch.int64))
         except shmgrad.InvalidArgumentError as exc:
@@ -199,6 +201,9 @@ def test_gradient_of_the_global_batch(npy_dataset, tmp_path, prefix, bucket_cap_
             assert c["num_examples"] == len(union) and c["local_num_examples"] == len(share)
             assert abs(c["loss"] - ref_loss) < 1e-5 * max(1.0, abs(ref_loss)), (i, rank)
             assert c["nodes"] == NODES and c["allreduce_seconds"] > 0
+            # The whole gradient (padding included) and the record [count, loss, flags].
+            floats = sum(p.numel() for p in model0.parameters())
+            assert floats * 4 <= c["bytes"] - 8 * (3 + NODES) < floats * 4 + 64 * 4
             assert c["workers"] == (0 if not share else min(len(share), 2 - rank))
     for rank, r in enumerate(results):
         assert "every node's share was empty" in r["all_empty"]
@@ -399,6 +404,7 @@ def test_one_node_reports_its_own_figures_and_refuses_a_bad_group(prefix):
         st = engine.gradient(inputs=x, targets=y)
         assert st.local_num_examples == st.num_examples == 10 and st.nodes == 1
         assert st.local_loss_sum == st.loss_sum and st.allreduce_seconds == 0.0
+        assert st.allreduce_bytes == 0
         assert st.as_dict()["local_num_examples"] == 10
         assert engine.check_consistency() == engine.check_consistency()
         assert engine.node_rank == 0 and engine.node_count == 1
@@ -421,6 +427,39 @@ def test_import_shmgrad_loads_neither_dask_nor_distributed():
     modules = out.stdout.split()
     assert "shmgrad.distributed" in modules and "shmgrad.dask" not in modules
     assert not [m for m in modules if m.split(".")[0] in ("dask", "distributed")]
+
+
+# -- 7. shmgrad bench --nodes ---------------------------------------------------------------
+BENCH_TIMEOUT_S = 240
+
+
+def test_bench_nodes_tiny(tmp_path):
+    """Every system of `shmgrad bench --nodes 2` gives a number and the same gradient; how
+    fast is not tested."""
+    out = tmp_path / "bench"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shmgrad.bench", "--nodes", "2", "--tiny", "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(tmp_path))
+    try:
+        log, _ = proc.communicate(timeout=BENCH_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, log
+    assert not glob.glob(f"/dev/shm/shmgrad-{os.getuid()}-bench-{proc.pid}-*"), log
+    with open(out / "results.json") as f:
+        records = json.load(f)["results"]
+    assert {r["system"] for r in records} == {"single-1t", "shmgrad", "shmgrad-nodes", "ddp"}
+    nodes = next(r for r in records if r["system"] == "shmgrad-nodes")
+    ddp = next(r for r in records if r["system"] == "ddp")
+    for r in (nodes, ddp):
+        assert r["median_s"] > 0 and r["grad_rel_err"] < 1e-4, r
+        assert r["sent_bytes_per_node_step"] > 0 and r["loopback_bytes_per_node_step"] > 0
+    assert 0 < nodes["allreduce_share_median"] < 1
+    # One ring all-reduce of the whole gradient (with padding) and the record, per node.
+    assert nodes["sent_bytes_per_node_step"] >= ddp["sent_bytes_per_node_step"]
+    assert "all-reduce share" in (out / "results.md").read_text()
 
 
 SCENARIOS = {"gradients": _gradients, "sgd": _sgd, "until_fault": _until_fault,

@@ -13,6 +13,18 @@
            (ipc::reduceSlice, the engine's code) in GB/s, against memcpy with the same
            processes in the same run (the reduce_bench binary).
 
+With --nodes K, one run compares instead, on the same models and batches:
+
+  nodes    K nodes on this machine: K processes, each a trainer with its own shmgrad
+           engine of --workers workers (default 1) and a gloo process group on
+           127.0.0.1; each computes its share of the batch and all-reduces the node's
+           reduced gradient (shmgrad.Engine(..., process_group=...)). Timed like DDP;
+  ddp      DDP-gloo with K ranks, one thread each;
+  shmgrad  one engine with K x workers workers (what one machine would run);
+  single   the single process with 1 thread (the gradient reference).
+The table gives the all-reduce's share of the step, and the bytes each node sends per
+step (ring all-reduce of the buffer, and as the loopback interface counted them).
+
 Each configuration runs warm-up steps first, then up to --repeats timed steps (fewer once
 --budget seconds are spent; at least 3). Reported per configuration: median, min, max and
 the quartiles of the step time, each alternative's median over shmgrad's median with the
@@ -145,6 +157,18 @@ def build_parser():
     ap.add_argument("--timeout", type=float, default=900.0,
                     help="seconds one configuration (one system, model, batch size, N) may "
                          "take, start-up included, before it is abandoned (default 900)")
+    ap.add_argument("--nodes", type=int, default=None,
+                    help="compare K shmgrad nodes on this machine (engines joined by a gloo "
+                         "process group) with DDP-gloo of K ranks (see above); --workers is "
+                         "then the workers per node (default 1)")
+    ap.add_argument("--bucket-cap-mb", type=float, default=None,
+                    help="with --nodes: all-reduce in buckets of this many MiB (default one "
+                         "call on the whole gradient)")
+    ap.add_argument("--no-pin", dest="pin", action="store_false",
+                    help="with --nodes: let every node and DDP rank run on every CPU (by "
+                         "default each runs on its share of the CPUs, as on a machine of its "
+                         "own: nodes that share cores slow each other, and an engine's spin "
+                         "rule counts the cores it may use)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the weights and batches")
     ap.add_argument("--quick", action="store_true",
                     help="a subset that runs in under two minutes on a 2-core machine: "
@@ -163,8 +187,10 @@ def resolve(args):
         args.models = ["tiny"] if args.tiny else (["mlp", "cnn"] if quick else ["mlp", "cnn", "wrn"])
     if args.batch_sizes is None:
         args.batch_sizes = [128] if quick else [32, 128, 512]
+    if args.nodes is not None and args.nodes < 2:
+        raise SystemExit("shmgrad bench: --nodes must be at least 2")
     if args.workers is None:
-        args.workers = [1, 2] if quick else default_workers()
+        args.workers = [1] if args.nodes else ([1, 2] if quick else default_workers())
     if args.repeats is None:
         args.repeats = 2 if args.tiny else 10
     if args.budget is None:
@@ -179,6 +205,31 @@ def resolve(args):
     return args
 
 
+def run_config(records, base, system, workers, fn, ref=None):
+    """Runs one configuration (``fn()`` returns ``(out, grad)``), appends its record to
+    ``records`` and returns ``(record, grad)``; a failure is recorded, not raised."""
+    rec = dict(base, system=system, workers=workers, load_average=os.getloadavg()[0])
+    t0 = now()
+    try:
+        out, grad = fn()
+        rec.update(out)
+        rec.update(summarize(out["times_s"]))
+        rec["grad_rel_err"] = (None if grad is None or ref is None
+                               else relative_error(grad, ref))
+    except Exception as exc:  # one failed system must not stop the others
+        rec["error"] = f"{type(exc).__name__}: {exc}"
+        log(f"  {system} N={workers}: FAILED {rec['error']}")
+        traceback.print_exc(file=sys.stderr)
+        grad = None
+    rec["config_seconds"] = now() - t0
+    if "median_s" in rec:
+        log(f"  {system:9s} N={workers}: median {rec['median_s'] * 1e3:9.2f} ms "
+            f"over {rec['n']} steps" + (f", overhead {rec['overhead_median'] * 100:.1f}%"
+                                         if "overhead_median" in rec else ""))
+    records.append(rec)
+    return rec, grad
+
+
 def measure(args):
     """Runs every configuration; returns the list of result records."""
     records = []
@@ -187,27 +238,8 @@ def measure(args):
     engine_count = 0
     systems = args.systems
 
-    def record(base, system, workers, fn, ref=None):
-        rec = dict(base, system=system, workers=workers, load_average=os.getloadavg()[0])
-        t0 = now()
-        try:
-            out, grad = fn()
-            rec.update(out)
-            rec.update(summarize(out["times_s"]))
-            rec["grad_rel_err"] = (None if grad is None or ref is None
-                                   else relative_error(grad, ref))
-        except Exception as exc:  # one failed system must not stop the others
-            rec["error"] = f"{type(exc).__name__}: {exc}"
-            log(f"  {system} N={workers}: FAILED {rec['error']}")
-            traceback.print_exc(file=sys.stderr)
-            grad = None
-        rec["config_seconds"] = now() - t0
-        if "median_s" in rec:
-            log(f"  {system:9s} N={workers}: median {rec['median_s'] * 1e3:9.2f} ms "
-                f"over {rec['n']} steps" + (f", overhead {rec['overhead_median'] * 100:.1f}%"
-                                             if "overhead_median" in rec else ""))
-        records.append(rec)
-        return rec, grad
+    def record(*a, **k):
+        return run_config(records, *a, **k)
 
     for model_name in args.models:
         params = models.num_parameters(models.make_model(model_name, args.seed))
@@ -267,6 +299,51 @@ def measure(args):
     return records
 
 
+def measure_nodes(args):
+    """--nodes: K shmgrad nodes against DDP with K ranks (and one engine of K x workers
+    workers, and the single process as the gradient reference)."""
+    records = []
+    budget = Budget(args.repeats, args.budget)
+    k = args.nodes
+    count = 0
+
+    def record(*a, **kw):
+        return run_config(records, *a, **kw)
+
+    for model_name in args.models:
+        params = models.num_parameters(models.make_model(model_name, args.seed))
+        for batch in args.batch_sizes:
+            log(f"{model_name} ({params} parameters), batch {batch}, {k} nodes")
+            batches = models.make_batches(model_name, batch, args.warmup + args.repeats, args.seed)
+            base = {"model": model_name, "params": params, "batch": batch, "warmup": args.warmup,
+                    "nodes": k, "pinned": args.pin}
+            ref_rec, ref = record(base, "single-1t", 1, lambda: runners.run_single(
+                model_name, batches, args.warmup, budget, 1, args.seed, now() + args.timeout))
+            reps = runners.ddp_repeats(budget, ref_rec.get("median_s", 0) / k)
+            for w in args.workers:
+                count += 1
+                if "shmgrad" in args.systems:
+                    record(base, "shmgrad", k * w, lambda: runners.run_shmgrad(
+                        model_name, batches, args.warmup, budget, k * w, args.seed,
+                        now() + args.timeout, f"bench-{os.getpid()}-{count}"), ref)
+                record(base, "shmgrad-nodes", w, lambda: runners.run_nodes(
+                    model_name, batch, args.warmup, reps, k, w, args.seed, now() + args.timeout,
+                    f"bench-{os.getpid()}-{count}n", args.bucket_cap_mb, args.pin), ref)
+            if "ddp" in args.systems:
+                ddp, _ = record(base, "ddp", 1, lambda: runners.run_ddp(
+                    model_name, batch, args.warmup, reps, k, args.seed, now() + args.timeout,
+                    args.pin), ref)
+                ddp["sent_bytes_per_node_step"] = runners.ring_bytes_sent(params * 4, k)
+    models.set_threads(1)
+    for r in records:  # DDP over each shmgrad-nodes configuration of the same model and batch
+        if r["system"] == "ddp" and "median_s" in r:
+            r["ratio_to_nodes"] = {
+                str(s["workers"]): r["median_s"] / s["median_s"] for s in records
+                if s["system"] == "shmgrad-nodes" and "median_s" in s
+                and (s["model"], s["batch"]) == (r["model"], r["batch"])}
+    return records
+
+
 def measure_reduce(args, models_params):
     out = []
     if "reduce" not in args.systems:
@@ -305,12 +382,17 @@ def main(argv=None):
     log(f"models {','.join(args.models)}, batch sizes {args.batch_sizes}, workers "
         f"{args.workers}, {args.warmup} warm-up + up to {args.repeats} timed steps "
         f"(budget {args.budget:g} s), systems {','.join(args.systems)}")
-    records = measure(args)
-    params = [models.num_parameters(models.make_model(m, args.seed))
-              for m in args.models]
-    reductions = measure_reduce(args, params)
-    targets = report.evaluate_targets(records, reductions)
-    text = report.table(records, reductions, targets)
+    if args.nodes:
+        records, reductions = measure_nodes(args), []
+        targets = report.evaluate_node_targets(records)
+        text = report.nodes_table(records, targets)
+    else:
+        records = measure(args)
+        params = [models.num_parameters(models.make_model(m, args.seed))
+                  for m in args.models]
+        reductions = measure_reduce(args, params)
+        targets = report.evaluate_targets(records, reductions)
+        text = report.table(records, reductions, targets)
     result = {
         "schema": 1,
         "command": "shmgrad bench " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -329,11 +411,13 @@ def main(argv=None):
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(text)
     try:
-        report.plot(records, os.path.join(args.out, "bench.png"))
+        if not args.nodes:
+            report.plot(records, os.path.join(args.out, "bench.png"))
     except Exception as exc:
         log(f"plot failed: {type(exc).__name__}: {exc}")
     print(text)
-    print(f"wrote {os.path.join(args.out, 'results.json')}, results.md, bench.png "
+    print(f"wrote {os.path.join(args.out, 'results.json')}, results.md"
+          f"{'' if args.nodes else ', bench.png'} "
           f"({result['duration_s']:.0f} s)")
     failed = [r for r in records + reductions if "error" in r]
     if failed:

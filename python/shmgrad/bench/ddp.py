@@ -11,13 +11,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import models
-from .timing import now
+from .timing import loopback_bytes, now, pin_to_share
 
 
-def rank_main(rank, world, port, model_name, batch, warmup, repeats, seed, queue, timeout_s):
+def rank_main(rank, world, port, model_name, batch, warmup, repeats, seed, pin, queue,
+              timeout_s):
     """Runs ``warmup + repeats`` DDP steps on this rank's shard of each batch and puts
-    ``(rank, {"start": [...], "end": [...], "grad": ...})`` on ``queue`` (or an error)."""
+    ``(rank, {"start": [...], "end": [...], "grad": ...})`` on ``queue`` (or an error).
+    With ``pin``, the rank runs on its share of the CPUs only (``timing.pin_to_share``)."""
     try:
+        if pin:
+            pin_to_share(rank, world)
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(port)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -33,6 +37,9 @@ def rank_main(rank, world, port, model_name, batch, warmup, repeats, seed, queue
             starts, ends = [], []
             grad = None
             for i, (x, y) in enumerate(batches):
+                if i == warmup:
+                    dist.barrier()
+                    lo_bytes = loopback_bytes()
                 dist.barrier()  # every rank starts the step together
                 t0 = now()
                 for p in model.parameters():
@@ -47,7 +54,8 @@ def rank_main(rank, world, port, model_name, batch, warmup, repeats, seed, queue
                     # DDP averages over ranks; times world gives the gradient of the sum.
                     grad = (models.flat_grad(model) * world).numpy()
             dist.barrier()
-            queue.put((rank, {"start": starts, "end": ends, "grad": grad}))
+            queue.put((rank, {"start": starts, "end": ends, "grad": grad,
+                              "loopback_bytes": loopback_bytes() - lo_bytes}))
         finally:
             dist.destroy_process_group()
     except BaseException:  # report, never hang the parent

@@ -51,6 +51,21 @@ def evaluate_targets(records, reductions):
     return out
 
 
+def evaluate_node_targets(records):
+    """--nodes: shmgrad's nodes (one worker each) no slower than DDP with as many ranks."""
+    out = []
+    for r in records:
+        for workers, ratio in r.get("ratio_to_nodes", {}).items():
+            if workers != "1":
+                continue
+            out.append({"target": f"{r['nodes']} shmgrad nodes of 1 worker no slower than "
+                                  f"DDP-gloo with {r['nodes']} ranks",
+                        "config": f"{r['model']} b{r['batch']}",
+                        "value": f"ddp/shmgrad-nodes = {ratio:.3f}x",
+                        "met": ratio >= 1.0})
+    return out
+
+
 # -- reporting ------------------------------------------------------------------------
 def fmt_ms(s):
     return "-" if s is None else (f"{s * 1e3:.3f}" if s < 0.01 else f"{s * 1e3:.1f}")
@@ -105,6 +120,51 @@ def table(records, reductions, targets):
                          f"{r['reduce_gbps_min']:.1f}-{r['reduce_gbps_max']:.1f} | "
                          f"{r['memcpy_gbps_median']:.2f} | {r['memcpy_gbps_min']:.1f}-"
                          f"{r['memcpy_gbps_max']:.1f} | {r['ratio'] * 100:.0f}% |")
+    if targets:
+        lines += ["", "| target | configuration | measured | met |", "|---|---|---|---|"]
+        for t in targets:
+            lines.append(f"| {t['target']} | {t['config']} | {t['value']} | "
+                         f"{'yes' if t['met'] else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+def fmt_bytes(b):
+    return "-" if b is None else f"{b / 1e3:,.1f} kB"
+
+
+def nodes_table(records, targets):
+    """--nodes: the results as Markdown tables."""
+    lines = ["| model | batch | system | workers | median ms | min ms | max ms | IQR ms | steps "
+             "| DDP / this | all-reduce share | all-reduce ms | sent per node per step "
+             "(ring) | loopback per node per step | notes |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    order = {"single-1t": 0, "shmgrad": 1, "shmgrad-nodes": 2, "ddp": 3}
+    ddp = {(r["model"], r["batch"]): r for r in records if r["system"] == "ddp" and "median_s" in r}
+    for r in sorted(records, key=lambda r: (r["model"], r["batch"], order.get(r["system"], 9),
+                                            r["workers"])):
+        system = r["system"]
+        workers = (f"{r['workers']} per node x {r['nodes']}" if system == "shmgrad-nodes"
+                   else f"{r['nodes']} ranks" if system == "ddp" else str(r["workers"]))
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['batch']} | {system} | {workers} | FAILED | | | "
+                         f"| | | | | | | {r['error'][:80]} |")
+            continue
+        d = ddp.get((r["model"], r["batch"]))
+        ratio = f"{d['median_s'] / r['median_s']:.2f}x" if d is not None else "-"
+        notes = []
+        if r.get("grad_rel_err") is not None and system != "single-1t":
+            notes.append(f"grad rel. diff {r['grad_rel_err']:.1e}")
+        if system == "shmgrad-nodes":
+            notes.append(f"slowest worker f+b {fmt_ms(r['compute_max_median_s'])} ms; "
+                         f"all-reduced {fmt_bytes(r['allreduce_bytes'])} a step")
+        share = (f"{r['allreduce_share_median'] * 100:.1f}%" if "allreduce_share_median" in r
+                 else "-")
+        lines.append(
+            f"| {r['model']} | {r['batch']} | {system} | {workers} | {fmt_ms(r['median_s'])} "
+            f"| {fmt_ms(r['min_s'])} | {fmt_ms(r['max_s'])} | {fmt_ms(r['q3_s'] - r['q1_s'])} "
+            f"| {r['n']} | {ratio} | {share} | {fmt_ms(r.get('allreduce_median_s'))} "
+            f"| {fmt_bytes(r.get('sent_bytes_per_node_step'))} "
+            f"| {fmt_bytes(r.get('loopback_bytes_per_node_step'))} | {'; '.join(notes)} |")
     if targets:
         lines += ["", "| target | configuration | measured | met |", "|---|---|---|---|"]
         for t in targets:

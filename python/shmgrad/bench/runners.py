@@ -1,5 +1,6 @@
 """The systems ``shmgrad bench`` measures, one runner each: a single process, a shmgrad
-engine, DDP over gloo, Dask with a deep copy per task, and the reduction alone.
+engine, DDP over gloo, shmgrad engines on several nodes (``--nodes``), Dask with a deep
+copy per task, and the reduction alone.
 
 Every runner of a training step takes the same batches and returns ``(record, grad)``:
 the step times and what else it measured, and the gradient of batch 0 as one float64
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from ..engine import Engine
 from ..launcher import installed_binary
 from . import ddp, models
+from . import nodes as nodes_rank
 from .timing import now, timed_steps
 
 
@@ -114,24 +116,22 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def run_ddp(model_name, batch, warmup, repeats, workers, seed, deadline):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    port = _free_port()
-    os.environ["MASTER_PORT"] = str(port)
+def _run_ranks(target, ranks, args, deadline, what):
+    """Spawns ``ranks`` processes running ``target(rank, *args, queue, timeout_s)``, each
+    putting ``(rank, result)`` on the queue; returns ``({rank: result}, seconds)``. Every
+    wait is bounded by ``deadline``; ranks still alive at the end are killed."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     timeout_s = max(30, int(deadline - now()))
     t_start = now()
-    procs = mp.start_processes(
-        ddp.rank_main, nprocs=workers, join=False, start_method="spawn",
-        args=(workers, port, model_name, batch, warmup, repeats, seed, q, timeout_s))
+    procs = mp.start_processes(target, nprocs=ranks, join=False, start_method="spawn",
+                               args=args + (q, timeout_s))
     results = {}
     try:
-        while len(results) < workers:
+        while len(results) < ranks:
             left = deadline - now()
             if left <= 0:
-                raise TimeoutError("DDP run went past --timeout")
+                raise TimeoutError(f"{what} run went past --timeout")
             try:
                 rank, res = q.get(timeout=min(1.0, left))
             except queue_mod.Empty:
@@ -141,11 +141,11 @@ def run_ddp(model_name, batch, warmup, repeats, workers, seed, deadline):
                         rank, res = q.get(timeout=2.0)
                     except queue_mod.Empty:
                         codes = [p.exitcode for p in procs.processes]
-                        raise RuntimeError(f"a DDP rank died (exit codes {codes})") from None
+                        raise RuntimeError(f"a {what} rank died (exit codes {codes})") from None
                 else:
                     continue
             if "error" in res:
-                raise RuntimeError(f"DDP rank {rank} failed:\n{res['error']}")
+                raise RuntimeError(f"{what} rank {rank} failed:\n{res['error']}")
             results[rank] = res
         for p in procs.processes:
             p.join(max(1.0, min(30.0, deadline - now())))
@@ -159,11 +159,65 @@ def run_ddp(model_name, batch, warmup, repeats, workers, seed, deadline):
                 p.kill()
                 p.join(5)
         q.close()
-    total = now() - t_start
-    starts = [results[r]["start"] for r in range(workers)]
-    ends = [results[r]["end"] for r in range(workers)]
-    times = [max(e[i] for e in ends) - min(s[i] for s in starts) for i in range(len(starts[0]))]
-    return {"times_s": times, "threads": 1, "total_s": total}, results[0]["grad"]
+    return results, now() - t_start
+
+
+def _step_times(results):
+    """Per step, from the first rank's start to the last rank's end."""
+    starts = [r["start"] for r in results.values()]
+    ends = [r["end"] for r in results.values()]
+    return [max(e[i] for e in ends) - min(s[i] for s in starts) for i in range(len(starts[0]))]
+
+
+def run_ddp(model_name, batch, warmup, repeats, workers, seed, deadline, pin=False):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    port = _free_port()
+    os.environ["MASTER_PORT"] = str(port)
+    results, total = _run_ranks(
+        ddp.rank_main, workers, (workers, port, model_name, batch, warmup, repeats, seed, pin),
+        deadline, "DDP")
+    times = _step_times(results)
+    return {"times_s": times, "threads": 1, "total_s": total,
+            "loopback_bytes_per_node_step": (results[0]["loopback_bytes"]
+                                             / max(1, len(times)) / workers)}, results[0]["grad"]
+
+
+def ring_bytes_sent(payload_bytes, nodes):
+    """Bytes each rank sends in a ring all-reduce (gloo's algorithm for CPU tensors):
+    reduce-scatter, then all-gather, each (nodes-1)/nodes of the buffer."""
+    return 2 * (nodes - 1) / nodes * payload_bytes
+
+
+# -- 3b. shmgrad on several nodes -------------------------------------------------------
+def run_nodes(model_name, batch, warmup, repeats, nodes, workers, seed, deadline,
+              engine_prefix, bucket_cap_mb=None, pin=False):
+    """``nodes`` ranks on 127.0.0.1, each a shmgrad engine of ``workers`` workers with a
+    gloo process group (bench/nodes.py), timed like DDP; with ``pin`` each on its share of
+    the CPUs."""
+    results, total = _run_ranks(
+        nodes_rank.rank_main, nodes,
+        (nodes, _free_port(), model_name, batch, warmup, repeats, seed, workers,
+         engine_prefix, bucket_cap_mb, pin), deadline, "shmgrad node")
+    times = _step_times(results)
+    steps = range(len(times))
+    # The all-reduce's share of a step, averaged over the nodes (a node that arrives
+    # first waits in the all-reduce for the others: that wait counts as all-reduce).
+    shares = [statistics.mean(r["allreduce"][i] for r in results.values()) / times[i]
+              for i in steps]
+    payload = results[0]["allreduce_bytes"]
+    return {
+        "times_s": times, "threads": 1, "total_s": total, "nodes": nodes,
+        "workers_per_node": workers,
+        "allreduce_share_median": statistics.median(shares),
+        "allreduce_median_s": statistics.median(
+            statistics.mean(r["allreduce"][i] for r in results.values()) for i in steps),
+        "compute_max_median_s": statistics.median(
+            max(r["compute"][i] for r in results.values()) for i in steps),
+        "allreduce_bytes": payload,
+        "sent_bytes_per_node_step": ring_bytes_sent(payload, nodes),
+        "loopback_bytes_per_node_step": results[0]["loopback_bytes"] / max(1, len(times)) / nodes,
+    }, results[0]["grad"]
 
 
 def ddp_repeats(budget, est_step):

@@ -1,6 +1,8 @@
 """The timing every ``shmgrad bench`` system shares: one clock, the step budget, the timing
-loop and the statistics of a configuration's step times."""
+loop, the statistics of a configuration's step times, and the loopback interface's byte
+counter (what the ranks of a one-machine multi-node run send each other)."""
 
+import os
 import statistics
 import sys
 import time
@@ -15,6 +17,26 @@ def log(msg):
 def now():
     # CLOCK_MONOTONIC is system-wide: times taken in different processes are comparable.
     return time.clock_gettime(time.CLOCK_MONOTONIC)
+
+
+def loopback_bytes():
+    """Bytes sent on the loopback interface so far, by every process of the machine (the
+    kernel's counter in /proc/net/dev: payload and TCP/IP headers)."""
+    with open("/proc/net/dev") as f:
+        for line in f:
+            name, _, fields = line.partition(":")
+            if name.strip() == "lo":
+                return int(fields.split()[8])  # transmit bytes
+    raise RuntimeError("no loopback interface in /proc/net/dev")
+
+
+def pin_to_share(rank, ranks):
+    """Restricts this process (and what it starts: an engine's coordinator and workers) to
+    rank's share of the CPUs it may use, so that ranks on one machine stand for nodes with
+    cores of their own. Does nothing when there are fewer CPUs than ranks."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= ranks:
+        os.sched_setaffinity(0, cpus[len(cpus) * rank // ranks:len(cpus) * (rank + 1) // ranks])
 
 
 def summarize(times):
