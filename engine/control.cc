@@ -79,6 +79,8 @@ EngineStatus readStatus(const std::string& name) {
   s.segment_bytes = h->total_size;
   s.model_path = headerString(h->model_path);
   s.loss = ipc::lossName(static_cast<ipc::LossKind>(h->loss));
+  s.worker_kind = ipc::workerKindName(static_cast<ipc::WorkerKind>(h->worker_kind));
+  s.job_path = headerString(h->job_path);
   s.num_params = h->num_params;
   s.param_floats = h->param_floats;
   if (h->data_count > 0) {
@@ -125,8 +127,13 @@ std::string formatStatus(const EngineStatus& s) {
   appendf(&out, "engine %s (%s), coordinator pid %d%s, segment %s (%.1f MiB)\n", s.name.c_str(),
           s.state.c_str(), s.coordinator_pid, s.coordinator_alive ? "" : " (not running)",
           s.segment_path.c_str(), s.segment_bytes / kBytesPerMiB);
-  appendf(&out, "model %s, loss %s, %u parameter tensors, %" PRIu64 " floats\n",
-          s.model_path.c_str(), s.loss.c_str(), s.num_params, s.param_floats);
+  if (s.worker_kind == "eager") {
+    appendf(&out, "eager workers (Python): job %s, %u parameter tensors, %" PRIu64 " floats\n",
+            s.job_path.c_str(), s.num_params, s.param_floats);
+  } else {
+    appendf(&out, "model %s, loss %s, %u parameter tensors, %" PRIu64 " floats\n",
+            s.model_path.c_str(), s.loss.c_str(), s.num_params, s.param_floats);
+  }
   if (s.dataset_size > 0) {
     appendf(&out, "dataset %s: %" PRId64 " examples\n", s.dataset.c_str(), s.dataset_size);
   }

@@ -40,7 +40,9 @@ struct EngineStatus {
   std::string segment_path;
   uint64_t segment_bytes = 0;
   std::string model_path;
-  std::string loss;             // ipc::kLossNames
+  std::string loss;             // ipc::kLossNames (TorchScript workers; eager ones run the job's)
+  std::string worker_kind;      // ipc::kWorkerKindNames: "script" or "eager"
+  std::string job_path;         // eager: the pickled job the workers load
   uint32_t num_params = 0;
   uint64_t param_floats = 0;
   std::string dataset;          // description, "" without one

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <sstream>
 #include <thread>
 
@@ -39,6 +40,49 @@ constexpr uint64_t kRetireGraceNs = 5000000000ull;  // a retired, idle worker st
 volatile sig_atomic_t g_signal = 0;
 
 void onSignal(int sig) { g_signal = sig; }
+
+// The parameters of an eager job, as shmgrad.eager.write_params wrote them: "SHMGRADP",
+// u32 version 1, u32 count, then per parameter u32 name length, the name, u32 ndim, i64
+// dims[ndim] and the float32 values. Every size is checked before it is used.
+worker::ModelParams readParamsFile(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  SHMGRAD_CHECK(f.good(), ErrorKind::kNotFound, "parameter file ", path, " cannot be opened");
+  auto read = [&](void* out, size_t n) {
+    f.read(static_cast<char*>(out), static_cast<std::streamsize>(n));
+    SHMGRAD_CHECK(f.good(), ErrorKind::kInvalidArgument, "parameter file ", path,
+                  " is truncated; the eager launcher writes it (shmgrad.eager)");
+  };
+  char magic[8];
+  uint32_t version = 0, count = 0;
+  read(magic, sizeof(magic));
+  read(&version, sizeof(version));
+  read(&count, sizeof(count));
+  SHMGRAD_CHECK(std::memcmp(magic, "SHMGRADP", 8) == 0 && version == 1, ErrorKind::kInvalidArgument,
+                "parameter file ", path, " is not a shmgrad parameter file (version 1)");
+  SHMGRAD_CHECK(count >= 1 && count <= ipc::kMaxParams, ErrorKind::kInvalidArgument,
+                "parameter file ", path, " holds ", count, " tensors; use 1 to ", ipc::kMaxParams);
+  worker::ModelParams out;
+  for (uint32_t i = 0; i < count; ++i) {
+    uint32_t name_len = 0, ndim = 0;
+    read(&name_len, sizeof(name_len));
+    SHMGRAD_CHECK(name_len >= 1 && name_len < ipc::kNameLen, ErrorKind::kInvalidArgument,
+                  "parameter file ", path, ": name of ", name_len, " bytes");
+    std::string name(name_len, '\0');
+    read(name.data(), name_len);
+    read(&ndim, sizeof(ndim));
+    SHMGRAD_CHECK(ndim <= ipc::kMaxDims, ErrorKind::kInvalidArgument, "parameter file ", path,
+                  ": ", name, " has ", ndim, " dimensions");
+    std::vector<int64_t> dims(ndim);
+    if (ndim > 0) read(dims.data(), ndim * sizeof(int64_t));
+    const uint64_t numel = ipc::checkedNumel(ErrorKind::kInvalidArgument, name.c_str(),
+                                             dims.data(), ndim);
+    torch::Tensor values = torch::empty(dims, torch::kFloat32);
+    if (numel > 0) read(values.data_ptr<float>(), numel * sizeof(float));
+    out.specs.push_back({name, dims});
+    out.values.push_back(values);
+  }
+  return out;
+}
 
 class Coordinator {
  public:
@@ -87,7 +131,8 @@ class Coordinator {
                   ErrorKind::kInvalidArgument, "--threads-per-worker must be 1 to ",
                   ipc::kMaxThreadsPerWorker);
     ipc::checkEngineName(opt_.name);
-    worker::ModelParams model = worker::describeModel(opt_.model_path);
+    worker::ModelParams model =
+        eager() ? readParamsFile(opt_.model_path) : worker::describeModel(opt_.model_path);
     Dataset data;
     if (!opt_.dataset.empty()) data = loadDatasetSpec(opt_.dataset);
 

@@ -52,6 +52,8 @@ py::dict statusToDict(const shmgrad::engine::EngineStatus& s) {
   d["segment_bytes"] = s.segment_bytes;
   d["model_path"] = s.model_path;
   d["loss"] = s.loss;
+  d["worker_kind"] = s.worker_kind;
+  d["job_path"] = s.job_path;
   d["num_params"] = s.num_params;
   d["param_floats"] = s.param_floats;
   d["dataset"] = s.dataset;

@@ -2,7 +2,7 @@
 
 The launcher side lives here: choosing the mode, checking and pickling the job once
 (cloudpickle, so classes and functions from ``__main__`` or a notebook work), and the
-parameters' holder that tells ``shmgrad serve`` the layout of the shared parameters.
+parameter file that tells ``shmgrad serve`` the layout of the shared parameters.
 The worker side is :mod:`shmgrad._eager_worker`. docs/DESIGN.md, "Eager workers".
 """
 
@@ -17,7 +17,7 @@ from . import errors
 
 MODES = ("auto", "eager", "script")
 JOB_FILE = "job.pkl"
-HOLDER_FILE = "params.pt"
+PARAMS_FILE = "params.bin"
 
 _MASK64 = (1 << 64) - 1
 
@@ -136,7 +136,7 @@ def choose_mode(mode: str, *, model, loss, dataset, collate_fn, forward, loss_na
 # -- the job -----------------------------------------------------------------------
 class EagerJob(NamedTuple):
     directory: str       # private (0700), removed with the engine
-    holder_path: str     # TorchScript module with the model's parameters, for serve
+    holder_path: str     # the model's parameters (write_params), for serve
     job_path: str        # the pickled job, 0600
     dataset_size: int    # examples of a Dataset the workers hold (0: none or a spec string)
 
@@ -151,28 +151,30 @@ def _pickle(name, obj, pickler):
             "out of it (open them lazily in the worker)") from exc
 
 
-class _Holder(torch.nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x
+PARAMS_MAGIC = b"SHMGRADP"
+PARAMS_VERSION = 1
 
 
-def write_holder(model: torch.nn.Module, path: str) -> None:
-    """A TorchScript module with ``model``'s parameters under the same names, in the same
-    order and with the same values: ``shmgrad serve`` learns the layout from it."""
-    root = _Holder()
-    for name, p in model.named_parameters():
-        if p.dtype != torch.float32 or p.device.type != "cpu":
-            raise errors.InvalidArgumentError(
-                f"parameter {name} is {p.dtype} on {p.device}; shmgrad engines hold float32 CPU "
-                "parameters: call model.float().cpu() first")
-        *path_parts, leaf = name.split(".")
-        mod = root
-        for part in path_parts:
-            if not hasattr(mod, part):
-                mod.add_module(part, _Holder())
-            mod = getattr(mod, part)
-        mod.register_parameter(leaf, torch.nn.Parameter(p.detach().clone()))
-    torch.jit.save(torch.jit.script(root), path)
+def write_params(model: torch.nn.Module, path: str) -> None:
+    """The model's parameters (names, shapes, float32 values, in named_parameters order)
+    in the small format ``shmgrad serve`` reads for eager jobs (engine/coordinator.cc,
+    readParamsFile): the magic, u32 version, u32 count, then per parameter u32 name length,
+    the UTF-8 name, u32 ndim, i64 dims and the values."""
+    import struct
+    named = list(model.named_parameters())
+    if not named:
+        raise errors.InvalidArgumentError("the model has no parameters: nothing to compute a gradient of")
+    with open(path, "wb") as f:
+        f.write(PARAMS_MAGIC + struct.pack("<II", PARAMS_VERSION, len(named)))
+        for name, p in named:
+            if p.dtype != torch.float32 or p.device.type != "cpu":
+                raise errors.InvalidArgumentError(
+                    f"parameter {name} is {p.dtype} on {p.device}; shmgrad engines hold float32 "
+                    "CPU parameters: call model.float().cpu() first")
+            raw = name.encode()
+            f.write(struct.pack("<I", len(raw)) + raw + struct.pack("<I", p.dim()))
+            f.write(struct.pack(f"<{p.dim()}q", *p.shape))
+            f.write(p.detach().contiguous().numpy().tobytes())
 
 
 def prepare_job(*, model, loss, dataset, collate_fn: Optional[Callable], forward: Optional[Callable],
@@ -211,8 +213,8 @@ def prepare_job(*, model, loss, dataset, collate_fn: Optional[Callable], forward
                            "collate_fn": collate_fn, "forward": forward}, cloudpickle)
     directory = tempfile.mkdtemp(prefix="shmgrad-eager-")  # mode 0700
     try:
-        holder = os.path.join(directory, HOLDER_FILE)
-        write_holder(model, holder)
+        holder = os.path.join(directory, PARAMS_FILE)
+        write_params(model, holder)
         job = os.path.join(directory, JOB_FILE)
         fd = os.open(job, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:

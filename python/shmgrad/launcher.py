@@ -71,6 +71,17 @@ class ServeOptions:
     startup_timeout: float = 120.0
     eager_job: Optional[object] = None  # shmgrad.eager.EagerJob: Python workers run it
 
+    def environment(self) -> Optional[dict]:
+        """serve's environment: this process's, and for eager workers a PYTHONPATH that
+        lets them import whatever this process can (the job may name classes of the
+        trainer's own modules, pickled by reference)."""
+        if self.eager_job is None:
+            return None
+        env = dict(os.environ)
+        paths = [os.path.abspath(p) for p in sys.path if p and os.path.isdir(p)]
+        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([os.getcwd()] + paths))
+        return env
+
     def arguments(self) -> List[str]:
         args = ["--name", self.name, "--model", self.model_path, "--workers", str(self.workers),
                 "--loss", self.loss, "--threads-per-worker", str(self.threads_per_worker),
@@ -130,7 +141,8 @@ class Launcher:
             self._log = tempfile.TemporaryFile()
             self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, pass_fds=(write_end,),
-                                          preexec_fn=_set_parent_death_signal)
+                                          preexec_fn=_set_parent_death_signal,
+                                          env=self.options.environment())
         except BaseException:
             os.close(read_end)
             raise

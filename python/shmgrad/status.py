@@ -52,7 +52,9 @@ class EngineStatus:
     segment_path: str
     segment_bytes: int
     model_path: str
-    loss: str
+    loss: str                  # TorchScript workers' loss (eager workers run the job's own)
+    worker_kind: str           # "script" (TorchScript, C++) or "eager" (Python)
+    job_path: str              # eager: the pickled job the workers load
     num_params: int            # parameter tensors
     param_floats: int          # floats the parameters take, padding for alignment included
     dataset: str               # "" without one

@@ -1,0 +1,357 @@
+"""Eager Python workers: any nn.Module, any loss, any Dataset, against plain PyTorch."""
+
+import glob
+import os
+import random
+import signal
+import tempfile
+import time
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import shmgrad
+from conftest import relative_error, segments
+from test_faults import GradientCall, wait_for, wait_until_busy
+
+
+class Unscriptable(nn.Module):
+    """torch.jit.script rejects it: a lambda attribute, a dict of modules indexed by a
+    Python string built at run time, and Python control flow on a list."""
+
+    def __init__(self, d_in=6, hidden=10, d_out=3):
+        super().__init__()
+        self.blocks = nn.ModuleDict({"in": nn.Linear(d_in, hidden), "out": nn.Linear(hidden, d_out)})
+        self.act = lambda t: torch.tanh(t) * 1.5
+        self.order = ["in", "out"]
+
+    def forward(self, x):
+        for i, name in enumerate(self.order):
+            x = self.blocks[name](x)
+            if i + 1 < len(self.order):
+                x = self.act(x)
+        return x
+
+
+def smooth_loss(out, y):
+    """A custom loss: label-smoothed cross entropy, summed over the batch."""
+    return nn.functional.cross_entropy(out, y, reduction="sum", label_smoothing=0.1)
+
+
+class NoisyDataset(torch.utils.data.Dataset):
+    """Per-example transforms that draw from Python's random, NumPy and torch."""
+
+    def __init__(self, n=60, d=6):
+        g = torch.Generator().manual_seed(7)
+        self.x = torch.randn(n, d, generator=g)
+        self.y = torch.randint(0, 3, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        x = self.x[i].clone()
+        if random.random() < 0.5:
+            x = x.flip(0)
+        x = x + float(np.random.normal(0, 0.1)) + 0.05 * torch.randn(x.shape)
+        return x, self.y[i]
+
+
+def reference(model, loss, dataset, indices, seed, reduction="sum", collate=None):
+    """The same step in this process, with the same seeding."""
+    collate = collate or torch.utils.data.default_collate
+    samples = []
+    for i in indices:
+        shmgrad.eager.seed_everything(shmgrad.example_seed(seed, i))
+        samples.append(dataset[i])
+    x, y = collate(samples)
+    model.zero_grad(set_to_none=True)
+    out = loss(model(x), y)
+    (out / len(indices) if reduction == "mean" else out).backward()
+    return [p.grad.detach().clone() for p in model.parameters()], out.item()
+
+
+def copy_of(model):
+    twin = type(model)()
+    twin.load_state_dict(model.state_dict())
+    return twin
+
+
+def eager_dirs():
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "shmgrad-eager-*")))
+
+
+def test_example_seed_is_documented_and_in_range():
+    s = {shmgrad.example_seed(3, i) for i in range(1000)}
+    assert len(s) == 1000 and all(0 <= v < 2**32 for v in s)
+    assert shmgrad.example_seed(3, 5) == shmgrad.example_seed(3, 5)
+    assert shmgrad.example_seed(3, 5) != shmgrad.example_seed(4, 5)
+
+
+def test_unscriptable_model_custom_loss_dataset_transforms_match_one_process():
+    with pytest.raises(Exception):
+        torch.jit.script(Unscriptable())
+    torch.manual_seed(0)
+    model, ds = Unscriptable(), NoisyDataset()
+    dirs_before = eager_dirs()
+    with shmgrad.Engine(model=model, loss=smooth_loss, dataset=ds, workers=2,
+                        max_workers=3) as engine:
+        assert engine.mode == "eager" and engine.status().worker_kind == "eager"
+        assert engine.dataset_size == len(ds)
+        ref_model = copy_of(model)
+        engine.bind(model)
+        idx = [3, 17, 0, 44, 9, 31, 58, 2, 25]
+        for reduction in ("sum", "mean"):
+            stats = engine.gradient(idx, seed=11, reduction=reduction)
+            want, loss = reference(ref_model, smooth_loss, ds, idx, 11, reduction)
+            assert relative_error([p.grad for p in model.parameters()], want) < 1e-5
+            assert abs(stats.loss_sum - loss) < 1e-4 * max(1, abs(loss))
+        # The same step over 3 workers (resize) agrees with 2 and with one process.
+        engine.resize(3)
+        stats = engine.gradient(idx, seed=11)
+        assert stats.workers == 3
+        want, _ = reference(ref_model, smooth_loss, ds, idx, 11)
+        assert relative_error([p.grad for p in model.parameters()], want) < 1e-5
+        engine.resize(1)
+        assert engine.gradient(idx, seed=11).workers == 1
+        assert relative_error([p.grad for p in model.parameters()], want) < 1e-5
+    assert eager_dirs() <= dirs_before, "the pickled job was left on disk"
+
+
+def test_twenty_adam_steps_agree_with_plain_pytorch():
+    torch.manual_seed(1)
+    model, ds = Unscriptable(), NoisyDataset()
+    ref_model = copy_of(model)
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    ref_opt = torch.optim.Adam(ref_model.parameters(), lr=0.01)
+    with shmgrad.Engine(model=model, loss=loss, dataset=ds, workers=2, seed=5) as engine:
+        engine.bind(model)
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        for step in range(20):
+            idx = [(step * 7 + k) % len(ds) for k in range(12)]
+            stats = engine.gradient(idx, reduction="mean")  # step seed from the engine's seed
+            opt.step()
+            reference(ref_model, loss, ds, idx, shmgrad.eager.step_seed(5, step), "mean")
+            ref_opt.step()
+            assert stats.num_examples == 12
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert torch.allclose(p, q, rtol=1e-4, atol=1e-5)
+
+
+def test_auto_mode_keeps_torchscript_workers_and_explicit_modes():
+    model = nn.Sequential(nn.Linear(4, 3))
+    with shmgrad.Engine(model=model, loss="mse", workers=1) as engine:
+        assert engine.mode == "script" and engine.status().worker_kind == "script"
+    with shmgrad.Engine(model=model, loss="mse", workers=1, mode="eager") as engine:
+        assert engine.mode == "eager"
+        engine.bind(model)
+        x, y = torch.randn(5, 4), torch.randn(5, 3)
+        engine.gradient(inputs=x, targets=y)
+        ref = copy_of_seq(model)
+        nn.functional.mse_loss(ref(x), y, reduction="sum").backward()
+        assert relative_error([p.grad for p in model.parameters()],
+                              [p.grad for p in ref.parameters()]) < 1e-5
+    with pytest.raises(shmgrad.InvalidArgumentError, match="mode='eager'"):
+        shmgrad.Engine(model=model, loss=smooth_loss, workers=1, mode="script")
+    with pytest.raises(shmgrad.InvalidArgumentError, match="unknown mode"):
+        shmgrad.Engine(model=model, loss="mse", workers=1, mode="fast")
+
+
+def copy_of_seq(model):
+    twin = nn.Sequential(nn.Linear(4, 3))
+    twin.load_state_dict(model.state_dict())
+    return twin
+
+
+class TokenModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 4)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, ids):
+        return self.out(self.emb(ids).mean(1))
+
+
+def test_integer_inputs_keep_their_dtype_and_forward_replaces_the_loss():
+    torch.manual_seed(2)
+    model = TokenModel()
+    ref = TokenModel()
+    ref.load_state_dict(model.state_dict())
+    ids, y = torch.randint(0, 20, (8, 5)), torch.randint(0, 2, (8,))
+
+    def forward(m, batch):
+        x, t = batch
+        assert x.dtype == torch.int64, x.dtype
+        return nn.functional.cross_entropy(m(x), t, reduction="sum") + 0.5 * m.emb.weight.pow(2).sum() / 8
+
+    with shmgrad.Engine(model=model, loss="cross_entropy", workers=2, forward=forward) as engine:
+        engine.bind(model)
+        engine.gradient(inputs=ids, targets=y)
+    total = sum(forward(ref, (ids[i:i + 4], y[i:i + 4])) for i in (0, 4))
+    total.backward()
+    assert relative_error([p.grad for p in model.parameters()],
+                          [p.grad for p in ref.parameters()]) < 1e-5
+
+
+class BrokenDataset(NoisyDataset):
+    def __getitem__(self, i):
+        if i == 13:
+            raise KeyError(f"example {i} is missing " + "x" * 900)
+        return super().__getitem__(i)
+
+
+def test_errors_in_dataset_model_and_loss_come_back_whole_and_engine_keeps_serving():
+    torch.manual_seed(3)
+    model = Unscriptable()
+    with shmgrad.Engine(model=model, loss=smooth_loss, dataset=BrokenDataset(), workers=2) as engine:
+        engine.bind(model)
+        with pytest.raises(shmgrad.WorkerError) as info:
+            engine.gradient([1, 2, 13, 4])
+        err = info.value
+        assert err.error_type == "KeyError" and err.worker in (0, 1)
+        text = str(err)
+        assert "example 13 is missing " + "x" * 900 in text  # the whole message, over 512 bytes
+        assert "__getitem__" in text and "Traceback" in text  # the traceback's last frames
+        # A shape mistake in the model: a real torch error, whole.
+        with pytest.raises(shmgrad.WorkerError, match="mat1 and mat2|shapes cannot be multiplied"):
+            engine.gradient(inputs=torch.randn(4, 7), targets=torch.zeros(4, dtype=torch.long))
+        assert engine.gradient([1, 2, 3]).num_examples == 3  # still serving
+
+
+def test_bad_jobs_are_refused_with_the_fix():
+    model = Unscriptable()
+    with pytest.raises(shmgrad.InvalidArgumentError, match="reduction='sum'"):
+        shmgrad.Engine(model=model, loss=nn.CrossEntropyLoss(), dataset=NoisyDataset(), workers=1)
+    import threading
+    lock = threading.Lock()
+    with pytest.raises(shmgrad.InvalidArgumentError, match="collate_fn .* cannot be pickled"):
+        shmgrad.Engine(model=model, loss=smooth_loss, dataset=NoisyDataset(), workers=1,
+                       collate_fn=lambda b, lock=lock: b)
+
+
+def test_a_worker_that_cannot_import_the_job_fails_start_up_with_its_message(tmp_path, monkeypatch):
+    mod = tmp_path / "vanishing_module.py"
+    mod.write_text("import torch\nclass DS(torch.utils.data.Dataset):\n"
+                   "    def __len__(self): return 4\n"
+                   "    def __getitem__(self, i): return torch.zeros(6), 0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import vanishing_module
+    ds = vanishing_module.DS()
+    # Gone before the workers start: they cannot unpickle the class.
+    mod.unlink()
+    import sys
+    sys.path.remove(str(tmp_path))
+    with pytest.raises(shmgrad.WorkerError, match="vanishing_module"):
+        shmgrad.Engine(model=Unscriptable(), loss=smooth_loss, dataset=ds, workers=1,
+                       startup_timeout=60)
+
+
+class SlowDataset(NoisyDataset):
+    def __getitem__(self, i):
+        time.sleep(0.02)
+        return super().__getitem__(i)
+
+
+def test_worker_killed_mid_step_is_retried_exactly():
+    torch.manual_seed(4)
+    model, ds = Unscriptable(), SlowDataset()
+    ref_model = copy_of(model)
+    with shmgrad.Engine(model=model, loss=smooth_loss, dataset=ds, workers=2) as engine:
+        engine.bind(model)
+        idx = list(range(40))
+        epoch = engine.status().step_epoch
+        call = GradientCall(engine, indices=idx, seed=3)
+        st = wait_until_busy(engine.name, after_epoch=epoch, slot=1)
+        os.kill(st.worker(1).pid, signal.SIGKILL)
+        stats = call.result()
+        assert stats.retries == 1
+        after = engine.status()
+        assert after.steps_aborted == 1 and after.step_retries == 1 and after.worker(1).restarts == 1
+        want, _ = reference(ref_model, smooth_loss, ds, idx, 3)
+        assert relative_error([p.grad for p in model.parameters()], want) < 1e-5
+
+
+class HangingDataset(NoisyDataset):
+    def __getitem__(self, i):
+        if i == 5:
+            time.sleep(3600)
+        return super().__getitem__(i)
+
+
+def test_hung_worker_ends_in_timeout():
+    with shmgrad.Engine(model=Unscriptable(), loss=smooth_loss, dataset=HangingDataset(),
+                        workers=1) as engine:
+        engine.gradient_tensors()
+        t0 = time.monotonic()
+        with pytest.raises(shmgrad.TimeoutError):
+            engine.gradient([4, 5, 6], timeout=2)
+        assert time.monotonic() - t0 < 30
+
+
+class DropoutNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 3)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(self.fc(x))
+
+
+def test_eval_mode_of_the_bound_module_reaches_the_workers():
+    torch.manual_seed(5)
+    model, ds = DropoutNet(), NoisyDataset()
+    ref = DropoutNet()
+    ref.load_state_dict(model.state_dict())
+    with shmgrad.Engine(model=model, loss=smooth_loss, dataset=ds, workers=2) as engine:
+        engine.bind(model)
+        model.eval()  # dropout off in the workers too: the gradient is deterministic
+        ref.eval()
+        engine.gradient([1, 2, 3, 4], seed=9)
+        want, _ = reference(ref, smooth_loss, ds, [1, 2, 3, 4], 9)
+        assert relative_error([p.grad for p in model.parameters()], want) < 1e-5
+
+
+def test_serve_eager_module_function_and_attach(tmp_path):
+    (tmp_path / "eager_job_mod.py").write_text(
+        "import torch\nfrom torch import nn\n"
+        "class DS(torch.utils.data.Dataset):\n"
+        "    def __len__(self): return 30\n"
+        "    def __getitem__(self, i):\n"
+        "        return torch.full((4,), float(i)) / 30, i % 2\n"
+        "def job():\n"
+        "    torch.manual_seed(0)\n"
+        "    return {'model': nn.Linear(4, 2), 'loss': nn.CrossEntropyLoss(reduction='sum'),\n"
+        "            'dataset': DS()}\n")
+    import subprocess
+    name = f"py{os.getpid()}-serve-eager"
+    proc = subprocess.Popen(["shmgrad", "serve", "--eager", "eager_job_mod:job", "--name", name,
+                             "--workers", "2"], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    try:
+        client = shmgrad.attach(name, timeout=60)
+        try:
+            assert client.status().worker_kind == "eager" and client.dataset_size == 30
+            grads = client.gradient_tensors()
+            stats = client.gradient([0, 1, 2, 3, 29], seed=1)
+            assert stats.num_examples == 5
+            import sys
+            sys.path.insert(0, str(tmp_path))
+            import eager_job_mod
+            job = eager_job_mod.job()
+            want, _ = reference(job["model"], job["loss"], job["dataset"], [0, 1, 2, 3, 29], 1)
+            assert relative_error(grads, want) < 1e-5
+        finally:
+            client.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    assert not [s for s in segments() if s.endswith(name)]
+    # A module that does not exist: a clear error, exit status 1.
+    bad = subprocess.run(["shmgrad", "serve", "--eager", "no_such_mod:job", "--name", name],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "cannot import 'no_such_mod'" in bad.stderr
