@@ -45,6 +45,9 @@ def run(client, fn: Callable, *args, per_host: bool = False,
     """
     import distributed  # Dask's: loaded only by those who run on a cluster
 
+    if not isinstance(client, distributed.Client):
+        raise errors.InvalidArgumentError(
+            f"run needs a distributed.Client, got {type(client).__name__}")
     if not callable(fn):
         raise errors.InvalidArgumentError(f"run needs a callable, got {type(fn).__name__}")
     if not timeout > 0:

@@ -11,10 +11,12 @@ meets them, are collective (every node calls them, in the same order):
   different one (:class:`~shmgrad.InvalidArgumentError` naming the rank and the first
   differing parameter), then takes rank 0's parameters (one broadcast);
 * :meth:`NodeGroup.broadcast_parameters` (from ``bind()``): rank 0's parameters again;
-* :meth:`NodeGroup.gradient` (from ``gradient()``): the node's own step, then one
-  all-reduce of the whole reduced gradient (or of buckets of ``bucket_cap_mb``) and one
-  of a small record ``[examples, loss sum, non-finite, failed per rank]``; a mean is
-  taken over the global count after the all-reduce;
+* :meth:`NodeGroup.gradient` (from ``gradient()``): the node's own step, then the
+  all-reduce of the whole reduced gradient together with a small record ``[examples,
+  loss sum, non-finite, failed per rank]``: one call on a staging copy of both when the
+  gradient is small, else one call on the gradient in place (or one per bucket of
+  ``bucket_cap_mb``) and one on the record, issued together; a mean is taken over the
+  global count after the all-reduce;
 * :meth:`NodeGroup.check_consistency`: a checksum of the parameters, compared.
 
 Errors of the process group (a dead peer, the group's timeout) become
@@ -40,6 +42,10 @@ DEFAULT_TIMEOUT_S = 120.0
 # A peer's death is seen on the socket a little before its process is gone from /proc.
 DEAD_PEER_GRACE_S = 1.0
 DEAD_PEER_POLL_S = 0.02
+# A gradient up to this size is copied, with the record, into one staging buffer and
+# all-reduced in one call: on loopback the two copies cost less than a second
+# collective's latency (about 0.25 ms here). A larger one is all-reduced in place.
+STAGED_MAX_BYTES = 256 * 1024
 # The small record all-reduced with each step's gradient (float64): examples, loss sum,
 # non-finite count, then one "failed" flag per rank.
 _COUNT, _LOSS_SUM, _NONFINITE, _FAILED = 0, 1, 2, 3
@@ -110,11 +116,20 @@ class NodeGroup:
         self._root = _global_rank(self._pg, 0)
         self._grad = trainer.gradient_buffer()
         self._params = trainer.parameter_buffer()
-        self._buckets = _buckets(self._grad, bucket_cap_mb)
-        self._record = torch.zeros(_FAILED + self.size, dtype=torch.float64)
+        buckets = _buckets(self._grad, bucket_cap_mb)
+        record = _FAILED + self.size
+        n = self._grad.numel()
+        if bucket_cap_mb is None and n * self._grad.element_size() <= STAGED_MAX_BYTES:
+            # The gradient, then the record (float32: counts exact to 2^24 examples).
+            self._staging = torch.zeros(n + record, dtype=self._grad.dtype)
+            self._record = self._staging[n:]
+            self._collectives = [self._staging]
+        else:
+            self._staging = None
+            self._record = torch.zeros(record, dtype=torch.float64)
+            self._collectives = [self._record] + buckets
         self._fields = self._record.numpy()  # the same memory; element access without torch
-        self.allreduce_bytes = (self._grad.numel() * self._grad.element_size()
-                                + self._record.numel() * self._record.element_size())
+        self.allreduce_bytes = sum(t.numel() * t.element_size() for t in self._collectives)
         self._broken: Optional[errors.NodeError] = None
         self._steps = 0
         self._peers = self._exchange_layout(list(parameters), engine_name)
@@ -126,7 +141,8 @@ class NodeGroup:
         other than rank 0's on every node, naming the rank and the parameter."""
         mine = {"host": socket.gethostname(), "pid": os.getpid(), "engine": engine_name,
                 "parameters": [(n, tuple(s)) for n, s in parameters],
-                "floats": self._grad.numel(), "buckets": [b.numel() for b in self._buckets]}
+                "floats": self._grad.numel(),
+                "collectives": [(t.numel(), str(t.dtype)) for t in self._collectives]}
         peers: List[dict] = [None] * self.size
         self._collective("exchanging parameter layouts",
                          lambda: dist.all_gather_object(peers, mine, group=self._pg))
@@ -199,10 +215,15 @@ class NodeGroup:
             allreduce_bytes=self.allreduce_bytes, nodes=self.size)
 
     def _allreduce(self):
+        if self._staging is not None:
+            n = self._grad.numel()
+            self._staging[:n].copy_(self._grad)
+            dist.all_reduce(self._staging, group=self._pg)
+            self._grad.copy_(self._staging[:n])
+            return
         # Issued together: gloo runs them on its own threads, so the small record's
-        # latency hides behind the gradient's transfer.
-        works = [dist.all_reduce(self._record, group=self._pg, async_op=True)]
-        works += [dist.all_reduce(b, group=self._pg, async_op=True) for b in self._buckets]
+        # latency overlaps the gradient's transfer.
+        works = [dist.all_reduce(t, group=self._pg, async_op=True) for t in self._collectives]
         for w in works:
             w.wait()
 
@@ -321,9 +342,10 @@ def _layout_difference(want, got) -> Optional[str]:
         return f"it has {len(b)} parameters, rank 0 has {len(a)}"
     if want["floats"] != got["floats"]:
         return f"its parameter buffer holds {got['floats']} floats, rank 0's {want['floats']}"
-    if want["buckets"] != got["buckets"]:
-        return (f"it all-reduces in {len(got['buckets'])} bucket(s), rank 0 in "
-                f"{len(want['buckets'])}: give every node the same bucket_cap_mb")
+    if want["collectives"] != got["collectives"]:
+        return (f"it all-reduces in {len(got['collectives'])} call(s) of "
+                f"{[c[0] for c in got['collectives']]} values, rank 0 in "
+                f"{[c[0] for c in want['collectives']]}: give every node the same bucket_cap_mb")
     return None
 
 

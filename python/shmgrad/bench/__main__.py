@@ -164,11 +164,12 @@ def build_parser():
     ap.add_argument("--bucket-cap-mb", type=float, default=None,
                     help="with --nodes: all-reduce in buckets of this many MiB (default one "
                          "call on the whole gradient)")
-    ap.add_argument("--no-pin", dest="pin", action="store_false",
-                    help="with --nodes: let every node and DDP rank run on every CPU (by "
-                         "default each runs on its share of the CPUs, as on a machine of its "
-                         "own: nodes that share cores slow each other, and an engine's spin "
-                         "rule counts the cores it may use)")
+    ap.add_argument("--pin", action="store_true",
+                    help="with --nodes: run each node (its trainer, coordinator and workers) "
+                         "and each DDP rank on its own share of the CPUs, as on a machine of "
+                         "its own. By default all share every CPU, and the nodes' engines do "
+                         "not spin when all the nodes' processes outnumber the cores (the "
+                         "engine's own rule, which sees only its node)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the weights and batches")
     ap.add_argument("--quick", action="store_true",
                     help="a subset that runs in under two minutes on a 2-core machine: "
@@ -230,58 +231,64 @@ def run_config(records, base, system, workers, fn, ref=None):
     return rec, grad
 
 
+def configurations(args, **extra):
+    """Every (model, batch size) of the run: yields ``(model_name, batch, batches, base)``
+    with the run's batches and the record fields they share."""
+    for model_name in args.models:
+        params = models.num_parameters(models.make_model(model_name, args.seed))
+        for batch in args.batch_sizes:
+            log(f"{model_name} ({params} parameters), batch {batch}")
+            batches = models.make_batches(model_name, batch, args.warmup + args.repeats,
+                                          args.seed)
+            yield model_name, batch, batches, dict(
+                model=model_name, params=params, batch=batch, warmup=args.warmup, **extra)
+
+
 def measure(args):
     """Runs every configuration; returns the list of result records."""
     records = []
     budget = Budget(args.repeats, args.budget)
-    steps = args.warmup + args.repeats
     engine_count = 0
     systems = args.systems
 
     def record(*a, **k):
         return run_config(records, *a, **k)
 
-    for model_name in args.models:
-        params = models.num_parameters(models.make_model(model_name, args.seed))
-        for batch in args.batch_sizes:
-            log(f"{model_name} ({params} parameters), batch {batch}")
-            batches = models.make_batches(model_name, batch, steps, args.seed)
-            base = {"model": model_name, "params": params, "batch": batch,
-                    "warmup": args.warmup}
-            # The reference gradient (batch 0, whole batch, one process, 1 thread).
-            ref = None
-            single_by_n = {}
+    for model_name, batch, batches, base in configurations(args):
+        # The reference gradient (batch 0, whole batch, one process, 1 thread).
+        ref = None
+        single_by_n = {}
+        if "single" in systems:
+            rec, ref = record(base, "single-1t", 1, lambda: runners.run_single(
+                model_name, batches, args.warmup, budget, 1, args.seed,
+                now() + args.timeout))
+            single_by_n[1] = rec
+        for n in args.workers:
             if "single" in systems:
-                rec, ref = record(base, "single-1t", 1, lambda: runners.run_single(
-                    model_name, batches, args.warmup, budget, 1, args.seed,
-                    now() + args.timeout))
-                single_by_n[1] = rec
-            for n in args.workers:
-                if "single" in systems:
-                    if n == 1:
-                        rec = dict(single_by_n[1], system="single")
-                        records.append(rec)
-                    else:
-                        record(base, "single", n, lambda: runners.run_single(
-                            model_name, batches, args.warmup, budget, n, args.seed,
-                            now() + args.timeout), ref)
-                shm = None
-                if "shmgrad" in systems:
-                    engine_count += 1
-                    name = f"bench-{os.getpid()}-{engine_count}"
-                    shm, _ = record(base, "shmgrad", n, lambda: runners.run_shmgrad(
-                        model_name, batches, args.warmup, budget, n, args.seed,
-                        now() + args.timeout, name), ref)
-                if "ddp" in systems:
-                    est = (shm or {}).get("median_s") or single_by_n.get(1, {}).get("median_s")
-                    reps = runners.ddp_repeats(budget, est)
-                    record(base, "ddp", n, lambda: runners.run_ddp(
-                        model_name, batch, args.warmup, reps, n, args.seed,
-                        now() + args.timeout), ref)
-                if "dask" in systems:
-                    record(base, "dask", n, lambda: runners.run_dask(
+                if n == 1:
+                    rec = dict(single_by_n[1], system="single")
+                    records.append(rec)
+                else:
+                    record(base, "single", n, lambda: runners.run_single(
                         model_name, batches, args.warmup, budget, n, args.seed,
                         now() + args.timeout), ref)
+            shm = None
+            if "shmgrad" in systems:
+                engine_count += 1
+                name = f"bench-{os.getpid()}-{engine_count}"
+                shm, _ = record(base, "shmgrad", n, lambda: runners.run_shmgrad(
+                    model_name, batches, args.warmup, budget, n, args.seed,
+                    now() + args.timeout, name), ref)
+            if "ddp" in systems:
+                est = (shm or {}).get("median_s") or single_by_n.get(1, {}).get("median_s")
+                reps = runners.ddp_repeats(budget, est)
+                record(base, "ddp", n, lambda: runners.run_ddp(
+                    model_name, batch, args.warmup, reps, n, args.seed,
+                    now() + args.timeout), ref)
+            if "dask" in systems:
+                record(base, "dask", n, lambda: runners.run_dask(
+                    model_name, batches, args.warmup, budget, n, args.seed,
+                    now() + args.timeout), ref)
     models.set_threads(1)
 
     # Ratios to shmgrad, same model, batch and N.
@@ -310,30 +317,24 @@ def measure_nodes(args):
     def record(*a, **kw):
         return run_config(records, *a, **kw)
 
-    for model_name in args.models:
-        params = models.num_parameters(models.make_model(model_name, args.seed))
-        for batch in args.batch_sizes:
-            log(f"{model_name} ({params} parameters), batch {batch}, {k} nodes")
-            batches = models.make_batches(model_name, batch, args.warmup + args.repeats, args.seed)
-            base = {"model": model_name, "params": params, "batch": batch, "warmup": args.warmup,
-                    "nodes": k, "pinned": args.pin}
-            ref_rec, ref = record(base, "single-1t", 1, lambda: runners.run_single(
-                model_name, batches, args.warmup, budget, 1, args.seed, now() + args.timeout))
-            reps = runners.ddp_repeats(budget, ref_rec.get("median_s", 0) / k)
-            for w in args.workers:
-                count += 1
-                if "shmgrad" in args.systems:
-                    record(base, "shmgrad", k * w, lambda: runners.run_shmgrad(
-                        model_name, batches, args.warmup, budget, k * w, args.seed,
-                        now() + args.timeout, f"bench-{os.getpid()}-{count}"), ref)
-                record(base, "shmgrad-nodes", w, lambda: runners.run_nodes(
-                    model_name, batch, args.warmup, reps, k, w, args.seed, now() + args.timeout,
-                    f"bench-{os.getpid()}-{count}n", args.bucket_cap_mb, args.pin), ref)
-            if "ddp" in args.systems:
-                ddp, _ = record(base, "ddp", 1, lambda: runners.run_ddp(
-                    model_name, batch, args.warmup, reps, k, args.seed, now() + args.timeout,
-                    args.pin), ref)
-                ddp["sent_bytes_per_node_step"] = runners.ring_bytes_sent(params * 4, k)
+    for model_name, batch, batches, base in configurations(args, nodes=k, pinned=args.pin):
+        ref_rec, ref = record(base, "single-1t", 1, lambda: runners.run_single(
+            model_name, batches, args.warmup, budget, 1, args.seed, now() + args.timeout))
+        reps = runners.ddp_repeats(budget, ref_rec.get("median_s", 0) / k)
+        for w in args.workers:
+            count += 1
+            if "shmgrad" in args.systems:
+                record(base, "shmgrad", k * w, lambda: runners.run_shmgrad(
+                    model_name, batches, args.warmup, budget, k * w, args.seed,
+                    now() + args.timeout, f"bench-{os.getpid()}-{count}"), ref)
+            record(base, "shmgrad-nodes", w, lambda: runners.run_nodes(
+                model_name, batch, args.warmup, reps, k, w, args.seed, now() + args.timeout,
+                f"bench-{os.getpid()}-{count}n", args.bucket_cap_mb, args.pin), ref)
+        if "ddp" in args.systems:
+            ddp, _ = record(base, "ddp", 1, lambda: runners.run_ddp(
+                model_name, batch, args.warmup, reps, k, args.seed, now() + args.timeout,
+                args.pin), ref)
+            ddp["sent_bytes_per_node_step"] = runners.ring_bytes_sent(base["params"] * 4, k)
     models.set_threads(1)
     for r in records:  # DDP over each shmgrad-nodes configuration of the same model and batch
         if r["system"] == "ddp" and "median_s" in r:

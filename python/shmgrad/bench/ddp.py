@@ -14,48 +14,64 @@ from . import models
 from .timing import loopback_bytes, now, pin_to_share
 
 
+def join_local_group(rank, world, port, timeout_s, pin):
+    """This rank joins a gloo group on 127.0.0.1 with one intra-op thread; with ``pin``,
+    it runs on its share of the CPUs only (``timing.pin_to_share``)."""
+    if pin:
+        pin_to_share(rank, world)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    models.set_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def rank_steps(batches, warmup, step):
+    """The timing loop every rank of a multi-process system shares: a barrier, then
+    ``step(i, x, y)`` on batch i. Returns the timed steps' start and end times and the
+    bytes sent on the loopback interface during them (``timing.loopback_bytes``)."""
+    starts, ends = [], []
+    for i, (x, y) in enumerate(batches):
+        if i == warmup:
+            dist.barrier()
+            lo_bytes = loopback_bytes()
+        dist.barrier()  # every rank starts the step together
+        t0 = now()
+        step(i, x, y)
+        t1 = now()
+        if i >= warmup:
+            starts.append(t0)
+            ends.append(t1)
+    dist.barrier()
+    return {"start": starts, "end": ends, "loopback_bytes": loopback_bytes() - lo_bytes}
+
+
 def rank_main(rank, world, port, model_name, batch, warmup, repeats, seed, pin, queue,
               timeout_s):
     """Runs ``warmup + repeats`` DDP steps on this rank's shard of each batch and puts
-    ``(rank, {"start": [...], "end": [...], "grad": ...})`` on ``queue`` (or an error).
-    With ``pin``, the rank runs on its share of the CPUs only (``timing.pin_to_share``)."""
+    ``(rank, {"start": [...], "end": [...], "grad": ...})`` on ``queue`` (or an error)."""
     try:
-        if pin:
-            pin_to_share(rank, world)
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(port)
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        models.set_threads(1)  # like a shmgrad worker (threads_per_worker=1)
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        join_local_group(rank, world, port, timeout_s, pin)  # 1 thread, like a shmgrad worker
         try:
             model = models.make_model(model_name, seed)
             model.train()
             ddp = torch.nn.parallel.DistributedDataParallel(model)
             batches = models.make_batches(model_name, batch, warmup + repeats, seed)
             lo, hi = batch * rank // world, batch * (rank + 1) // world
-            starts, ends = [], []
-            grad = None
-            for i, (x, y) in enumerate(batches):
-                if i == warmup:
-                    dist.barrier()
-                    lo_bytes = loopback_bytes()
-                dist.barrier()  # every rank starts the step together
-                t0 = now()
+            out = {"grad": None}
+
+            def step(i, x, y):
                 for p in model.parameters():
                     p.grad = None
                 loss = F.cross_entropy(ddp(x[lo:hi]), y[lo:hi], reduction="sum")
                 loss.backward()  # DDP all-reduces (averages) the gradient buckets here
-                t1 = now()
-                if i >= warmup:
-                    starts.append(t0)
-                    ends.append(t1)
                 if i == 0 and rank == 0:
                     # DDP averages over ranks; times world gives the gradient of the sum.
-                    grad = (models.flat_grad(model) * world).numpy()
-            dist.barrier()
-            queue.put((rank, {"start": starts, "end": ends, "grad": grad,
-                              "loopback_bytes": loopback_bytes() - lo_bytes}))
+                    out["grad"] = (models.flat_grad(model) * world).numpy()
+
+            out.update(rank_steps(batches, warmup, step))
+            queue.put((rank, out))
         finally:
             dist.destroy_process_group()
     except BaseException:  # report, never hang the parent

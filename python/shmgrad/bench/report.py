@@ -120,12 +120,18 @@ def table(records, reductions, targets):
                          f"{r['reduce_gbps_min']:.1f}-{r['reduce_gbps_max']:.1f} | "
                          f"{r['memcpy_gbps_median']:.2f} | {r['memcpy_gbps_min']:.1f}-"
                          f"{r['memcpy_gbps_max']:.1f} | {r['ratio'] * 100:.0f}% |")
-    if targets:
-        lines += ["", "| target | configuration | measured | met |", "|---|---|---|---|"]
-        for t in targets:
-            lines.append(f"| {t['target']} | {t['config']} | {t['value']} | "
-                         f"{'yes' if t['met'] else 'NO'} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + targets_table(targets)) + "\n"
+
+
+def targets_table(targets):
+    """The evaluated targets as Markdown lines (none without targets)."""
+    if not targets:
+        return []
+    lines = ["", "| target | configuration | measured | met |", "|---|---|---|---|"]
+    for t in targets:
+        lines.append(f"| {t['target']} | {t['config']} | {t['value']} | "
+                     f"{'yes' if t['met'] else 'NO'} |")
+    return lines
 
 
 def fmt_bytes(b):
@@ -165,12 +171,7 @@ def nodes_table(records, targets):
             f"| {r['n']} | {ratio} | {share} | {fmt_ms(r.get('allreduce_median_s'))} "
             f"| {fmt_bytes(r.get('sent_bytes_per_node_step'))} "
             f"| {fmt_bytes(r.get('loopback_bytes_per_node_step'))} | {'; '.join(notes)} |")
-    if targets:
-        lines += ["", "| target | configuration | measured | met |", "|---|---|---|---|"]
-        for t in targets:
-            lines.append(f"| {t['target']} | {t['config']} | {t['value']} | "
-                         f"{'yes' if t['met'] else 'NO'} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + targets_table(targets)) + "\n"
 
 
 def plot(records, path):
