@@ -42,8 +42,9 @@ volatile sig_atomic_t g_signal = 0;
 void onSignal(int sig) { g_signal = sig; }
 
 // The parameters of an eager job, as shmgrad.eager.write_params wrote them: "SHMGRADP",
-// u32 version 1, u32 count, then per parameter u32 name length, the name, u32 ndim, i64
+// u32 version 2, u32 count, then per parameter u32 name length, the name, u32 ndim, i64
 // dims[ndim] and the float32 values. Every size is checked before it is used.
+constexpr uint32_t kParamsFileVersion = 2;
 worker::ModelParams readParamsFile(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   SHMGRAD_CHECK(f.good(), ErrorKind::kNotFound, "parameter file ", path, " cannot be opened");
@@ -57,8 +58,9 @@ worker::ModelParams readParamsFile(const std::string& path) {
   read(magic, sizeof(magic));
   read(&version, sizeof(version));
   read(&count, sizeof(count));
-  SHMGRAD_CHECK(std::memcmp(magic, "SHMGRADP", 8) == 0 && version == 1, ErrorKind::kInvalidArgument,
-                "parameter file ", path, " is not a shmgrad parameter file (version 1)");
+  SHMGRAD_CHECK(std::memcmp(magic, "SHMGRADP", 8) == 0 && version == kParamsFileVersion,
+                ErrorKind::kInvalidArgument, "parameter file ", path,
+                " is not a shmgrad parameter file (version ", kParamsFileVersion, ")");
   SHMGRAD_CHECK(count >= 1 && count <= ipc::kMaxParams, ErrorKind::kInvalidArgument,
                 "parameter file ", path, " holds ", count, " tensors; use 1 to ", ipc::kMaxParams);
   worker::ModelParams out;
@@ -80,6 +82,37 @@ worker::ModelParams readParamsFile(const std::string& path) {
     if (numel > 0) read(values.data_ptr<float>(), numel * sizeof(float));
     out.specs.push_back({name, dims});
     out.values.push_back(values);
+  }
+  // Then the buffers to share: u32 count, per buffer u32 name length, the name, u32 dtype
+  // (ipc::DType), u32 ndim, i64 dims, the values.
+  uint32_t buffers = 0;
+  read(&buffers, sizeof(buffers));
+  SHMGRAD_CHECK(buffers <= ipc::kMaxBuffers, ErrorKind::kInvalidArgument, "parameter file ", path,
+                " holds ", buffers, " buffers; at most ", ipc::kMaxBuffers, " are shared");
+  for (uint32_t i = 0; i < buffers; ++i) {
+    uint32_t name_len = 0, dtype = 0, ndim = 0;
+    read(&name_len, sizeof(name_len));
+    SHMGRAD_CHECK(name_len >= 1 && name_len < ipc::kNameLen, ErrorKind::kInvalidArgument,
+                  "parameter file ", path, ": buffer name of ", name_len, " bytes");
+    std::string name(name_len, '\0');
+    read(name.data(), name_len);
+    read(&dtype, sizeof(dtype));
+    SHMGRAD_CHECK(dtype == static_cast<uint32_t>(ipc::DType::kFloat32) ||
+                      dtype == static_cast<uint32_t>(ipc::DType::kInt64),
+                  ErrorKind::kInvalidArgument, "parameter file ", path, ": buffer ", name,
+                  " has dtype ", dtype);
+    read(&ndim, sizeof(ndim));
+    SHMGRAD_CHECK(ndim <= ipc::kMaxDims, ErrorKind::kInvalidArgument, "parameter file ", path,
+                  ": ", name, " has ", ndim, " dimensions");
+    std::vector<int64_t> dims(ndim);
+    if (ndim > 0) read(dims.data(), ndim * sizeof(int64_t));
+    const uint64_t numel = ipc::checkedNumel(ErrorKind::kInvalidArgument, name.c_str(),
+                                             dims.data(), ndim);
+    const bool i64 = dtype == static_cast<uint32_t>(ipc::DType::kInt64);
+    torch::Tensor values = torch::empty(dims, i64 ? torch::kInt64 : torch::kFloat32);
+    if (numel > 0) read(values.data_ptr(), numel * (i64 ? 8 : 4));
+    out.buffer_specs.push_back({name, dims, static_cast<ipc::DType>(dtype)});
+    out.buffer_values.push_back(values);
   }
   return out;
 }
@@ -144,6 +177,7 @@ class Coordinator {
     spec.num_slots = slots;
     spec.threads_per_worker = opt_.threads_per_worker;
     spec.params = model.specs;
+    spec.buffers = model.buffer_specs;
     spec.max_batch = opt_.max_batch;
     spec.input_bytes = opt_.input_capacity_mb << 20;
     spec.target_bytes = std::max<uint64_t>(static_cast<uint64_t>(opt_.max_batch) * 8, 1 << 20);
@@ -177,6 +211,11 @@ class Coordinator {
     for (size_t i = 0; i < model.values.size(); ++i) {
       std::memcpy(seg_->params() + table[i].offset, model.values[i].data_ptr<float>(),
                   table[i].numel * sizeof(float));
+    }
+    const ipc::BufferEntry* btable = seg_->bufferTable();
+    for (size_t i = 0; i < model.buffer_values.size(); ++i) {
+      std::memcpy(seg_->buffers() + btable[i].offset, model.buffer_values[i].data_ptr(),
+                  btable[i].nbytes);
     }
     if (data.count > 0) {
       std::memcpy(seg_->region<float>(h()->data_inputs), data.inputs.data(),

@@ -14,6 +14,7 @@
 #include "ipc/futex.h"
 #include "ipc/segment.h"
 #include "ipc/step.h"
+#include "worker/buffer_views.h"
 
 namespace shmgrad {
 
@@ -185,6 +186,12 @@ torch::Tensor Trainer::parameterBuffer() const {
   auto keep = seg_;
   return torch::from_blob(seg_->params(), {static_cast<int64_t>(seg_->header()->param_floats)},
                           [keep](void*) {}, torch::kFloat32);
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> Trainer::bufferViews() const {
+  checkUsable();
+  auto keep = seg_;
+  return worker::sharedBufferViews(*seg_, [keep](void*) {});
 }
 
 torch::Tensor Trainer::gradientBuffer() const {

@@ -98,6 +98,10 @@ class Trainer {
   // tensor each (padding between tensors included, always zero in the gradient): one
   // contiguous buffer for a collective (all-reduce, broadcast) or a checksum.
   torch::Tensor parameterBuffer() const;
+  // The model's shared buffers (BatchNorm statistics: float32 and int64), by name in the
+  // model's order: after each step they hold the step's first participant's values. Bind
+  // a module's buffers to them so that it evaluates with the workers' statistics.
+  std::vector<std::pair<std::string, torch::Tensor>> bufferViews() const;
   torch::Tensor gradientBuffer() const;
   int64_t datasetSize() const;
   int workerCount() const;  // worker processes ready now

@@ -30,12 +30,13 @@
 namespace shmgrad::ipc {
 
 constexpr uint64_t kMagic = 0x31444152474d4853ull;  // "SHMGRAD1", little endian
-constexpr uint32_t kLayoutVersion = 4;
+constexpr uint32_t kLayoutVersion = 5;
 constexpr uint64_t kAlign = 64;            // every region and tensor starts on a cache line
 constexpr uint32_t kAlignFloats = kAlign / sizeof(float);
 constexpr uint32_t kMaxWorkers = 64;       // gradient slots in one segment, at most
 constexpr uint32_t kMaxThreadsPerWorker = 256;  // intra-op threads of one worker, at most
 constexpr uint32_t kMaxParams = 1024;      // parameter tensors in one model, at most
+constexpr uint32_t kMaxBuffers = 1024;     // shared buffer tensors (BatchNorm statistics), at most
 constexpr uint32_t kMaxDims = 8;           // dimensions of a tensor, at most
 constexpr uint32_t kNameLen = 128;         // parameter name, NUL-terminated
 constexpr uint32_t kErrorLen = 8192;       // a worker's error message (with traceback), NUL-terminated
@@ -110,6 +111,20 @@ struct ParamEntry {
   Shape shape;           // shape; numel = product of dims
   uint64_t offset;       // in floats from the start of params/slot/reduced; multiple of kAlignFloats
   uint64_t numel;        // offset + numel <= header.param_floats
+};
+
+// One buffer tensor of the model (BatchNorm's running statistics, ...), shared so that
+// the trainer's module evaluates with them. Float32 and int64 buffers are shared; the rule
+// is DDP's: after a step they hold the step's first participant's values (it copies its
+// own into the region after the compute barrier; every participant loads them into its
+// module before computing).
+struct BufferEntry {
+  char name[kNameLen];   // dotted path ("bn1.running_mean"), NUL-terminated
+  Shape shape;
+  uint32_t dtype;        // DType: kFloat32 or kInt64
+  uint32_t reserved;
+  uint64_t offset;       // in bytes from the start of the buffers region; multiple of kAlign
+  uint64_t nbytes;       // numel * element size; offset + nbytes <= buffers.size
 };
 
 // Epoch-tagged barrier word: the high 16 bits carry the low 16 bits of the step
@@ -224,6 +239,10 @@ struct alignas(64) SegmentHeader {
   int64_t max_batch;         // capacity of req_indices, in examples
   // Regions (offsets and sizes in bytes).
   Region params_table;       // ParamEntry[num_params]
+  uint32_t num_buffers;      // <= kMaxBuffers (0: the model has none)
+  uint32_t reserved3;
+  Region buffers_table;      // BufferEntry[num_buffers]
+  Region buffers;            // the shared buffers' bytes
   Region params;             // param_floats floats
   Region slots;              // num_slots * slot_stride bytes
   uint64_t slot_stride;      // bytes between slots, >= param_floats*4, multiple of kAlign

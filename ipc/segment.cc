@@ -132,6 +132,16 @@ Layout computeLayout(const SegmentSpec& spec) {
     checkedNumel(ErrorKind::kInvalidArgument, what.c_str(), shape.data(), shape.size());
   };
   for (const auto& p : spec.params) checkSpecShape("parameter " + p.name, p.shape);
+  SHMGRAD_CHECK(spec.buffers.size() <= kMaxBuffers, ErrorKind::kInvalidArgument, "the model has ",
+                spec.buffers.size(), " buffers; shmgrad shares at most ", kMaxBuffers);
+  for (const auto& b : spec.buffers) {
+    checkSpecShape("buffer " + b.name, b.shape);
+    SHMGRAD_CHECK(b.name.size() < kNameLen, ErrorKind::kInvalidArgument, "buffer name '", b.name,
+                  "' is longer than ", kNameLen - 1, " characters");
+    SHMGRAD_CHECK(b.dtype == DType::kFloat32 || b.dtype == DType::kInt64,
+                  ErrorKind::kInvalidArgument, "buffer ", b.name, ": only float32 and int64 "
+                  "buffers are shared");
+  }
   if (spec.data_count > 0) {
     SHMGRAD_CHECK(spec.data_count < kMaxBatch, ErrorKind::kInvalidArgument,
                   "dataset of ", spec.data_count, " examples is too large");
@@ -156,6 +166,13 @@ Layout computeLayout(const SegmentSpec& spec) {
     return r;
   };
   l.params_table = take(sizeof(ParamEntry) * spec.params.size());
+  l.buffers_table = take(sizeof(BufferEntry) * spec.buffers.size());
+  uint64_t buffer_bytes = 0;
+  for (const auto& b : spec.buffers) {
+    l.buffer_offsets.push_back(buffer_bytes);
+    buffer_bytes += alignUp(numelOf(b.shape) * (b.dtype == DType::kInt64 ? 8 : 4), kAlign);
+  }
+  l.buffers = take(buffer_bytes);
   l.params = take(l.param_floats * sizeof(float));
   l.slot_stride = alignUp(l.param_floats * sizeof(float), kAlign);
   l.slots = take(l.slot_stride * spec.num_slots);
@@ -205,6 +222,10 @@ void validateHeader(const SegmentHeader* h, uint64_t size) {
                 ErrorKind::kCorrupt, "segment header: unterminated string");
   const uint64_t pbytes = h->param_floats * sizeof(float);
   checkRegion("params_table", h->params_table, size, sizeof(ParamEntry) * h->num_params);
+  SHMGRAD_CHECK(h->num_buffers <= kMaxBuffers, ErrorKind::kCorrupt, "segment header: num_buffers ",
+                h->num_buffers);
+  checkRegion("buffers_table", h->buffers_table, size, sizeof(BufferEntry) * h->num_buffers);
+  checkRegion("buffers", h->buffers, size, 0);
   checkRegion("params", h->params, size, pbytes);
   SHMGRAD_CHECK(h->slot_stride >= pbytes && h->slot_stride % kAlign == 0 &&
                     h->slot_stride <= size,
@@ -219,7 +240,7 @@ void validateHeader(const SegmentHeader* h, uint64_t size) {
     // No two regions may overlap: a worker writing its slot must never touch another.
     Region all[] = {h->params_table, h->params,      h->slots,       h->reduced,
                     h->req_indices,  h->req_inputs,  h->req_targets, h->data_inputs,
-                    h->data_targets, h->device};
+                    h->data_targets, h->device,      h->buffers_table, h->buffers};
     const size_t n = sizeof(all) / sizeof(all[0]);
     for (size_t i = 0; i < n; ++i) {
       for (size_t j = i + 1; j < n; ++j) {
@@ -261,6 +282,23 @@ void validateHeader(const SegmentHeader* h, uint64_t size) {
                       p.offset <= h->param_floats && p.numel <= h->param_floats - p.offset,
                   ErrorKind::kCorrupt, "segment header: parameter ", p.name,
                   " lies outside the parameter buffer");
+  }
+  // Every buffer inside the buffers region, with a sane shape and dtype.
+  const auto* buffers = reinterpret_cast<const BufferEntry*>(
+      reinterpret_cast<const uint8_t*>(h) + h->buffers_table.offset);
+  for (uint32_t i = 0; i < h->num_buffers; ++i) {
+    const BufferEntry& b = buffers[i];
+    SHMGRAD_CHECK(terminated(b.name, kNameLen), ErrorKind::kCorrupt, "segment header: buffer ", i,
+                  " has an unterminated name");
+    SHMGRAD_CHECK(b.dtype == static_cast<uint32_t>(DType::kFloat32) ||
+                      b.dtype == static_cast<uint32_t>(DType::kInt64),
+                  ErrorKind::kCorrupt, "segment header: buffer ", b.name, " dtype ", b.dtype);
+    const uint64_t n = checkShape("buffer shape", b.shape);
+    const uint64_t esize = b.dtype == static_cast<uint32_t>(DType::kInt64) ? 8 : 4;
+    SHMGRAD_CHECK(b.nbytes == n * esize && b.offset % kAlign == 0 && b.offset <= h->buffers.size &&
+                      b.nbytes <= h->buffers.size - b.offset,
+                  ErrorKind::kCorrupt, "segment header: buffer ", b.name,
+                  " lies outside the buffers region");
   }
 }
 
@@ -371,6 +409,9 @@ void Segment::writeHeader(const SegmentSpec& spec, const Layout& l, uint8_t* bas
   h->param_floats = l.param_floats;
   h->max_batch = spec.max_batch;
   h->params_table = l.params_table;
+  h->num_buffers = static_cast<uint32_t>(spec.buffers.size());
+  h->buffers_table = l.buffers_table;
+  h->buffers = l.buffers;
   h->params = l.params;
   h->slots = l.slots;
   h->slot_stride = l.slot_stride;
@@ -399,6 +440,16 @@ void Segment::writeHeader(const SegmentSpec& spec, const Layout& l, uint8_t* bas
     fillShape(&e.shape, spec.params[i].shape);
     e.offset = l.param_offsets[i];
     e.numel = numelOf(spec.params[i].shape);
+  }
+  auto* btable = reinterpret_cast<BufferEntry*>(base + l.buffers_table.offset);
+  for (size_t i = 0; i < spec.buffers.size(); ++i) {
+    BufferEntry& e = btable[i];
+    std::memset(&e, 0, sizeof(e));
+    std::snprintf(e.name, kNameLen, "%s", spec.buffers[i].name.c_str());
+    fillShape(&e.shape, spec.buffers[i].shape);
+    e.dtype = static_cast<uint32_t>(spec.buffers[i].dtype);
+    e.offset = l.buffer_offsets[i];
+    e.nbytes = numelOf(spec.buffers[i].shape) * (spec.buffers[i].dtype == DType::kInt64 ? 8 : 4);
   }
   validateHeader(h, l.total_size);
 }

@@ -17,6 +17,13 @@ struct ParamSpec {
   std::vector<int64_t> shape;
 };
 
+// One buffer tensor (float32 or int64) as the coordinator found it in the model.
+struct BufferSpec {
+  std::string name;
+  std::vector<int64_t> shape;
+  DType dtype = DType::kFloat32;
+};
+
 // Everything that fixes the size of a segment.
 struct SegmentSpec {
   std::string name;                 // engine name, [A-Za-z0-9_.-]{1,64}
@@ -27,6 +34,7 @@ struct SegmentSpec {
   uint32_t num_slots = 1;           // gradient slots (most workers at once)
   uint32_t threads_per_worker = 1;
   std::vector<ParamSpec> params;
+  std::vector<BufferSpec> buffers;  // shared buffers (BatchNorm statistics), may be empty
   int64_t max_batch = 65536;        // examples per step, at most
   uint64_t input_bytes = 64ull << 20;   // explicit-batch input capacity
   uint64_t target_bytes = 8ull << 20;   // explicit-batch target capacity
@@ -60,7 +68,8 @@ struct Layout {
   uint64_t total_size = 0;
   uint64_t param_floats = 0;
   std::vector<uint64_t> param_offsets;  // in floats
-  Region params_table, params, slots, reduced, req_indices, req_inputs, req_targets,
+  std::vector<uint64_t> buffer_offsets; // in bytes from the buffers region
+  Region params_table, buffers_table, buffers, params, slots, reduced, req_indices, req_inputs, req_targets,
       data_inputs, data_targets, device;
   uint64_t slot_stride = 0;
 };
@@ -107,6 +116,8 @@ class Segment {
     return reinterpret_cast<float*>(base_ + header_->slots.offset + i * header_->slot_stride);
   }
   float* reduced() const { return region<float>(header_->reduced); }
+  const BufferEntry* bufferTable() const { return region<BufferEntry>(header_->buffers_table); }
+  uint8_t* buffers() const { return region<uint8_t>(header_->buffers); }
 
  private:
   Segment(std::string name, uint8_t* base, uint64_t size);

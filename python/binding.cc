@@ -169,6 +169,7 @@ PYBIND11_MODULE(_C, m) {
       .def("parameter_views", &shmgrad::Trainer::parameterViews)
       .def("gradient_views", &shmgrad::Trainer::gradientViews)
       .def("parameter_buffer", &shmgrad::Trainer::parameterBuffer)
+      .def("buffer_views", &shmgrad::Trainer::bufferViews)
       .def("gradient_buffer", &shmgrad::Trainer::gradientBuffer)
       .def("dataset_size", &shmgrad::Trainer::datasetSize)
       .def("worker_count", &shmgrad::Trainer::workerCount)

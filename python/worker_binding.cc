@@ -11,6 +11,7 @@
 #include "ipc/error.h"
 #include "ipc/layout.h"
 #include "ipc/segment.h"
+#include "worker/buffer_views.h"
 #include "worker/step_protocol.h"
 
 namespace py = pybind11;
@@ -46,7 +47,17 @@ torch::Tensor viewOf(const void* data, int64_t n, const ipc::Shape& example, ipc
 // (type, text) pair describing an exception it caught (text: message and traceback).
 class PyShardComputer : public worker::ShardComputer {
  public:
-  PyShardComputer(py::function fn, const ipc::Segment& seg) : fn_(std::move(fn)), seg_(seg) {}
+  PyShardComputer(py::function fn, py::function publish, const ipc::Segment& seg)
+      : fn_(std::move(fn)), publish_(std::move(publish)), seg_(seg) {}
+
+  void publishBuffers() override {
+    py::gil_scoped_acquire gil;
+    try {
+      publish_();
+    } catch (py::error_already_set& e) {
+      throw worker::ShardError(py::str(e.type().attr("__name__")).cast<std::string>(), e.what());
+    }
+  }
 
   double compute(const worker::Shard& s) override {
     PyShard shard;
@@ -83,7 +94,7 @@ class PyShardComputer : public worker::ShardComputer {
   }
 
  private:
-  py::function fn_;
+  py::function fn_, publish_;
   const ipc::Segment& seg_;
 };
 
@@ -117,8 +128,8 @@ class EagerParticipant {
     return out;
   }
 
-  int serve(py::function compute) {
-    PyShardComputer computer(std::move(compute), *seg_);
+  int serve(py::function compute, py::function publish_buffers) {
+    PyShardComputer computer(std::move(compute), std::move(publish_buffers), *seg_);
     py::gil_scoped_release nogil;
     return participant_->serve(computer);
   }
@@ -166,9 +177,15 @@ void bindEagerWorker(py::module_& m) {
       .def("report_startup_failure",
            [](EagerParticipant& p, const std::string& text) { p.participant_->reportStartupFailure(text); })
       .def("become_ready", [](EagerParticipant& p) { return p.participant_->becomeReady(); })
-      .def("serve", &EagerParticipant::serve, py::arg("compute"),
+      .def("buffer_views",
+           [](const EagerParticipant& p) {
+             auto keep = p.seg_;
+             return worker::sharedBufferViews(*p.seg_, [keep](void*) {});
+           })
+      .def("serve", &EagerParticipant::serve, py::arg("compute"), py::arg("publish_buffers"),
            "Serves steps until the engine stops, the slot is retired or the coordinator dies; "
-           "returns the exit code. compute(shard) runs with the GIL held.");
+           "returns the exit code. compute(shard) and publish_buffers() (the step's first "
+           "participant, after the compute barrier) run with the GIL held.");
 }
 
 }  // namespace shmgrad

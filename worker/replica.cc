@@ -7,6 +7,7 @@
 #include <fstream>
 
 #include "ipc/error.h"
+#include "worker/buffer_views.h"
 
 namespace shmgrad::worker {
 
@@ -45,8 +46,22 @@ ModelParams describeModel(const std::string& path) {
   }
   SHMGRAD_CHECK(!out.specs.empty(), ErrorKind::kInvalidArgument, "model ", path,
                 " has no parameters: nothing to compute a gradient of");
+  for (const auto& nb : m.named_buffers(/*recurse=*/true)) {
+    const torch::Tensor& t = nb.value;
+    if (!sharedBufferType(t)) continue;
+    out.buffer_specs.push_back({nb.name, t.sizes().vec(),
+                                t.scalar_type() == torch::kInt64 ? ipc::DType::kInt64
+                                                                 : ipc::DType::kFloat32});
+    out.buffer_values.push_back(t.detach().contiguous().clone());
+  }
   return out;
 }
+
+bool sharedBufferType(const torch::Tensor& t) {
+  return t.device().is_cpu() &&
+         (t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kInt64);
+}
+
 
 torch::Tensor lossSum(ipc::LossKind loss, const torch::Tensor& output, const torch::Tensor& target) {
   switch (loss) {
@@ -97,6 +112,33 @@ Replica::Replica(const ipc::Segment& segment, uint32_t slot)
   SHMGRAD_CHECK(i == h->num_params, ErrorKind::kInvalidArgument, "model ", h->model_path, " has ",
                 i, " parameters but the engine's table has ", h->num_params);
   bindGradients(grads);
+  // Buffers: this replica keeps its own; the shared ones are loaded before and published
+  // after a step. Matched by name and order against the engine's table.
+  for (auto& nv : sharedBufferViews(segment)) shared_buffers_.push_back(nv.second);
+  const ipc::BufferEntry* btable = segment.bufferTable();
+  size_t b = 0;
+  for (const auto& nb : module_.named_buffers(/*recurse=*/true)) {
+    if (!sharedBufferType(nb.value)) continue;
+    SHMGRAD_CHECK(b < shared_buffers_.size() && nb.name == btable[b].name &&
+                      nb.value.sizes() == shared_buffers_[b].sizes() &&
+                      nb.value.scalar_type() == shared_buffers_[b].scalar_type(),
+                  ErrorKind::kInvalidArgument, "model buffer ", nb.name,
+                  " does not match the engine's; was the file replaced after the engine started?");
+    buffers_.push_back(nb.value);
+    ++b;
+  }
+  SHMGRAD_CHECK(b == shared_buffers_.size(), ErrorKind::kInvalidArgument, "model ", h->model_path,
+                " has ", b, " shared buffers but the engine has ", shared_buffers_.size());
+}
+
+void Replica::loadBuffers() {
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < buffers_.size(); ++i) buffers_[i].copy_(shared_buffers_[i]);
+}
+
+void Replica::publishBuffers() {
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < buffers_.size(); ++i) shared_buffers_[i].copy_(buffers_[i]);
 }
 
 void Replica::bindGradients(float* base) {

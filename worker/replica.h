@@ -19,7 +19,14 @@ torch::jit::Module loadModel(const std::string& path);
 struct ModelParams {
   std::vector<ipc::ParamSpec> specs;
   std::vector<torch::Tensor> values;  // float32, contiguous, CPU
+  // Its float32 and int64 buffers (BatchNorm statistics), shared like the parameters.
+  std::vector<ipc::BufferSpec> buffer_specs;
+  std::vector<torch::Tensor> buffer_values;
 };
+
+// True for a buffer the engine shares (float32 or int64); others stay per worker.
+bool sharedBufferType(const torch::Tensor& t);
+
 ModelParams describeModel(const std::string& path);
 
 // Sum of the loss over a batch (reduction "sum"), for the engine's loss kinds.
@@ -42,6 +49,12 @@ class Replica {
   double accumulate(const torch::Tensor& inputs, const torch::Tensor& targets,
                     float grad_scale = 1.0f);
 
+  // Loads the shared buffers into this replica's own (before computing a step), and
+  // stores its own into the shared ones (the step's first participant, after the compute
+  // barrier): DDP's rule, the buffers after a step are those of the first participant.
+  void loadBuffers();
+  void publishBuffers();
+
   const std::vector<torch::Tensor>& parameters() const { return params_; }
   torch::jit::Module& module() { return module_; }
 
@@ -51,6 +64,7 @@ class Replica {
   torch::jit::Module module_;
   std::vector<torch::Tensor> params_;
   float* grads_base_ = nullptr;
+  std::vector<torch::Tensor> buffers_, shared_buffers_;  // own, and the segment's views
   ipc::LossKind loss_;
 };
 

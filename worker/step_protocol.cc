@@ -144,6 +144,13 @@ void StepParticipant::runStep(uint32_t e, ShardComputer& computer) {
   if (valid && barrier(c_.compute_barrier, e, shard.participants)) {
     const uint64_t t2 = ipc::monotonicNs();
     me_.barrier_wait_ns = t2 - t1;
+    if (shard.rank == 0 && h_->num_buffers > 0) {
+      try {
+        computer.publishBuffers();
+      } catch (const std::exception& ex) {
+        setError("", ex.what());
+      }
+    }
     reducePhase(shard);
     me_.reduce_ns = ipc::monotonicNs() - t2;
     // Reduce barrier: the last to finish its slice completes the step.

@@ -82,11 +82,16 @@ class ShardError : public std::runtime_error {
 class ShardComputer {
  public:
   virtual ~ShardComputer() = default;
-  // Forward and backward over the shard, gradients accumulated into shard.grads (its
+  // Load the shared buffers (BatchNorm statistics) into the model, then forward and
+  // backward over the shard, gradients accumulated into shard.grads (its
   // parameters' .grad must view that buffer: rebind when it changes). Returns the loss
   // summed over the shard's examples, before grad_scale. Throws std::exception when the
   // model rejects the input; what() reaches the trainer as a WorkerError.
   virtual double compute(const Shard& shard) = 0;
+  // The step's first participant, after the compute barrier (every participant has
+  // loaded the shared buffers by then): store this worker's buffers into the shared
+  // ones. Nothing to do for a model without buffers.
+  virtual void publishBuffers() {}
 };
 
 // One worker slot's side of the protocol.

@@ -32,6 +32,8 @@ class ScriptShardComputer : public ShardComputer {
 
   double compute(const Shard& s) override {
     replica_.bindGradients(s.grads);  // a no-op unless the buffer changed
+    replica_.loadBuffers();
+    if (replica_.module().is_training() != s.train) replica_.module().train(s.train);
     torch::Tensor inputs, targets;
     shardTensors(s, &inputs, &targets);
     // Passes bound the activation memory of a large shard; the gradient of the sum
@@ -46,6 +48,8 @@ class ScriptShardComputer : public ShardComputer {
     }
     return loss;
   }
+
+  void publishBuffers() override { replica_.publishBuffers(); }
 
  private:
   void bindDataset() {

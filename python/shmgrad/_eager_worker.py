@@ -60,6 +60,14 @@ class ShardRunner:
                 p.data = view  # the shared parameters: an optimizer step is seen at once
         self.grads_in_reduced = None
         self._bind_grads(False)
+        # Shared buffers (BatchNorm statistics): loaded before each step, published by the
+        # step's first participant after the compute barrier (DDP's rule).
+        own = dict(eager.shared_buffers(self.model))
+        shared = participant.buffer_views()
+        if [n for n, _ in shared] != list(own):
+            raise RuntimeError(f"the job's model has buffers {list(own)[:5]}... but the engine "
+                               f"has {[n for n, _ in shared][:5]}...")
+        self.buffers = [(own[n], view) for n, view in shared]
         self.model.train()
 
     def _bind_grads(self, in_reduced: bool):
@@ -77,9 +85,17 @@ class ShardRunner:
         except Exception as exc:  # any error of the user's code goes to the trainer
             return (type(exc).__name__, describe(exc))
 
+    def publish_buffers(self):
+        with self._torch.no_grad():
+            for own, shared in self.buffers:
+                shared.copy_(own)
+
     def _compute(self, shard):
         torch = self._torch
         self._bind_grads(shard.grads_in_reduced)
+        with torch.no_grad():
+            for own, shared in self.buffers:
+                own.copy_(shared)
         if self.model.training != shard.train:
             self.model.train(shard.train)
         n = shard.end - shard.begin
@@ -143,7 +159,7 @@ def main(argv) -> int:
         return _C.EXIT_STARTUP_FAILED
     if not participant.become_ready():
         return _C.EXIT_STOPPED  # retired while starting
-    return participant.serve(runner.compute)
+    return participant.serve(runner.compute, runner.publish_buffers)
 
 
 if __name__ == "__main__":

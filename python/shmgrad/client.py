@@ -182,7 +182,10 @@ class Client:
         Afterwards any ``torch.optim`` optimizer works unchanged: :meth:`gradient` fills
         ``.grad``, ``optimizer.step()`` updates the shared parameters in place, and every
         worker sees the update with no copy. The module must have the engine's parameters
-        (same names, shapes, order). Buffers (e.g. BatchNorm statistics) are not shared.
+        (same names, shapes, order). Its float32/int64 buffers (BatchNorm statistics) become
+        views of the engine's shared buffers: after each step they hold the statistics of
+        the step's first worker (DDP's rule; each worker normalises with its own shard's
+        batch statistics, as DDP without SyncBatchNorm does).
         Across nodes, every node then takes rank 0's parameters (a broadcast, as DDP does).
         Returns ``module``.
         """
@@ -204,12 +207,33 @@ class Client:
                 view.copy_(p.detach())
                 p.data = view
                 p.grad = grad
+        self._bind_buffers(module)
         self._bound = [p for _, p in named]
         self._bound_module = module
         self._grad_ptrs = [g.data_ptr() for g in self._grad_views]
         if self._nodes is not None:
             self._nodes.broadcast_parameters()  # every node takes rank 0's values
         return module
+
+    def _bind_buffers(self, module):
+        # The engine's shared buffers (BatchNorm statistics) by name: the module's values
+        # are copied in once, then its buffers view them, so after every step it holds the
+        # first participant's statistics and evaluates correctly with no extra pass.
+        views = dict(self._trainer.buffer_views())
+        own = {n: b for n, b in module.named_buffers()
+               if b.dtype in (torch.float32, torch.int64) and b.device.type == "cpu"}
+        if set(views) != set(own):
+            raise errors.InvalidArgumentError(
+                f"the module's buffers {sorted(own)[:4]}... differ from the engine's "
+                f"{sorted(views)[:4]}...: bind the module the engine was started with")
+        with torch.no_grad():
+            for n, b in own.items():
+                if tuple(b.shape) != tuple(views[n].shape) or b.dtype != views[n].dtype:
+                    raise errors.InvalidArgumentError(
+                        f"module buffer {n!r} {tuple(b.shape)} ({b.dtype}) does not match the "
+                        f"engine's {tuple(views[n].shape)} ({views[n].dtype})")
+                views[n].copy_(b)
+                b.data = views[n]
 
     def gradient(self, indices=None, *, inputs=None, targets=None, reduction: str = "sum",
                  timeout: float = 600.0, max_retries: int = 3,

@@ -152,14 +152,15 @@ def _pickle(name, obj, pickler):
 
 
 PARAMS_MAGIC = b"SHMGRADP"
-PARAMS_VERSION = 1
+PARAMS_VERSION = 2
 
 
 def write_params(model: torch.nn.Module, path: str) -> None:
     """The model's parameters (names, shapes, float32 values, in named_parameters order)
-    in the small format ``shmgrad serve`` reads for eager jobs (engine/coordinator.cc,
-    readParamsFile): the magic, u32 version, u32 count, then per parameter u32 name length,
-    the UTF-8 name, u32 ndim, i64 dims and the values."""
+    and its shared buffers in the small format ``shmgrad serve`` reads for eager jobs
+    (engine/coordinator.cc, readParamsFile): the magic, u32 version, u32 count, then per
+    parameter u32 name length, the UTF-8 name, u32 ndim, i64 dims and the values; then u32
+    count and per buffer the same with a u32 dtype (ipc::DType) after the name."""
     import struct
     named = list(model.named_parameters())
     if not named:
@@ -175,6 +176,25 @@ def write_params(model: torch.nn.Module, path: str) -> None:
             f.write(struct.pack("<I", len(raw)) + raw + struct.pack("<I", p.dim()))
             f.write(struct.pack(f"<{p.dim()}q", *p.shape))
             f.write(p.detach().contiguous().numpy().tobytes())
+        buffers = shared_buffers(model)
+        f.write(struct.pack("<I", len(buffers)))
+        for name, b in buffers:
+            raw = name.encode()
+            dtype = DTYPE_INT64 if b.dtype == torch.int64 else DTYPE_FLOAT32
+            f.write(struct.pack("<I", len(raw)) + raw + struct.pack("<II", dtype, b.dim()))
+            f.write(struct.pack(f"<{b.dim()}q", *b.shape))
+            f.write(b.detach().contiguous().numpy().tobytes())
+
+
+DTYPE_FLOAT32, DTYPE_INT64 = 1, 2  # ipc::DType
+
+
+def shared_buffers(model: torch.nn.Module):
+    """The buffers the engine shares (float32 and int64, e.g. BatchNorm's running
+    statistics and batch count), as (name, tensor) in named_buffers order; others stay
+    per worker."""
+    return [(n, b) for n, b in model.named_buffers()
+            if b.device.type == "cpu" and b.dtype in (torch.float32, torch.int64)]
 
 
 def prepare_job(*, model, loss, dataset, collate_fn: Optional[Callable], forward: Optional[Callable],

@@ -355,3 +355,42 @@ def test_serve_eager_module_function_and_attach(tmp_path):
     bad = subprocess.run(["shmgrad", "serve", "--eager", "no_such_mod:job", "--name", name],
                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "cannot import 'no_such_mod'" in bad.stderr
+
+
+class BatchNormNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.bn(self.fc(x))))
+
+
+@pytest.mark.parametrize("mode", ["script", "eager"])
+def test_batchnorm_statistics_are_shared_with_the_first_participants_values(mode):
+    torch.manual_seed(6)
+    model = BatchNormNet()
+    ref = BatchNormNet()
+    ref.load_state_dict(model.state_dict())
+    with shmgrad.Engine(model=model, loss="cross_entropy", workers=2, mode=mode) as engine:
+        assert engine.mode == mode
+        engine.bind(model)
+        for step in range(3):
+            x, y = torch.randn(10, 6) + step, torch.randint(0, 3, (10,))
+            engine.gradient(inputs=x, targets=y)
+            ref.train()
+            ref(x[:5])  # the first participant's shard updates the statistics
+            assert torch.allclose(model.bn.running_mean, ref.bn.running_mean, atol=1e-6)
+            assert torch.allclose(model.bn.running_var, ref.bn.running_var, atol=1e-6)
+            assert int(model.bn.num_batches_tracked) == step + 1
+        # The bound module evaluates with them, no extra pass; eval mode reaches the
+        # workers too (statistics frozen there).
+        model.eval()
+        ref.eval()
+        x = torch.randn(7, 6)
+        assert torch.allclose(model(x), ref(x), atol=1e-5)
+        before = model.bn.running_mean.clone()
+        engine.gradient(inputs=x, targets=torch.zeros(7, dtype=torch.long))
+        assert torch.equal(model.bn.running_mean, before)
