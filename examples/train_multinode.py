@@ -38,6 +38,7 @@ from shmgrad.distributed import DEFAULT_TIMEOUT_S, shard  # noqa: E402
 from fashion_mnist import FashionCNN, accuracy, load_split  # noqa: E402
 
 TARGET_ACCURACY = 0.85
+MASK64 = 2**64 - 1  # checksums print as unsigned
 
 
 def parse_args(argv=None):
@@ -71,9 +72,14 @@ def train(args):
     hosts = [None] * nodes
     dist.all_gather_object(hosts, socket.gethostname())
     workers = args.workers or max(1, (os.cpu_count() or 1) // hosts.count(socket.gethostname()))
-    torch.manual_seed(args.seed + rank)  # other weights on every node; bind() takes rank 0's
     torch.set_num_threads(1)  # the trainer steps the optimizer; workers do the work
-    model = FashionCNN()
+    torch.manual_seed(args.seed)
+    model = FashionCNN()  # the one-node demo's weights, and then its batch order:
+    order = torch.Generator()
+    order.set_state(torch.get_rng_state())
+    if rank > 0:  # other weights on the other nodes; bind() gives them rank 0's
+        torch.manual_seed(args.seed + rank)
+        model = FashionCNN()
     log = print if rank == 0 else (lambda *a, **k: None)
     log(f"shmgrad multi-node demo: {nodes} nodes x {workers} workers, global batch "
         f"{args.batch_size}, {args.epochs} epochs, {sum(p.numel() for p in model.parameters())} "
@@ -88,7 +94,7 @@ def train(args):
         steps = (n + args.batch_size - 1) // args.batch_size
         for epoch in range(1, args.epochs + 1):
             # The same permutation on every node; each takes its share of each batch.
-            perm = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed * 1000 + epoch))
+            perm = torch.randperm(n, generator=order)
             wall = compute = allreduce = loss_sum = 0.0
             t0 = time.perf_counter()
             for step in range(steps):
@@ -111,7 +117,7 @@ def train(args):
                 f"train loss {loss_sum / n:.4f}; rank 0's step time: "
                 f"{100 * allreduce / wall:.1f}% all-reduce, "
                 f"{100 * (wall - compute - allreduce) / wall:.1f}% neither forward+backward nor "
-                f"all-reduce; parameters identical on every node (checksum {checksum:#018x})",
+                f"all-reduce; parameters identical on every node (checksum {checksum & MASK64:016x})",
                 flush=True)
     return {"rank": rank, "accuracy": acc, "examples_per_s": n / elapsed, "checksum": checksum}
 
@@ -137,7 +143,7 @@ def run_dask(args):
             cluster.close()
     for r in results:
         print(f"rank {r['rank']}: test accuracy {r['accuracy'] * 100:.2f}%, "
-              f"checksum {r['checksum']:#018x}")
+              f"checksum {r['checksum'] & MASK64:016x}")
     return results[0]
 
 
