@@ -63,56 +63,54 @@ worker::ModelParams readParamsFile(const std::string& path) {
                 " is not a shmgrad parameter file (version ", kParamsFileVersion, ")");
   SHMGRAD_CHECK(count >= 1 && count <= ipc::kMaxParams, ErrorKind::kInvalidArgument,
                 "parameter file ", path, " holds ", count, " tensors; use 1 to ", ipc::kMaxParams);
-  worker::ModelParams out;
-  for (uint32_t i = 0; i < count; ++i) {
-    uint32_t name_len = 0, ndim = 0;
+  // One tensor record: u32 name length, the name, [u32 dtype,] u32 ndim, i64 dims, values.
+  struct Record {
+    std::string name;
+    std::vector<int64_t> dims;
+    ipc::DType dtype = ipc::DType::kFloat32;
+    torch::Tensor values;
+  };
+  auto readRecord = [&](bool has_dtype) {
+    Record r;
+    uint32_t name_len = 0, dtype = static_cast<uint32_t>(ipc::DType::kFloat32), ndim = 0;
     read(&name_len, sizeof(name_len));
     SHMGRAD_CHECK(name_len >= 1 && name_len < ipc::kNameLen, ErrorKind::kInvalidArgument,
                   "parameter file ", path, ": name of ", name_len, " bytes");
-    std::string name(name_len, '\0');
-    read(name.data(), name_len);
+    r.name.assign(name_len, '\0');
+    read(r.name.data(), name_len);
+    if (has_dtype) read(&dtype, sizeof(dtype));
+    SHMGRAD_CHECK(dtype == static_cast<uint32_t>(ipc::DType::kFloat32) ||
+                      dtype == static_cast<uint32_t>(ipc::DType::kInt64),
+                  ErrorKind::kInvalidArgument, "parameter file ", path, ": ", r.name,
+                  " has dtype ", dtype);
     read(&ndim, sizeof(ndim));
     SHMGRAD_CHECK(ndim <= ipc::kMaxDims, ErrorKind::kInvalidArgument, "parameter file ", path,
-                  ": ", name, " has ", ndim, " dimensions");
-    std::vector<int64_t> dims(ndim);
-    if (ndim > 0) read(dims.data(), ndim * sizeof(int64_t));
-    const uint64_t numel = ipc::checkedNumel(ErrorKind::kInvalidArgument, name.c_str(),
-                                             dims.data(), ndim);
-    torch::Tensor values = torch::empty(dims, torch::kFloat32);
-    if (numel > 0) read(values.data_ptr<float>(), numel * sizeof(float));
-    out.specs.push_back({name, dims});
-    out.values.push_back(values);
+                  ": ", r.name, " has ", ndim, " dimensions");
+    r.dims.resize(ndim);
+    if (ndim > 0) read(r.dims.data(), ndim * sizeof(int64_t));
+    const uint64_t numel = ipc::checkedNumel(ErrorKind::kInvalidArgument, r.name.c_str(),
+                                             r.dims.data(), ndim);
+    r.dtype = static_cast<ipc::DType>(dtype);
+    const bool i64 = r.dtype == ipc::DType::kInt64;
+    r.values = torch::empty(r.dims, i64 ? torch::kInt64 : torch::kFloat32);
+    if (numel > 0) read(r.values.data_ptr(), numel * (i64 ? 8 : 4));
+    return r;
+  };
+  worker::ModelParams out;
+  for (uint32_t i = 0; i < count; ++i) {
+    Record r = readRecord(/*has_dtype=*/false);  // parameters are float32
+    out.specs.push_back({r.name, r.dims});
+    out.values.push_back(r.values);
   }
-  // Then the buffers to share: u32 count, per buffer u32 name length, the name, u32 dtype
-  // (ipc::DType), u32 ndim, i64 dims, the values.
+  // Then the buffers to share: u32 count, then records with their dtype.
   uint32_t buffers = 0;
   read(&buffers, sizeof(buffers));
   SHMGRAD_CHECK(buffers <= ipc::kMaxBuffers, ErrorKind::kInvalidArgument, "parameter file ", path,
                 " holds ", buffers, " buffers; at most ", ipc::kMaxBuffers, " are shared");
   for (uint32_t i = 0; i < buffers; ++i) {
-    uint32_t name_len = 0, dtype = 0, ndim = 0;
-    read(&name_len, sizeof(name_len));
-    SHMGRAD_CHECK(name_len >= 1 && name_len < ipc::kNameLen, ErrorKind::kInvalidArgument,
-                  "parameter file ", path, ": buffer name of ", name_len, " bytes");
-    std::string name(name_len, '\0');
-    read(name.data(), name_len);
-    read(&dtype, sizeof(dtype));
-    SHMGRAD_CHECK(dtype == static_cast<uint32_t>(ipc::DType::kFloat32) ||
-                      dtype == static_cast<uint32_t>(ipc::DType::kInt64),
-                  ErrorKind::kInvalidArgument, "parameter file ", path, ": buffer ", name,
-                  " has dtype ", dtype);
-    read(&ndim, sizeof(ndim));
-    SHMGRAD_CHECK(ndim <= ipc::kMaxDims, ErrorKind::kInvalidArgument, "parameter file ", path,
-                  ": ", name, " has ", ndim, " dimensions");
-    std::vector<int64_t> dims(ndim);
-    if (ndim > 0) read(dims.data(), ndim * sizeof(int64_t));
-    const uint64_t numel = ipc::checkedNumel(ErrorKind::kInvalidArgument, name.c_str(),
-                                             dims.data(), ndim);
-    const bool i64 = dtype == static_cast<uint32_t>(ipc::DType::kInt64);
-    torch::Tensor values = torch::empty(dims, i64 ? torch::kInt64 : torch::kFloat32);
-    if (numel > 0) read(values.data_ptr(), numel * (i64 ? 8 : 4));
-    out.buffer_specs.push_back({name, dims, static_cast<ipc::DType>(dtype)});
-    out.buffer_values.push_back(values);
+    Record r = readRecord(/*has_dtype=*/true);
+    out.buffer_specs.push_back({r.name, r.dims, r.dtype});
+    out.buffer_values.push_back(r.values);
   }
   return out;
 }

@@ -363,6 +363,43 @@ TEST(SegmentTest, LayoutIsAlignedAndDisjoint) {
   EXPECT_FALSE(Segment::remove(name));
 }
 
+// Shared buffers (BatchNorm statistics): laid out aligned in their own region, and a
+// header that puts one outside it, or gives it another dtype or size, is corrupt.
+TEST(SegmentTest, BuffersAreLaidOutAndCheckedOnAttach) {
+  const std::string name = uniqueEngineName();
+  SegmentGuard guard(name);
+  SegmentSpec spec = smallSpec(name);
+  spec.buffers = {{"bn.running_mean", {7}, DType::kFloat32},
+                  {"bn.num_batches_tracked", {}, DType::kInt64}};
+  auto seg = Segment::create(spec);
+  const BufferEntry* t = seg->bufferTable();
+  ASSERT_EQ(seg->header()->num_buffers, 2u);
+  EXPECT_STREQ(t[0].name, "bn.running_mean");
+  EXPECT_EQ(t[0].nbytes, 7u * 4);
+  EXPECT_EQ(t[1].nbytes, 8u);
+  EXPECT_EQ(t[1].offset % kAlign, 0u);
+  EXPECT_GE(t[1].offset, t[0].offset + t[0].nbytes);
+  HeaderCopy copy(*seg);
+  seg.reset();
+  ASSERT_NO_THROW(copy.validate());
+  auto* bt = reinterpret_cast<BufferEntry*>(reinterpret_cast<uint8_t*>(copy.header()) +
+                                            copy.header()->buffers_table.offset);
+  bt[1].offset = copy.header()->buffers.size;  // past the region
+  EXPECT_TRUE(throwsKind(ErrorKind::kCorrupt, [&] { copy.validate(); }));
+  copy.reset();
+  bt[0].dtype = 7;
+  EXPECT_TRUE(throwsKind(ErrorKind::kCorrupt, [&] { copy.validate(); }));
+  copy.reset();
+  bt[0].nbytes += 4;  // not numel * element size
+  EXPECT_TRUE(throwsKind(ErrorKind::kCorrupt, [&] { copy.validate(); }));
+  copy.reset();
+  copy.header()->num_buffers = kMaxBuffers + 1;
+  EXPECT_TRUE(throwsKind(ErrorKind::kCorrupt, [&] { copy.validate(); }));
+  // A spec with another dtype is refused before anything is created.
+  spec.buffers = {{"mask", {3}, DType::kNone}};
+  EXPECT_TRUE(throwsKind(ErrorKind::kInvalidArgument, [&] { Segment::create(spec); }));
+}
+
 TEST(SegmentTest, LayoutWithoutDatasetHasEmptyDataRegions) {
   const std::string name = uniqueEngineName();
   SegmentGuard guard(name);
