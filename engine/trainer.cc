@@ -118,6 +118,7 @@ Trainer::Trainer(std::string name, std::shared_ptr<ipc::Segment> seg, bool lease
     : name_(std::move(name)), seg_(std::move(seg)), lease_(lease) {
   cores_ = physicalCores();
   spin_ns_ = kDefaultSpinNs;
+  await_spin_ = std::make_unique<ipc::AdaptiveSpin>();
   if (const char* env = std::getenv("SHMGRAD_SPIN_US")) {
     char* end = nullptr;
     const double us = std::strtod(env, &end);
@@ -450,7 +451,7 @@ Trainer::Outcome Trainer::await(uint32_t e, const Participants& p, uint64_t dead
         }
         return true;
       },
-      deadline, kAwaitSlice, h->request.spin_ns);
+      deadline, kAwaitSlice, h->request.spin_ns, await_spin_.get());
   if (c.done_epoch.load(std::memory_order_acquire) == e) return Outcome::kDone;
   if (ended) return Outcome::kLostWorker;  // aborted by the coordinator: it reaped a participant
   return outcome;

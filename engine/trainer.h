@@ -24,6 +24,7 @@ namespace shmgrad {
 
 namespace ipc {
 class Segment;
+class AdaptiveSpin;
 }
 
 struct AttachOptions {
@@ -159,6 +160,7 @@ class Trainer {
   bool dirty_ = true;  // a previous step may have left stale workers running
   uint32_t cores_ = 1;     // CPUs this process may run on (sched_getaffinity)
   uint64_t spin_ns_ = 0;   // spin budget for steps whose processes all have a core
+  std::unique_ptr<ipc::AdaptiveSpin> await_spin_;  // how long spinning for a step's end pays
   std::vector<ParamInfo> params_;
 };
 

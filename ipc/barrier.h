@@ -35,7 +35,7 @@ inline uint32_t arriveBarrier(std::atomic<uint32_t>& barrier, uint32_t epoch) {
 template <typename Poll>
 bool barrierWait(std::atomic<uint32_t>& barrier, uint32_t epoch, uint32_t n,
                  const std::atomic<uint32_t>& abort_epoch, uint64_t deadline_ns, Poll poll,
-                 uint64_t spin_ns = 0) {
+                 uint64_t spin_ns = 0, AdaptiveSpin* adapt = nullptr) {
   const uint32_t count = arriveBarrier(barrier, epoch);
   if (count == 0) return false;
   if (count == n) {
@@ -52,7 +52,7 @@ bool barrierWait(std::atomic<uint32_t>& barrier, uint32_t epoch, uint32_t n,
            abort_epoch.load(std::memory_order_acquire) == epoch;
   };
   waitUntil(&barrier, [&] { return complete() || aborted(); }, poll, deadline_ns,
-            std::chrono::milliseconds(200), spin_ns);
+            std::chrono::milliseconds(200), spin_ns, adapt);
   return complete() && abort_epoch.load(std::memory_order_acquire) != epoch;
 }
 

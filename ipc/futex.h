@@ -7,6 +7,7 @@
 #pragma once
 
 #include <atomic>
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 
@@ -51,11 +52,51 @@ bool spinUntil(Pred pred, uint64_t spin_ns) {
   }
 }
 
+// How long one waiter spins, adapted to how its spins fare (as glibc's adaptive mutexes
+// do): a spin that ends with the condition met lets the next one last up to twice as long
+// (to `max`); one that runs out halves it, down to nothing. So spinning stays where it
+// wins (short steps on an idle machine) and stops by itself where it loses (long steps,
+// or other processes competing for the cores), where it would only steal a core from
+// the process being waited for. After kSpinProbeEvery waits without spinning it tries the
+// full budget once again, in case things changed.
+class AdaptiveSpin {
+ public:
+  static constexpr uint32_t kSpinProbeEvery = 64;
+  static constexpr uint64_t kMinSpinNs = 2000;  // below this a spin is not worth starting
+
+  // The budget for the next wait, given the largest allowed now (0: do not spin).
+  uint64_t next(uint64_t max) {
+    if (max == 0) return 0;
+    if (budget_ == 0 && ++idle_ >= kSpinProbeEvery) {
+      idle_ = 0;
+      return max;
+    }
+    return budget_ == 0 ? 0 : std::min(budget_, max);
+  }
+  // What the spin of that wait gave: the condition held (won) or the budget ran out.
+  void result(bool won, uint64_t spent_budget, uint64_t max) {
+    if (spent_budget == 0) return;
+    if (won) {
+      budget_ = std::min(max, std::max(spent_budget, budget_) * 2);
+    } else {
+      budget_ = spent_budget / 2 < kMinSpinNs ? 0 : spent_budget / 2;
+    }
+  }
+  uint64_t budget() const { return budget_; }
+
+ private:
+  uint64_t budget_ = UINT64_MAX;  // the first wait may spin the full budget
+  uint32_t idle_ = 0;
+};
+
 template <typename Pred, typename Poll>
 bool waitUntil(std::atomic<uint32_t>* word, Pred pred, Poll poll, uint64_t deadline_ns,
                std::chrono::nanoseconds slice = std::chrono::milliseconds(100),
-               uint64_t spin_ns = 0) {
-  if (spinUntil(pred, spin_ns)) return true;
+               uint64_t spin_ns = 0, AdaptiveSpin* adapt = nullptr) {
+  const uint64_t spin = adapt != nullptr ? adapt->next(spin_ns) : spin_ns;
+  const bool won = spinUntil(pred, spin);
+  if (adapt != nullptr) adapt->result(won, spin, spin_ns);
+  if (won) return true;
   // poll() may make system calls (liveness checks): it runs once per slice, not before
   // every sleep, so a wait that a wake ends promptly costs no call beyond the futex.
   const uint64_t slice_ns = static_cast<uint64_t>(slice.count());

@@ -126,3 +126,37 @@ TEST(SyncTest, AbortReleasesWaitersAndStaleArrivalsNeverCount) {
 
 }  // namespace
 }  // namespace shmgrad::ipc
+
+namespace shmgrad::ipc {
+namespace {
+
+// Spinning adapts: it stops where it loses and comes back where it wins.
+TEST(AdaptiveSpinTest, HalvesOnLossesDoublesOnWinsAndProbesAgain) {
+  constexpr uint64_t kMax = 1000000;
+  AdaptiveSpin spin;
+  EXPECT_EQ(spin.next(kMax), kMax);  // the first wait may spin the full budget
+  EXPECT_EQ(spin.next(0), 0u);       // nothing allowed: no spin
+  uint64_t b = spin.next(kMax);
+  int losses = 0;
+  while (b > 0) {
+    spin.result(false, b, kMax);
+    const uint64_t n = spin.next(kMax);
+    EXPECT_LE(n, b / 2);
+    b = n;
+    ++losses;
+  }
+  EXPECT_LE(losses, 10);  // 1 ms halves below 2 us within 10 losses
+  // Not spinning now (the loop's last next() was the first wait without); the
+  // kSpinProbeEvery-th such wait tries the full budget once.
+  int waits_without = 1;
+  while (spin.next(kMax) == 0) ++waits_without;
+  EXPECT_EQ(waits_without + 1, static_cast<int>(AdaptiveSpin::kSpinProbeEvery));
+  spin.result(true, kMax, kMax);  // the probe won: spinning is back
+  EXPECT_EQ(spin.next(kMax), kMax);
+  spin.result(true, 4000, kMax);
+  EXPECT_LE(spin.next(kMax), kMax);  // never above the allowed maximum
+  EXPECT_EQ(spin.next(3000), 3000u);
+}
+
+}  // namespace
+}  // namespace shmgrad::ipc

@@ -106,12 +106,13 @@ uint32_t StepParticipant::waitForStep() {
     // Right after a step the next one often follows within the trainer's optimizer
     // step: spin for it first when the last step said there are cores to spare.
     if (spin_ns_ > 0) {
-      const uint64_t spin = spin_ns_;
+      const uint64_t max = spin_ns_;
       spin_ns_ = 0;  // once per step: an idle worker sleeps
-      if (ipc::spinUntil([&] { return c_.step_epoch.load(std::memory_order_acquire) != cur; },
-                         spin)) {
-        continue;
-      }
+      const uint64_t spin = next_step_spin_.next(max);
+      const bool won = ipc::spinUntil(
+          [&] { return c_.step_epoch.load(std::memory_order_acquire) != cur; }, spin);
+      next_step_spin_.result(won, spin, max);
+      if (won) continue;
     }
     const bool woken = ipc::futexWait(&c_.step_epoch, cur, kIdleCheckSlice);
     if (!woken && coordinatorGone()) return 0;
@@ -274,7 +275,7 @@ bool StepParticipant::barrier(std::atomic<uint32_t>& word, uint32_t e, uint32_t 
   return ipc::barrierWait(
       word, e, n, c_.abort_epoch, deadline,
       [&] { return c_.stop_requested.load(std::memory_order_acquire) == 0 && !coordinatorGone(); },
-      spin_ns_);
+      spin_ns_, &barrier_spin_);
 }
 
 void StepParticipant::reducePhase(const Shard& shard) {

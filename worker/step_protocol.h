@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <string>
 
+#include "ipc/futex.h"
 #include "ipc/layout.h"
 #include "ipc/segment.h"
 
@@ -138,6 +139,7 @@ class StepParticipant {
   const int parent_pid_;
   uint32_t last_epoch_ = 0;
   uint64_t spin_ns_ = 0;  // the current step's StepRequest::spin_ns, bounded
+  ipc::AdaptiveSpin next_step_spin_, barrier_spin_;  // how long spinning pays, per wait
   int exit_code_ = kExitStopped;
 };
 
