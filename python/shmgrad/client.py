@@ -356,12 +356,14 @@ class Client:
         return 1 if self._nodes is None else self._nodes.size
 
     def check_consistency(self) -> int:
-        """Returns a 64-bit checksum of the engine's parameters. Across nodes it is compared
-        with every node's (collective: every node calls it) and ConsistencyError, naming the
-        first rank that differs from rank 0, is raised unless all are bit-identical."""
+        """Returns a 64-bit checksum of the engine's parameters and buffers. Across nodes it
+        is compared with every node's (collective: every node calls it) and
+        ConsistencyError, naming the first rank that differs from rank 0, is raised unless
+        all are bit-identical."""
         self._check_open()
         if self._nodes is None:
-            return distributed.checksum(self._trainer.parameter_buffer())
+            return distributed.checksum([self._trainer.parameter_buffer()]
+                                        + [t for _, t in self._trainer.buffer_views()])
         return self._nodes.check_consistency()
 
     def resize(self, workers: int, *, timeout: float = 120.0):

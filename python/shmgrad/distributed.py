@@ -7,16 +7,18 @@ process per node talks to the network, once per step, on one flat buffer).
 ``shmgrad.attach(name, ..., process_group=pg)`` build. Its phases, in the order a node
 meets them, are collective (every node calls them, in the same order):
 
-* construction: every node gathers every node's parameter layout and refuses a
-  different one (:class:`~shmgrad.InvalidArgumentError` naming the rank and the first
-  differing parameter), then takes rank 0's parameters (one broadcast);
-* :meth:`NodeGroup.broadcast_parameters` (from ``bind()``): rank 0's parameters again;
+* construction: every node gathers every node's parameter and buffer layout and refuses
+  a different one (:class:`~shmgrad.InvalidArgumentError` naming the rank and the first
+  differing parameter), then takes rank 0's parameters and buffers (broadcasts);
+* :meth:`NodeGroup.broadcast_parameters` (from ``bind()``): rank 0's parameters and
+  buffers again;
 * :meth:`NodeGroup.gradient` (from ``gradient()``): the node's own step, then the
   all-reduce of the whole reduced gradient together with a small record ``[examples,
   loss sum, non-finite, failed per rank]``: one call on a staging copy of both when the
   gradient is small, else one call on the gradient in place (or one per bucket of
   ``bucket_cap_mb``) and one on the record, issued together; a mean is taken over the
-  global count after the all-reduce;
+  global count after the all-reduce; a model with buffers (BatchNorm statistics) then
+  takes those of the first node that computed (DDP's rule: rank 0's);
 * :meth:`NodeGroup.check_consistency`: a checksum of the parameters, compared.
 
 Errors of the process group (a dead peer, the group's timeout) become
@@ -46,9 +48,9 @@ DEAD_PEER_POLL_S = 0.02
 # all-reduced in one call: on loopback the two copies cost less than a second
 # collective's latency (about 0.25 ms here). A larger one is all-reduced in place.
 STAGED_MAX_BYTES = 256 * 1024
-# The small record all-reduced with each step's gradient (float64): examples, loss sum,
-# non-finite count, then one "failed" flag per rank.
-_COUNT, _LOSS_SUM, _NONFINITE, _FAILED = 0, 1, 2, 3
+# The small record all-reduced with each step's gradient: loss sum, non-finite count, then
+# each rank's examples, then each rank's "failed" flag (2 + 2 x nodes values).
+_LOSS_SUM, _NONFINITE, _COUNTS = 0, 1, 2
 _CHECKSUM_BYTES = 8
 _GPU_ONLY_BACKENDS = ("nccl",)
 
@@ -113,11 +115,12 @@ class NodeGroup:
         self._pg = _check_process_group(process_group)
         self.rank = dist.get_rank(self._pg)
         self.size = dist.get_world_size(self._pg)
-        self._root = _global_rank(self._pg, 0)
         self._grad = trainer.gradient_buffer()
         self._params = trainer.parameter_buffer()
+        self._buffers = _Buffers(trainer.buffer_views())
         buckets = _buckets(self._grad, bucket_cap_mb)
-        record = _FAILED + self.size
+        self._failed = _COUNTS + self.size  # where the failed flags start
+        record = self._failed + self.size
         n = self._grad.numel()
         if bucket_cap_mb is None and n * self._grad.element_size() <= STAGED_MAX_BYTES:
             # The gradient, then the record (float32: counts exact to 2^24 examples).
@@ -135,13 +138,18 @@ class NodeGroup:
         self._peers = self._exchange_layout(list(parameters), engine_name)
         self.broadcast_parameters()
 
+    @property
+    def parameters_and_buffers(self) -> List[torch.Tensor]:
+        """What must be bit-identical on every node (the checksum's input)."""
+        return [self._params] + self._buffers.tensors
+
     # -- construction -----------------------------------------------------------------
     def _exchange_layout(self, parameters, engine_name):
         """Gathers every node's (host, pid, engine, parameter layout); refuses a layout
         other than rank 0's on every node, naming the rank and the parameter."""
         mine = {"host": socket.gethostname(), "pid": os.getpid(), "engine": engine_name,
                 "parameters": [(n, tuple(s)) for n, s in parameters],
-                "floats": self._grad.numel(),
+                "buffers": self._buffers.layout, "floats": self._grad.numel(),
                 "collectives": [(t.numel(), str(t.dtype)) for t in self._collectives]}
         peers: List[dict] = [None] * self.size
         self._collective("exchanging parameter layouts",
@@ -156,10 +164,14 @@ class NodeGroup:
         return peers
 
     def broadcast_parameters(self):
-        """Every node takes rank 0's parameters (one broadcast of the whole buffer), as
-        DDP does at construction, so nodes that started with different weights agree."""
+        """Every node takes rank 0's parameters (one broadcast of the whole buffer) and
+        buffers, as DDP does at construction, so nodes that started with different weights
+        agree."""
+        root = _global_rank(self._pg, 0)
         self._collective("broadcasting rank 0's parameters",
-                         lambda: dist.broadcast(self._params, src=self._root, group=self._pg))
+                         lambda: dist.broadcast(self._params, src=root, group=self._pg))
+        self._collective("broadcasting rank 0's buffers",
+                         lambda: self._buffers.broadcast(root, self._pg))
 
     # -- a step -----------------------------------------------------------------------
     def gradient(self, local_step, mean: bool):
@@ -186,28 +198,34 @@ class NodeGroup:
                 self._grad.zero_()  # this node's part of the sum; nobody applies it
         f = self._fields
         f[:] = 0.0
-        f[_COUNT] = native.num_examples
+        f[_COUNTS + self.rank] = native.num_examples
         f[_LOSS_SUM] = native.loss_sum
         f[_NONFINITE] = 1.0 if native.nonfinite else 0.0
-        f[_FAILED + self.rank] = 1.0 if failure is not None else 0.0
+        f[self._failed + self.rank] = 1.0 if failure is not None else 0.0
         t0 = time.perf_counter()
         self._collective(f"all-reducing step {self._steps}", self._allreduce)
         seconds = time.perf_counter() - t0
         if failure is not None:
             raise failure
-        failed = [r for r in range(self.size) if f[_FAILED + r] != 0]
+        failed = [r for r in range(self.size) if f[self._failed + r] != 0]
         if failed:
             raise errors.NodeError(
                 f"node group: rank {failed[0]}'s own step failed (it raised its error), so "
                 f"step {self._steps}'s gradient is incomplete on every node: do not apply it",
                 rank=failed[0])
-        count = int(f[_COUNT])
+        counts = f[_COUNTS:_COUNTS + self.size]
+        count = int(counts.sum())
         if count == 0:
             raise errors.InvalidArgumentError(
                 "empty batch: every node's share was empty; give at least one example")
         loss_sum = float(f[_LOSS_SUM])
         if mean:
             self._grad.mul_(1.0 / count)
+        if self._buffers:  # the statistics of the first node that computed (DDP: rank 0's)
+            src = _global_rank(self._pg, int(counts.nonzero()[0][0]))
+            self._collective(f"broadcasting step {self._steps}'s buffers",
+                             lambda: self._buffers.broadcast(src, self._pg))
+            seconds = time.perf_counter() - t0
         return native, NodeStats(
             num_examples=count, loss=loss_sum / count if mean else loss_sum, loss_sum=loss_sum,
             nonfinite=bool(f[_NONFINITE] != 0), local_num_examples=native.num_examples,
@@ -229,10 +247,11 @@ class NodeGroup:
 
     # -- consistency ------------------------------------------------------------------
     def check_consistency(self) -> int:
-        """Compares the parameters' checksum across nodes (collective). Returns it when every
-        node has the same; raises ConsistencyError naming the first rank that differs."""
+        """Compares the checksum of the parameters and buffers across nodes (collective).
+        Returns it when every node has the same; raises ConsistencyError naming the first
+        rank that differs."""
         self._check_usable()
-        mine = torch.tensor([checksum(self._params)], dtype=torch.int64)
+        mine = torch.tensor([checksum(self.parameters_and_buffers)], dtype=torch.int64)
         every = [torch.zeros_like(mine) for _ in range(self.size)]
         self._collective("comparing parameter checksums",
                          lambda: dist.all_gather(every, mine, group=self._pg))
@@ -288,11 +307,39 @@ class NodeGroup:
 
 
 # -- helpers --------------------------------------------------------------------------
-def checksum(buffer: torch.Tensor) -> int:
-    """A 64-bit checksum (BLAKE2b) of a CPU tensor's bytes: equal only for bit-identical
-    contents, as far as 64 bits tell."""
-    digest = hashlib.blake2b(memoryview(buffer.detach().numpy()), digest_size=_CHECKSUM_BYTES)
+def checksum(tensors: Sequence[torch.Tensor]) -> int:
+    """A 64-bit checksum (BLAKE2b) of CPU tensors' bytes, in order: equal only for
+    bit-identical contents, as far as 64 bits tell."""
+    digest = hashlib.blake2b(digest_size=_CHECKSUM_BYTES)
+    for t in tensors:
+        digest.update(memoryview(t.detach().contiguous().numpy()).cast("B"))
     return int.from_bytes(digest.digest(), "little", signed=True)
+
+
+class _Buffers:
+    """The engine's shared buffers (BatchNorm statistics), broadcast as one flat tensor per
+    dtype: a copy into it, one broadcast, a copy back."""
+
+    def __init__(self, views):
+        self.names = [n for n, _ in views]
+        self.tensors = [t for _, t in views]
+        self.layout = [(n, tuple(t.shape), str(t.dtype)) for n, t in views]
+        self._groups = []
+        for dtype in sorted({t.dtype for t in self.tensors}, key=str):
+            members = [t for t in self.tensors if t.dtype == dtype]
+            flat = torch.zeros(sum(t.numel() for t in members), dtype=dtype)
+            self._groups.append((members, flat, list(torch.split(flat, [t.numel() for t in members]))))
+
+    def __bool__(self):
+        return bool(self.tensors)
+
+    def broadcast(self, src, pg):
+        for members, flat, parts in self._groups:
+            for t, part in zip(members, parts):
+                part.copy_(t.reshape(-1))
+            dist.broadcast(flat, src=src, group=pg)
+            for t, part in zip(members, parts):
+                t.copy_(part.view_as(t))
 
 
 def _check_process_group(pg):
@@ -340,6 +387,8 @@ def _layout_difference(want, got) -> Optional[str]:
             return (f"parameter {i} is {pb[0]!r} {pb[1]} there but {pa[0]!r} {pa[1]} on rank 0")
     if len(a) != len(b):
         return f"it has {len(b)} parameters, rank 0 has {len(a)}"
+    if want["buffers"] != got["buffers"]:
+        return f"its buffers are {got['buffers'][:4]}..., rank 0's {want['buffers'][:4]}..."
     if want["floats"] != got["floats"]:
         return f"its parameter buffer holds {got['floats']} floats, rank 0's {want['floats']}"
     if want["collectives"] != got["collectives"]:

@@ -272,6 +272,53 @@ def test_parameters_stay_bit_identical(npy_dataset, tmp_path, prefix):
     assert relative_error(r0["params"], list(initial.parameters())) > 1e-3  # it trained
 
 
+# -- 2b. BatchNorm statistics: DDP's rule across nodes ----------------------------------------
+class BnCnn(Cnn):
+    def __init__(self):
+        super().__init__()
+        self.bn = torch.nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        x = torch.max_pool2d(torch.relu(self.bn(self.conv(x))), 2)
+        return self.fc(torch.flatten(x, 1))
+
+
+# (share of rank 0, share of rank 1): the buffers come from the first node that computed.
+BN_STEPS = [(list(range(0, 5)), list(range(5, 17))), ([], list(range(20, 23))),
+            (list(range(30, 40)), list(range(40, 41)))]
+
+
+def _batchnorm(rank, spec, prefix):
+    torch.manual_seed(400 + rank)
+    model = BnCnn()
+    out = {"buffers": []}
+    with _engine(rank, model, prefix, "bn", workers=1, dataset=spec) as engine:
+        engine.bind(model)
+        out["bound"] = {n: b.clone() for n, b in model.named_buffers()}
+        for shares in BN_STEPS:
+            engine.gradient(shares[rank])
+            out["buffers"].append({n: b.clone() for n, b in model.named_buffers()})
+        out["checksum"] = engine.check_consistency()
+    return out
+
+
+def test_batchnorm_buffers_follow_ddp(npy_dataset, tmp_path, prefix):
+    spec, x, y = npy_dataset
+    with Ranks("batchnorm", tmp_path, spec=spec, prefix=prefix) as ranks:
+        r0, r1 = ranks.results()
+    torch.manual_seed(400)
+    ref = BnCnn()  # rank 0's weights and buffers, which every node took
+    for n, b in ref.named_buffers():
+        assert torch.equal(r0["bound"][n], b) and torch.equal(r1["bound"][n], b)
+    for step, shares in enumerate(BN_STEPS):
+        first = next(s for s in shares if s)  # the first node that computed
+        ref(x[first])  # train mode: updates the running statistics from that shard
+        for n, b in ref.named_buffers():
+            assert torch.equal(r0["buffers"][step][n], r1["buffers"][step][n]), (step, n)
+            assert torch.allclose(r0["buffers"][step][n], b, rtol=1e-5, atol=1e-6), (step, n)
+    assert r0["checksum"] == r1["checksum"]
+
+
 # -- 3. a node that dies or hangs ----------------------------------------------------------
 def _until_fault(rank, spec, prefix, marker):
     torch.manual_seed(0)
@@ -467,5 +514,5 @@ def test_bench_nodes_tiny(tmp_path):
     assert "all-reduce share" in (out / "results.md").read_text()
 
 
-SCENARIOS = {"gradients": _gradients, "sgd": _sgd, "until_fault": _until_fault,
-             "mismatch": _mismatch}
+SCENARIOS = {"gradients": _gradients, "sgd": _sgd, "batchnorm": _batchnorm,
+             "until_fault": _until_fault, "mismatch": _mismatch}
