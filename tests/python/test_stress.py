@@ -1,6 +1,6 @@
-"""`shmgrad stress` itself, for a short while: it must find no wrong gradient, no hang and
-no leaked segment, while workers and trainers are killed and the engine is shrunk and
-grown back."""
+"""`shmgrad stress` itself, for a short while, on both kinds of worker (TorchScript and
+eager Python): it must find no wrong gradient, no hang and no leaked segment, while
+workers and trainers are killed and the engine is shrunk and grown back."""
 
 import json
 import subprocess
@@ -17,18 +17,24 @@ def test_stress_short_run(tmp_path):
     with open(counts_path) as f:
         counts = json.load(f)
     assert counts["ok"] is True, counts
-    assert counts["steps"] == 40
-    assert counts["kills"] > 0, "the run must actually kill workers"
-    assert counts["worker_replacements"] > 0, counts
-    assert counts["resizes"] > 0, "the run must actually shrink and grow the engine"
-    for key in ("wrong", "hangs", "leaked_segments", "leftover_workers"):
-        assert counts[key] == 0, (key, counts)
+    # The default mode runs both kinds of worker, each with the same faults and checks.
+    assert set(counts["runs"]) == {"script", "eager"}, counts
+    for kind, run in counts["runs"].items():
+        assert run["ok"] is True, (kind, run)
+        assert run["steps"] == 40, (kind, run)
+        assert run["kills"] > 0, (kind, "the run must actually kill workers")
+        assert run["worker_replacements"] > 0, (kind, run)
+        assert run["resizes"] > 0, (kind, "the run must actually shrink and grow the engine")
+        for key in ("wrong", "hangs", "leaked_segments", "leftover_workers"):
+            assert run[key] == 0, (kind, key, run)
+    assert counts["steps"] == 80
+    assert counts["kills"] == sum(r["kills"] for r in counts["runs"].values())
 
 
 def test_stress_help_and_bad_arguments():
     out = subprocess.run(["shmgrad", "stress", "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0
-    for opt in ("--kill-rate", "--seed", "--json"):
+    for opt in ("--mode", "--kill-rate", "--seed", "--json"):
         assert opt in out.stdout, opt
     out = subprocess.run(["shmgrad", "stress", "--name", "x", "--kill-rate", "2"],
                          capture_output=True, text=True, timeout=60)
@@ -36,3 +42,6 @@ def test_stress_help_and_bad_arguments():
     out = subprocess.run(["shmgrad", "stress", "--name", "x", "--resize-rate", "-0.5"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "--resize-rate must be a probability" in out.stderr
+    out = subprocess.run(["shmgrad", "stress", "--name", "x", "--mode", "fast"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "invalid choice: 'fast'" in out.stderr

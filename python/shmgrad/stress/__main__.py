@@ -1,19 +1,30 @@
 """``shmgrad stress``: a node-local stress test of an engine under faults.
 
-It starts an engine named NAME (a small CNN on a generated dataset), then for N steps:
-random batch sizes, indexed and explicit batches, every gradient checked against a
-plain PyTorch reference, SGD steps in between so the parameters move, workers killed
-(SIGKILL) at random moments, the engine shrunk and grown back at once now and then (a
-retired worker must be gone before its slot is reused), and the trainer restarted now
-and then (a child trainer killed while its step is in flight, then this process attaches
-again). It ends by printing
+It runs an engine of each kind of worker in turn (--mode):
+
+  script  TorchScript workers: engine NAME, a small CNN, the loss cross_entropy and a
+          generated dataset in shared memory;
+  eager   eager Python workers: engine NAME-eager, a CNN that TorchScript rejects, a
+          callable loss (label-smoothed cross entropy) and a torch Dataset with random
+          per-example transforms (flip, shift, noise from Python's random, torch and
+          NumPy); indexed steps get an explicit seed, and the reference applies the
+          workers' seeding (seed_everything(example_seed(seed, i)) before dataset[i]).
+
+Each engine then gets N steps: random batch sizes, indexed and explicit batches, every
+gradient checked against a plain PyTorch reference in this process, SGD steps in between
+so the parameters move, workers killed (SIGKILL) at random moments, the engine shrunk
+and grown back at once now and then (a retired worker must be gone before its slot is
+reused), and the trainer restarted now and then (a child trainer killed while its step
+is in flight, then this process attaches again). It ends by printing, for each kind and
+in total,
 
     steps, kills, recoveries, wrong gradients, hangs, leaked segments, leftover workers
 
-(and, with --json PATH, writes every counter to PATH as JSON) and exits non-zero if any
-of the last four is not 0.
+(and, with --json PATH, writes the counters to PATH as JSON: the totals at the top
+level, each kind's under "runs") and exits non-zero if any of the last four is not 0.
 
-Run: shmgrad stress --name NAME [--steps N] [--kill-rate R] [--seed S] [--json PATH]
+Run: shmgrad stress --name NAME [--mode script|eager|both] [--steps N] [--kill-rate R]
+                    [--seed S] [--json PATH]
 """
 
 import argparse
@@ -21,14 +32,21 @@ import dataclasses
 import json
 import sys
 
-from .run import StressRun
+from .run import Counts, StressRun
+from .workloads import WORKLOADS
+
+MODES = ("both",) + tuple(WORKLOADS)
 
 
 def build_parser():
     ap = argparse.ArgumentParser(prog="shmgrad stress", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--name", required=True, help="engine name to create for the test")
-    ap.add_argument("--steps", type=int, default=200, help="gradient steps (default 200)")
+    ap.add_argument("--mode", choices=MODES, default="both",
+                    help="which kind of worker to stress: script, eager, or both in turn "
+                         "(default both)")
+    ap.add_argument("--steps", type=int, default=200,
+                    help="gradient steps per kind of worker (default 200)")
     ap.add_argument("--kill-rate", type=float, default=0.1,
                     help="probability that a step has a worker killed at a random moment (default 0.1)")
     ap.add_argument("--trainer-restart-rate", type=float, default=0.02,
@@ -57,18 +75,43 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    c = StressRun(args).run()
-    print(f"stress {args.name}: {c.elapsed_s:.1f} s, trainer restarts {c.trainer_restarts}, "
+def engine_name(name, kind):
+    """The TorchScript engine is NAME, the eager one NAME-eager."""
+    return name if kind == "script" else f"{name}-{kind}"
+
+
+def report(label, c):
+    print(f"{label}: {c.elapsed_s:.1f} s, trainer restarts {c.trainer_restarts}, "
           f"worker replacements {c.worker_replacements}, steps aborted {c.steps_aborted}, "
           f"shrink-and-grow {c.resizes}, errors after repeated deaths {c.errors}")
     print(f"steps {c.steps}, kills {c.kills}, recoveries {c.recoveries}, wrong gradients "
           f"{c.wrong}, hangs {c.hangs}, leaked segments {c.leaked_segments}, leftover workers "
           f"{c.leftover_workers}")
+
+
+def total(counts):
+    """Every counter summed over the runs."""
+    fields = [f.name for f in dataclasses.fields(Counts)]
+    return Counts(**{f: sum(getattr(c, f) for c in counts) for f in fields})
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    kinds = list(WORKLOADS) if args.mode == "both" else [args.mode]
+    runs = {}
+    for kind in kinds:
+        name = engine_name(args.name, kind)
+        print(f"stress {name}: {kind} workers, {args.steps} steps", flush=True)
+        runs[kind] = StressRun(args, WORKLOADS[kind](args.seed), name).run()
+        report(f"stress {name} ({kind})", runs[kind])
+    c = total(runs.values())
+    if len(runs) > 1:
+        report(f"stress {args.name} (all {len(runs)} kinds)", c)
     if args.json:
+        out = dict(dataclasses.asdict(c), ok=c.ok,
+                   runs={k: dict(dataclasses.asdict(r), ok=r.ok) for k, r in runs.items()})
         with open(args.json, "w") as f:
-            json.dump(dict(dataclasses.asdict(c), ok=c.ok), f, indent=1)
+            json.dump(out, f, indent=1)
     return 0 if c.ok else 1
 
 

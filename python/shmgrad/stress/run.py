@@ -3,7 +3,9 @@
 A step goes through named phases: maybe restart the trainer (a child trainer killed
 while its step is in flight, then this process attaches again), maybe shrink the engine
 and grow it back at once, draw a batch, maybe arm a worker kill, run the step and check
-its gradient against plain PyTorch, then an SGD step so the parameters move.
+its gradient against plain PyTorch, then an SGD step so the parameters move. What the
+engine computes (model, loss, dataset, kind of worker) is the run's workload
+(:mod:`.workloads`): one run per kind of worker, with the same faults and checks.
 """
 
 import copy
@@ -18,19 +20,15 @@ import tempfile
 import threading
 import time
 
-import numpy as np
 import torch
 
 from .. import errors
 from .._numerics import relative_error
 from ..client import attach
-from ..engine import save_model
-from ..launcher import Launcher, ServeOptions
+from ..launcher import Launcher
 from ..status import read_status
+from .workloads import CLASSES, DATASET_SIZE, INPUT_SHAPE
 
-DATASET_SIZE = 1000
-INPUT_SHAPE = (1, 16, 16)
-CLASSES = 6
 CHILD_BATCH = 2000          # the child trainer's batch: long enough to be killed mid-step
 MAX_GRADIENT_ERROR = 1e-4   # relative to the reference gradient
 KILL_DELAY_MAX_S = 0.05     # a worker kill lands this long after the step starts, at most
@@ -39,18 +37,6 @@ POLL_S = 0.005
 ATTACH_TIMEOUT_S = 30.0
 REAP_GRACE_S = 0.2          # after stopping the engine, before counting leftovers
 PROGRESS_EVERY = 25         # steps between progress lines
-
-
-class StressNet(torch.nn.Module):
-    def __init__(self, classes=CLASSES):
-        super().__init__()
-        self.conv = torch.nn.Conv2d(1, 8, 3, padding=1)
-        self.fc1 = torch.nn.Linear(8 * 8 * 8, 32)
-        self.fc2 = torch.nn.Linear(32, classes)
-
-    def forward(self, x):
-        x = torch.max_pool2d(torch.relu(self.conv(x)), 2)
-        return self.fc2(torch.relu(self.fc1(torch.flatten(x, 1))))
 
 
 CHILD_TRAINER = f"""
@@ -87,11 +73,13 @@ class Counts:
         return (self.wrong, self.hangs, self.leaked_segments, self.leftover_workers) == (0, 0, 0, 0)
 
 
-def _reference(model, x, y, mean):
+def _reference(model, loss, x, y, mean):
+    """The gradient of ``loss`` (summed over the batch) or of its mean, in this process."""
     m = copy.deepcopy(model)
     for p in m.parameters():
         p.grad = None
-    torch.nn.functional.cross_entropy(m(x), y, reduction="mean" if mean else "sum").backward()
+    total = loss(m(x), y)
+    (total / len(y) if mean else total).backward()
     return [p.grad for p in m.parameters()]
 
 
@@ -109,16 +97,18 @@ def _print(msg, error=False):
 
 
 class StressRun:
-    def __init__(self, args, log=_print):
+    """One engine named ``name`` computing ``workload`` (a :mod:`.workloads` class's
+    instance), stressed for ``args.steps`` steps."""
+
+    def __init__(self, args, workload, name, log=_print):
         self.args = args
+        self.name = name
+        self.workload = workload
         self.log = log
         self.rng = random.Random(args.seed)
         self.counts = Counts()
         self.worker_pids_seen = set()
-        torch.manual_seed(args.seed)
-        self.data_x = torch.randn(DATASET_SIZE, *INPUT_SHAPE)
-        self.data_y = torch.randint(0, CLASSES, (DATASET_SIZE,))
-        self.model = StressNet()
+        self.model = workload.model
         self.trainer = None
         self.opt = None
 
@@ -126,36 +116,32 @@ class StressRun:
     def run(self) -> Counts:
         t_start = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="shmgrad-stress-") as tmp:
-            launcher = Launcher(self._serve_options(tmp))
+            launcher = None
             try:
+                launcher = Launcher(self.workload.serve_options(
+                    self.name, self.args.workers, max(self.args.max_batch, CHILD_BATCH), tmp))
                 launcher.start()
                 self._attach()
-                before = read_status(self.args.name)
+                before = read_status(self.name)
                 for step in range(self.args.steps):
                     self._step(step)
-                after = read_status(self.args.name)
+                after = read_status(self.name)
                 self.counts.worker_replacements = after.worker_restarts - before.worker_restarts
                 self.counts.steps_aborted = after.steps_aborted - before.steps_aborted
             finally:
                 if self.trainer is not None:
                     self.trainer.close()
-                launcher.stop()
+                if launcher is not None:
+                    launcher.stop()
+                self.workload.cleanup()
         time.sleep(REAP_GRACE_S)
-        self.counts.leaked_segments = len(glob.glob(f"/dev/shm/shmgrad-{os.getuid()}-{self.args.name}"))
+        self.counts.leaked_segments = len(glob.glob(f"/dev/shm/shmgrad-{os.getuid()}-{self.name}"))
         self.counts.leftover_workers = sum(1 for pid in self.worker_pids_seen if _alive(pid))
         self.counts.elapsed_s = time.monotonic() - t_start
         return self.counts
 
-    def _serve_options(self, tmp):
-        np.save(os.path.join(tmp, "x.npy"), self.data_x.numpy())
-        np.save(os.path.join(tmp, "y.npy"), self.data_y.numpy())
-        model_path = save_model(self.model, os.path.join(tmp, "model.pt"))
-        return ServeOptions(name=self.args.name, model_path=model_path, workers=self.args.workers,
-                            loss="cross_entropy", dataset=f"npy:{tmp}/x.npy,{tmp}/y.npy",
-                            max_batch=max(self.args.max_batch, CHILD_BATCH))
-
     def _attach(self):
-        self.trainer = attach(self.args.name, timeout=ATTACH_TIMEOUT_S)
+        self.trainer = attach(self.name, timeout=ATTACH_TIMEOUT_S)
         self.trainer.bind(self.model)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01)
 
@@ -166,7 +152,7 @@ class StressRun:
         if a.workers > 1 and self.rng.random() < a.resize_rate:
             self._shrink_and_grow()
         x, y, mean, call = self._draw_batch()
-        ref = _reference(self.model, x, y, mean)
+        ref = _reference(self.model, self.workload.loss, x, y, mean)
         killer = self._arm_kill() if self.rng.random() < a.kill_rate else None
         try:
             self._checked_step(step, call, ref)
@@ -176,8 +162,8 @@ class StressRun:
         self.counts.steps += 1
         if (step + 1) % PROGRESS_EVERY == 0:
             c = self.counts
-            self.log(f"  step {step + 1}/{a.steps}: kills {c.kills}, retries {c.recoveries}, "
-                     f"wrong {c.wrong}")
+            self.log(f"  {self.workload.kind} step {step + 1}/{a.steps}: kills {c.kills}, "
+                     f"retries {c.recoveries}, wrong {c.wrong}")
 
     # -- the phases ---------------------------------------------------------------------
     def _restart_trainer(self):
@@ -186,7 +172,7 @@ class StressRun:
         last_epoch = self.trainer.status().step_epoch
         self.trainer.close()
         self.trainer = None
-        child = subprocess.Popen([sys.executable, "-c", CHILD_TRAINER, self.args.name],
+        child = subprocess.Popen([sys.executable, "-c", CHILD_TRAINER, self.name],
                                  stdout=subprocess.PIPE, text=True)
         try:
             line = child.stdout.readline().strip()
@@ -210,7 +196,7 @@ class StressRun:
         after ``after_epoch``: a worker marks itself idle only just after a step)."""
         deadline = time.monotonic() + self.args.step_timeout
         while True:
-            st = read_status(self.args.name)
+            st = read_status(self.name)
             if st.trainer_pid == trainer_pid and \
                     any(w.busy_epoch > after_epoch for w in st.ready_workers):
                 return
@@ -230,15 +216,19 @@ class StressRun:
 
     def _draw_batch(self):
         """A random batch, by index half of the time, explicit otherwise; returns its
-        inputs, targets, reduction and the call that computes its gradient."""
+        inputs, targets, reduction and the call that computes its gradient. An indexed
+        step gets an explicit seed, with which the workload rebuilds what the workers
+        compute on."""
         batch = self.rng.randint(1, self.args.max_batch)
         mean = self.rng.random() < 0.5
         reduction = "mean" if mean else "sum"
         timeout = self.args.step_timeout
         if self.rng.random() < 0.5:
             idx = torch.tensor([self.rng.randrange(DATASET_SIZE) for _ in range(batch)])
-            x, y = self.data_x[idx], self.data_y[idx]
-            return x, y, mean, lambda: self.trainer.gradient(idx, reduction=reduction, timeout=timeout)
+            seed = self.rng.randrange(2**32)
+            x, y = self.workload.indexed_batch(idx, seed)
+            return x, y, mean, lambda: self.trainer.gradient(idx, reduction=reduction,
+                                                             timeout=timeout, seed=seed)
         x, y = torch.randn(batch, *INPUT_SHAPE), torch.randint(0, CLASSES, (batch,))
         return x, y, mean, lambda: self.trainer.gradient(inputs=x, targets=y, reduction=reduction,
                                                          timeout=timeout)
@@ -277,9 +267,9 @@ class StressRun:
             self.counts.hangs += 1
             self.log(f"  step {step + 1}: HANG: {exc}", error=True)
             if os.environ.get("SHMGRAD_STRESS_DEBUG"):
-                self.log(read_status(self.args.name).text, error=True)
+                self.log(read_status(self.name).text, error=True)
         except errors.WorkerError:
             self.counts.errors += 1  # a clear error after repeated deaths: allowed
         except errors.CorruptSegmentError as exc:
             self.counts.wrong += 1  # the step's bookkeeping is wrong: so may its gradient be
-            self.log(f"  step {step + 1}: WRONG: {exc}", error=True)
+            self.log(f"  {self.workload.kind} step {step + 1}: WRONG: {exc}", error=True)
