@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-EXPECTED_SYSTEMS = {"single-1t", "single", "shmgrad", "ddp", "dask"}
+EXPECTED_SYSTEMS = {"single-1t", "single", "shmgrad", "eager", "ddp", "dask"}
 
 
 def _finite_positive(x):
@@ -51,9 +51,11 @@ def test_quick_tiny_bench(tmp_path):
         assert r["min_s"] <= r["median_s"] <= r["max_s"]
         if r["system"] != "single-1t":
             assert _finite_positive(r["ratio_to_shmgrad"]), r
-        if r["system"] == "shmgrad":
+        if r["system"] in ("shmgrad", "eager"):
             assert math.isfinite(r["overhead_median"]) and r["overhead_median"] < 1.0
             assert _finite_positive(r["compute_max_median_s"])
+        if r["system"] == "ddp":
+            assert _finite_positive(r["ratio_to_eager"]), r
         if r.get("grad_rel_err") is not None:
             # Same model, same batch: every system computes the same gradient.
             assert r["grad_rel_err"] < 1e-4, r
@@ -92,3 +94,22 @@ def test_feed_breakdown_tiny():
         assert line is not None, (label, proc.stdout)
         assert _finite_positive(float(line.split(label)[1].split()[0])), line
     assert "inputs= " in lines[-1] and "indices= " in lines[-1], proc.stdout
+
+
+def test_augment_tiny(tmp_path):
+    """`python3 -m shmgrad.bench.augment` (BENCHMARKS.md's augmentation numbers) runs both
+    loops on examples/train_augmented.py's pipeline, finds their gradients equal and
+    reports a ratio."""
+    out = tmp_path / "augment.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "shmgrad.bench.augment", "--models", "cnn", "--batch-size", "16",
+         "--steps", "2", "--warmup", "1", "--train-examples", "200", "--json", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout
+    assert "transforms in the workers" in proc.stdout and "target >= 1.6x" in proc.stdout
+    with open(out) as f:
+        (r,) = json.load(f)["results"]
+    assert r["model"] == "cnn" and r["workers"] == 2 and r["gradient_rel_diff"] < 1e-5
+    assert _finite_positive(r["ratio"]) and _finite_positive(r["trainer_transform_median_s"])
+    for loop in ("workers", "trainer"):
+        assert _finite_positive(r["examples_per_s"][loop]), r

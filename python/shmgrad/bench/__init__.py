@@ -1,12 +1,13 @@
 """``shmgrad bench``: the benchmarks, beside the library (``import shmgrad`` does not load
 them). Run ``python3 -m shmgrad.bench`` (the command ``shmgrad bench``) or
-``python3 -m shmgrad.bench.feed``.
+``python3 -m shmgrad.bench.feed`` or ``python3 -m shmgrad.bench.augment``.
 
 * ``__main__``: the command line and the run over every configuration;
-* ``runners``: one runner per system measured (single process, shmgrad, DDP, Dask, the
-  reduction alone); ``ddp`` the code of one DDP rank;
+* ``runners``: one runner per system measured (single process, shmgrad with TorchScript
+  or eager workers, DDP, Dask, the reduction alone); ``ddp`` the code of one DDP rank;
 * ``timing``: the clock, the step budget and the timing loop they share;
 * ``models``: the models and batches, the same in every process;
 * ``report``: the targets, the Markdown tables, the plot;
-* ``feed``: where a short one-worker step's time goes.
+* ``feed``: where a short one-worker step's time goes;
+* ``augment``: per-example augmentation in eager workers against the same in the trainer.
 """

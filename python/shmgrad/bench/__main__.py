@@ -4,6 +4,8 @@
            using N intra-op threads (and once with 1 thread: ``single-1t``);
   shmgrad  a shmgrad engine with N worker processes (1 thread each), explicit batches
            (``engine.gradient(inputs=..., targets=...)``);
+  eager    the same with eager Python workers (``mode="eager"``): the same models as
+           plain nn.Modules, the same explicit batches;
   ddp      PyTorch DistributedDataParallel, gloo backend, N processes on 127.0.0.1
            (torch.multiprocessing spawn), each computing its shard and all-reducing;
   dask     the task-scheduler approach shmgrad replaces: a Dask ``distributed`` client
@@ -28,8 +30,9 @@ step (ring all-reduce of the buffer, and as the loopback interface counted them)
 Each configuration runs warm-up steps first, then up to --repeats timed steps (fewer once
 --budget seconds are spent; at least 3). Reported per configuration: median, min, max and
 the quartiles of the step time, each alternative's median over shmgrad's median with the
-same N, and shmgrad's overhead = (step wall time - slowest worker's forward+backward) /
-step wall time, the wall time measured around ``engine.gradient`` in this process.
+same N (and DDP's over eager's), and shmgrad's and eager's overhead = (step wall time -
+slowest worker's forward+backward) / step wall time, the wall time measured around
+``engine.gradient`` in this process.
 
 Writes results.json, results.md (the table) and bench.png (step time against workers)
 into --out. Everything binds to 127.0.0.1 (Dask uses in-process transports), every wait is
@@ -52,7 +55,7 @@ from .._numerics import relative_error
 from . import models, report, runners
 from .timing import Budget, log, now, summarize
 
-SYSTEMS = ("single", "shmgrad", "ddp", "dask", "reduce")
+SYSTEMS = ("single", "shmgrad", "eager", "ddp", "dask", "reduce")
 LARGE_REDUCE_FLOATS = 16 * 1024 * 1024  # 64 MiB a slot: larger than most last-level caches
 
 
@@ -272,15 +275,17 @@ def measure(args):
                     record(base, "single", n, lambda: runners.run_single(
                         model_name, batches, args.warmup, budget, n, args.seed,
                         now() + args.timeout), ref)
-            shm = None
-            if "shmgrad" in systems:
-                engine_count += 1
-                name = f"bench-{os.getpid()}-{engine_count}"
-                shm, _ = record(base, "shmgrad", n, lambda: runners.run_shmgrad(
-                    model_name, batches, args.warmup, budget, n, args.seed,
-                    now() + args.timeout, name), ref)
+            engines = {}
+            for mode, system in (("script", "shmgrad"), ("eager", "eager")):
+                if system in systems:
+                    engine_count += 1
+                    name = f"bench-{os.getpid()}-{engine_count}"
+                    engines[system], _ = record(base, system, n, lambda: runners.run_shmgrad(
+                        model_name, batches, args.warmup, budget, n, args.seed,
+                        now() + args.timeout, name, mode=mode), ref)
             if "ddp" in systems:
-                est = (shm or {}).get("median_s") or single_by_n.get(1, {}).get("median_s")
+                est = next((e["median_s"] for e in engines.values() if "median_s" in e),
+                           single_by_n.get(1, {}).get("median_s"))
                 reps = runners.ddp_repeats(budget, est)
                 record(base, "ddp", n, lambda: runners.run_ddp(
                     model_name, batch, args.warmup, reps, n, args.seed,
@@ -291,11 +296,14 @@ def measure(args):
                     now() + args.timeout), ref)
     models.set_threads(1)
 
-    # Ratios to shmgrad, same model, batch and N.
-    shm = {(r["model"], r["batch"], r["workers"]): r for r in records
-           if r["system"] == "shmgrad" and "median_s" in r}
+    # Ratios to shmgrad (and DDP's to eager), same model, batch and N.
+    shm, eager = ({(r["model"], r["batch"], r["workers"]): r for r in records
+                   if r["system"] == system and "median_s" in r} for system in ("shmgrad", "eager"))
     for r in records:
-        s = shm.get((r["model"], r["batch"], r["workers"]))
+        key = (r["model"], r["batch"], r["workers"])
+        s = shm.get(key)
+        if r["system"] == "ddp" and key in eager and "median_s" in r:
+            r["ratio_to_eager"] = r["median_s"] / eager[key]["median_s"]
         if s is not None and "median_s" in r:
             r["ratio_to_shmgrad"] = r["median_s"] / s["median_s"]
         elif r["system"] == "single-1t":

@@ -7,6 +7,7 @@ LABELS = {
     "single-1t": "single process, 1 thread",
     "single": "single process, N threads",
     "shmgrad": "shmgrad, N workers",
+    "eager": "shmgrad eager, N workers",
     "ddp": "DDP gloo, N processes",
     "dask": "Dask deep-copy, N threads",
 }
@@ -43,6 +44,21 @@ def evaluate_targets(records, reductions):
                                  f"{r['reduce_phase_vs_memcpy'] * 100:.0f}%",
                         "met": r["reduce_phase_vs_memcpy"] > 0.70})
     for r in records:
+        if r["system"] == "eager" and "overhead_median" in r and r["model"] == "cnn" \
+                and r["batch"] == 128:
+            out.append({"target": "eager workers: engine's share of the step < 5% "
+                                  "(CNN, batch 128)",
+                        "config": f"{r['model']} b{r['batch']} N={r['workers']}",
+                        "value": f"{r['overhead_median'] * 100:.1f}%",
+                        "met": r["overhead_median"] < 0.05})
+        if r["system"] == "ddp" and "ratio_to_eager" in r and r["model"] in ("cnn", "wrn") \
+                and r["batch"] >= 128 and r["workers"] == 2:
+            out.append({"target": "eager workers no slower than DDP-gloo "
+                                  "(CNN, WRN, batch >= 128, N=2)",
+                        "config": f"{r['model']} b{r['batch']} N={r['workers']}",
+                        "value": f"ddp/eager = {r['ratio_to_eager']:.3f}x",
+                        "met": r["ratio_to_eager"] >= 1.0})
+    for r in records:
         if r["system"] in ("ddp", "dask") and "ratio_to_shmgrad" in r:
             out.append({"target": f"shmgrad faster than {r['system']}",
                         "config": f"{r['model']} b{r['batch']} N={r['workers']}",
@@ -76,7 +92,7 @@ def table(records, reductions, targets):
     lines = ["| model | batch | N | system | median ms | min ms | max ms | IQR ms | steps "
              "| vs shmgrad | notes |",
              "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
-    order = {"single-1t": 0, "single": 1, "shmgrad": 2, "ddp": 3, "dask": 4}
+    order = {"single-1t": 0, "single": 1, "shmgrad": 2, "eager": 3, "ddp": 4, "dask": 5}
     rows = sorted(records, key=lambda r: (r["model"], r["batch"], r["workers"],
                                           order.get(r["system"], 9)))
     seen_1t = set()
@@ -96,13 +112,15 @@ def table(records, reductions, targets):
         else:
             ratio = f"{r['ratio_to_shmgrad']:.2f}x" if "ratio_to_shmgrad" in r else "-"
         notes = []
-        if r["system"] == "shmgrad":
+        if r["system"] in ("shmgrad", "eager"):
             notes.append(f"overhead {r['overhead_median'] * 100:.1f}%")
             notes.append(f"slowest worker f+b {fmt_ms(r['compute_max_median_s'])} ms")
             notes.append(f"reduce phase {fmt_ms(r['reduce_median_s'])} ms "
                          f"({r['reduce_phase_gbps']:.1f} GB/s)")
         if r["system"] in ("single", "single-1t"):
             notes.append(f"{r['threads']} thread{'s' if r['threads'] > 1 else ''}")
+        if "ratio_to_eager" in r:
+            notes.append(f"vs eager {r['ratio_to_eager']:.2f}x")
         if r.get("grad_rel_err") is not None and r["system"] != "single-1t":
             notes.append(f"grad rel. diff {r['grad_rel_err']:.1e}")
         iqr = r["q3_s"] - r["q1_s"]
@@ -185,7 +203,8 @@ def plot(records, path):
     height = 3.4 * len(models) + 0.9
     fig, axes = plt.subplots(len(models), len(batches), squeeze=False, figsize=(width, height))
     styles = {"single-1t": ("tab:gray", "--", ""), "single": ("tab:blue", "-", "o"),
-              "shmgrad": ("tab:red", "-", "s"), "ddp": ("tab:green", "-", "^"),
+              "shmgrad": ("tab:red", "-", "s"), "eager": ("tab:orange", "-", "v"),
+              "ddp": ("tab:green", "-", "^"),
               "dask": ("tab:purple", "-", "D")}
     for i, m in enumerate(models):
         for j, b in enumerate(batches):

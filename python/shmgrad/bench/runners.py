@@ -1,6 +1,6 @@
 """The systems ``shmgrad bench`` measures, one runner each: a single process, a shmgrad
-engine, DDP over gloo, shmgrad engines on several nodes (``--nodes``), Dask with a deep
-copy per task, and the reduction alone.
+engine (TorchScript or eager workers), DDP over gloo, shmgrad engines on several nodes
+(``--nodes``), Dask with a deep copy per task, and the reduction alone.
 
 Every runner of a training step takes the same batches and returns ``(record, grad)``:
 the step times and what else it measured, and the gradient of batch 0 as one float64
@@ -53,7 +53,10 @@ def run_single(model_name, batches, warmup, budget, threads, seed, deadline):
 
 
 # -- 2. shmgrad -----------------------------------------------------------------------
-def run_shmgrad(model_name, batches, warmup, budget, workers, seed, deadline, engine_name):
+def run_shmgrad(model_name, batches, warmup, budget, workers, seed, deadline, engine_name,
+                mode="script"):
+    """An engine of ``workers`` workers, TorchScript (``mode="script"``) or eager Python
+    (``mode="eager"``: the same nn.Module run as it is), fed the batches explicitly."""
     models.set_threads(1)  # the trainer only copies the batch in and waits
     model = models.make_model(model_name, seed)
     batch = batches[0][0].shape[0]
@@ -62,11 +65,12 @@ def run_shmgrad(model_name, batches, warmup, budget, workers, seed, deadline, en
     try:
         t_start = now()
         engine = Engine(model=model, workers=workers, loss="cross_entropy", name=engine_name,
-                        threads_per_worker=1, max_batch=max(batch, 1),
+                        mode=mode, threads_per_worker=1, max_batch=max(batch, 1),
                         input_capacity_mb=max(64, int(math.ceil(in_mb * 2)) + 1),
                         startup_timeout=max(10.0, min(120.0, deadline - now())))
         startup = now() - t_start
         overheads, engine_overheads, compute, reduce_s, engine_wall = [], [], [], [], []
+        grads = engine.gradient_tensors()  # read directly: no module is bound
         grad = None
 
         def step(i, x, y, left):
@@ -77,7 +81,7 @@ def run_shmgrad(model_name, batches, warmup, budget, workers, seed, deadline, en
             if st.workers != workers:
                 raise RuntimeError(f"the step ran on {st.workers} workers, not {workers}")
             if i == 0:
-                grad = torch.cat([g.detach().reshape(-1).double() for g in engine.gradient_tensors()])
+                grad = torch.cat([g.detach().reshape(-1).double() for g in grads])
             if i >= warmup:
                 slowest = max(st.compute_seconds)
                 compute.append(slowest)
@@ -88,7 +92,8 @@ def run_shmgrad(model_name, batches, warmup, budget, workers, seed, deadline, en
                                         if st.wall_seconds > 0 else 0.0)
             return dt
 
-        times = timed_steps(batches, warmup, budget, deadline, "shmgrad", step)
+        times = timed_steps(batches, warmup, budget, deadline,
+                            "shmgrad" if mode == "script" else f"shmgrad ({mode})", step)
         return {
             "times_s": times,
             "threads": 1,
