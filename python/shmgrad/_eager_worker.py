@@ -16,6 +16,19 @@ import traceback
 
 TRACEBACK_FRAMES = 8  # frames of a failing shard's traceback sent to the trainer
 PR_SET_PDEATHSIG = 1
+# glibc's mallopt parameters (malloc.h) and the values the TorchScript worker sets
+# (worker/worker_loop.cc, keepFreedMemory): keep freed memory in the heap, so that a
+# step's activations are not handed back to the kernel and faulted in again, zeroed, on
+# the next step (measured: 462-1113 minor faults per CNN step without, 0 with).
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX = -1, -2, -4
+TRIM_THRESHOLD_MAX = 2**31 - 1
+TOP_PAD_BYTES = 16 << 20
+
+
+def keep_freed_memory(libc):
+    libc.mallopt(M_MMAP_MAX, 0)
+    libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_MAX)
+    libc.mallopt(M_TOP_PAD, TOP_PAD_BYTES)
 
 
 def describe(exc: BaseException) -> str:
@@ -124,11 +137,8 @@ class ShardRunner:
         if self.dataset is None:
             raise ValueError("this engine has no dataset: pass inputs= and targets=, or start "
                              "it with dataset=")
-        samples = []
-        for i in shard.indices[start:stop].tolist():
-            self._eager.seed_everything(self._eager.example_seed(shard.seed, i))
-            samples.append(self.dataset[i])
-        return self.collate(samples)
+        return self._eager.example_batch(self.dataset, shard.indices[start:stop].tolist(),
+                                         shard.seed, self.collate)
 
 
 def main(argv) -> int:
@@ -137,7 +147,9 @@ def main(argv) -> int:
         return 2
     name, slot, ppid = argv[1], int(argv[2]), int(argv[3])
     # Die with the coordinator; the check after it covers the race where it died first.
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    keep_freed_memory(libc)
     from ._native import _C
     if os.getppid() != ppid:
         return _C.EXIT_COORDINATOR_GONE

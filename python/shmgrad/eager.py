@@ -64,6 +64,21 @@ def seed_everything(seed: int):
     torch.manual_seed(seed)
 
 
+def example_batch(dataset, indices, seed: int, collate_fn=None):
+    """The batch an eager worker builds for ``indices`` of a step seeded with ``seed``:
+    each ``dataset[i]`` drawn after :func:`seed_everything` ``(example_seed(seed, i))``,
+    then ``collate_fn`` (default ``torch.utils.data.default_collate``). Use it to
+    reproduce a step's batch in one process."""
+    if collate_fn is None:
+        from torch.utils.data import default_collate
+        collate_fn = default_collate
+    samples = []
+    for i in indices:
+        seed_everything(example_seed(seed, int(i)))
+        samples.append(dataset[int(i)])
+    return collate_fn(samples)
+
+
 # -- losses ------------------------------------------------------------------------
 def _named_loss(name):
     f = torch.nn.functional

@@ -61,12 +61,7 @@ class NoisyDataset(torch.utils.data.Dataset):
 
 def reference(model, loss, dataset, indices, seed, reduction="sum", collate=None):
     """The same step in this process, with the same seeding."""
-    collate = collate or torch.utils.data.default_collate
-    samples = []
-    for i in indices:
-        shmgrad.eager.seed_everything(shmgrad.example_seed(seed, i))
-        samples.append(dataset[i])
-    x, y = collate(samples)
+    x, y = shmgrad.eager.example_batch(dataset, indices, seed, collate)
     model.zero_grad(set_to_none=True)
     out = loss(model(x), y)
     (out / len(indices) if reduction == "mean" else out).backward()

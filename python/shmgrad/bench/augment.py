@@ -31,7 +31,7 @@ import time
 import torch
 
 from .._numerics import relative_error
-from ..eager import example_seed, seed_everything
+from ..eager import example_batch
 from ..engine import Engine
 from .timing import log
 
@@ -63,11 +63,7 @@ def make_model(example, name):
 
 def trainer_batch(dataset, indices, seed):
     """The batch the workers would build for ``indices`` in a step seeded with ``seed``."""
-    samples = []
-    for i in indices.tolist():
-        seed_everything(example_seed(seed, i))
-        samples.append(dataset[i])
-    return torch.utils.data.default_collate(samples)
+    return example_batch(dataset, indices.tolist(), seed)
 
 
 def measure_model(args, example, dataset, model_name):

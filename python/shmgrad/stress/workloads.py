@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .._native import _C
-from ..eager import example_seed, prepare_job, seed_everything
+from ..eager import example_batch, prepare_job
 from ..engine import save_model
 from ..launcher import ServeOptions
 
@@ -151,11 +151,7 @@ class EagerWorkload:
 
     def indexed_batch(self, indices, seed):
         """The batch the workers build for ``indices`` in a step seeded with ``seed``."""
-        samples = []
-        for i in indices.tolist():
-            seed_everything(example_seed(seed, i))
-            samples.append(self.dataset[i])
-        return torch.utils.data.default_collate(samples)
+        return example_batch(self.dataset, indices.tolist(), seed)
 
     def cleanup(self):
         if self._job_dir is not None:
