@@ -54,7 +54,8 @@ bool spinUntil(Pred pred, uint64_t spin_ns) {
 
 // How long one waiter spins, adapted to how its spins fare (as glibc's adaptive mutexes
 // do): a spin that ends with the condition met lets the next one last up to twice as long
-// (to `max`); one that runs out halves it, down to nothing. So spinning stays where it
+// (to `max`); one that runs out shortens it by a quarter, down to nothing (gently, so one
+// slow step among short ones does not end spinning). So spinning stays where it
 // wins (short steps on an idle machine) and stops by itself where it loses (long steps,
 // or other processes competing for the cores), where it would only steal a core from
 // the process being waited for. After kSpinProbeEvery waits without spinning it tries the
@@ -79,7 +80,8 @@ class AdaptiveSpin {
     if (won) {
       budget_ = std::min(max, std::max(spent_budget, budget_) * 2);
     } else {
-      budget_ = spent_budget / 2 < kMinSpinNs ? 0 : spent_budget / 2;
+      const uint64_t shorter = spent_budget - spent_budget / 4;
+      budget_ = shorter < kMinSpinNs ? 0 : shorter;
     }
   }
   uint64_t budget() const { return budget_; }

@@ -15,9 +15,9 @@ time of ``engine.gradient(inputs=x, targets=y)``, as seen from this Python proce
   finish    done until the call returns: the trainer's wake-up and collecting results;
   fixed     everything but compute.
 
-Alongside, in the same process and interleaved step by step, ``eager`` times forward and
-backward of the same model in this process with one thread (what DDP runs at N = 1), and
-``copy`` times copying the batch alone. Medians in microseconds.
+Alongside, in the same process and in alternating blocks of steps, ``eager`` times
+forward and backward of the same model in this process with one thread (what DDP runs at
+N = 1), and ``copy`` times copying the batch alone. Medians in microseconds.
 
 Run: ``/usr/bin/python3 -m shmgrad.bench.breakdown --model mlp --batch 32 --workers 1,2``
 """
@@ -33,6 +33,7 @@ import torch
 from ..engine import Engine
 from . import models
 
+ROUNDS = 4  # engine and eager steps alternate in blocks, this many times
 PARTS = ("python", "prepare", "wake", "compute", "barrier", "reduce", "complete", "finish",
          "fixed", "total")
 
@@ -70,23 +71,28 @@ def measure(model_name, batch, workers, steps, warmup, seed=0):
                 loss="cross_entropy", threads_per_worker=1, max_batch=batch,
                 name=f"breakdown-{workers}-{int(time.time() * 1000) % 100000}") as engine:
         engine.gradient_tensors()  # the grads are read directly: no module bound
-        for i in range(warmup + steps):
-            x, y = batches[i % len(batches)]
-            t0 = time.perf_counter()
-            st = engine.gradient(inputs=x, targets=y)
-            dt = time.perf_counter() - t0
-            t1 = time.perf_counter()
-            eager_model.zero_grad(set_to_none=False)
-            loss_fn(eager_model(x), y).backward()
-            t2 = time.perf_counter()
-            buf.copy_(x)
-            t3 = time.perf_counter()
-            if i < warmup:
-                continue
-            for k, v in step_parts(dt, st).items():
-                rows[k].append(v)
-            eager.append(t2 - t1)
-            copy.append(t3 - t2)
+        # Rounds of engine steps, then as many eager steps: eager work between every two
+        # engine steps would stand for a trainer that computes between steps, not the
+        # training loop (gradient, optimizer step) whose fixed cost this measures.
+        for r in range(ROUNDS):
+            for i in range(warmup + steps // ROUNDS):
+                x, y = batches[i % len(batches)]
+                t0 = time.perf_counter()
+                st = engine.gradient(inputs=x, targets=y)
+                dt = time.perf_counter() - t0
+                if i >= warmup:
+                    for k, v in step_parts(dt, st).items():
+                        rows[k].append(v)
+            for i in range(steps // ROUNDS):
+                x, y = batches[i % len(batches)]
+                t1 = time.perf_counter()
+                eager_model.zero_grad(set_to_none=False)
+                loss_fn(eager_model(x), y).backward()
+                t2 = time.perf_counter()
+                buf.copy_(x)
+                t3 = time.perf_counter()
+                eager.append(t2 - t1)
+                copy.append(t3 - t2)
     med = {k: statistics.median(v) * 1e6 for k, v in rows.items()}
     med["eager"] = statistics.median(eager) * 1e6
     med["copy"] = statistics.median(copy) * 1e6
