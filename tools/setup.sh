@@ -16,7 +16,7 @@ if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
 PACKAGES=(bazel-bootstrap bazel-rules-java libtorch-dev libboost-dev pybind11-dev python3-dev
           python3-torch python3-pytest python3-numpy libopenblas0-pthread dataset-fashion-mnist
           libgtest-dev zlib1g-dev python3-matplotlib python3-distributed clang libclang-rt-14-dev
-          libcli11-dev)
+          libcli11-dev python3-cloudpickle python3-torchvision)
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
