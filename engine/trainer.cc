@@ -162,14 +162,8 @@ int Trainer::coordinatorPid() const { return segment().header()->coordinator_pid
 
 // Tensors over one of the parameter-shaped buffers; each holds the mapping alive.
 std::vector<torch::Tensor> Trainer::views(float* base) const {
-  std::vector<torch::Tensor> out;
   auto keep = seg_;
-  const ipc::ParamEntry* table = seg_->paramTable();
-  for (size_t i = 0; i < params_.size(); ++i) {
-    out.push_back(torch::from_blob(base + table[i].offset, params_[i].shape, [keep](void*) {},
-                                   torch::kFloat32));
-  }
-  return out;
+  return worker::parameterShapedViews(*seg_, base, [keep](void*) {});
 }
 
 std::vector<torch::Tensor> Trainer::parameterViews() const {

@@ -84,7 +84,6 @@ class AdaptiveSpin {
       budget_ = shorter < kMinSpinNs ? 0 : shorter;
     }
   }
-  uint64_t budget() const { return budget_; }
 
  private:
   uint64_t budget_ = UINT64_MAX;  // the first wait may spin the full budget

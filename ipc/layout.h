@@ -61,7 +61,6 @@ constexpr const char* kLossNames[] = {nullptr, "cross_entropy", "nll", "mse"};
 constexpr uint32_t kNumLossKinds = 3;
 
 enum class DType : uint32_t { kNone = 0, kFloat32 = 1, kInt64 = 2 };
-constexpr const char* kDTypeNames[] = {"none", "float32", "int64"};
 
 enum class EngineState : uint32_t { kStarting = 0, kServing = 1, kStopping = 2, kFailed = 3 };
 constexpr const char* kEngineStateNames[] = {"starting", "serving", "stopping", "failed"};
@@ -77,11 +76,13 @@ constexpr const char* enumName(const char* const (&names)[N], T v) {
   return i < N && names[i] != nullptr ? names[i] : "unknown";
 }
 inline const char* lossName(LossKind v) { return enumName(kLossNames, v); }
-inline const char* dtypeName(DType v) { return enumName(kDTypeNames, v); }
 inline const char* engineStateName(EngineState v) { return enumName(kEngineStateNames, v); }
 inline const char* workerStateName(WorkerState v) { return enumName(kWorkerStateNames, v); }
 inline bool lossKindValid(uint32_t v) { return v >= 1 && v <= kNumLossKinds; }
-inline bool dtypeValid(uint32_t v) { return v <= static_cast<uint32_t>(DType::kInt64); }
+// Bytes per element of a dtype read from shared memory; 0 for one no region may hold.
+inline uint64_t dtypeSize(uint32_t v) {
+  return v == static_cast<uint32_t>(DType::kFloat32) ? 4 : v == static_cast<uint32_t>(DType::kInt64) ? 8 : 0;
+}
 
 enum class BatchKind : uint32_t { kIndices = 1, kExplicit = 2 };
 

@@ -290,11 +290,10 @@ void validateHeader(const SegmentHeader* h, uint64_t size) {
     const BufferEntry& b = buffers[i];
     SHMGRAD_CHECK(terminated(b.name, kNameLen), ErrorKind::kCorrupt, "segment header: buffer ", i,
                   " has an unterminated name");
-    SHMGRAD_CHECK(b.dtype == static_cast<uint32_t>(DType::kFloat32) ||
-                      b.dtype == static_cast<uint32_t>(DType::kInt64),
-                  ErrorKind::kCorrupt, "segment header: buffer ", b.name, " dtype ", b.dtype);
+    const uint64_t esize = dtypeSize(b.dtype);
+    SHMGRAD_CHECK(esize != 0, ErrorKind::kCorrupt, "segment header: buffer ", b.name, " dtype ",
+                  b.dtype);
     const uint64_t n = checkShape("buffer shape", b.shape);
-    const uint64_t esize = b.dtype == static_cast<uint32_t>(DType::kInt64) ? 8 : 4;
     SHMGRAD_CHECK(b.nbytes == n * esize && b.offset % kAlign == 0 && b.offset <= h->buffers.size &&
                       b.nbytes <= h->buffers.size - b.offset,
                   ErrorKind::kCorrupt, "segment header: buffer ", b.name,

@@ -19,10 +19,6 @@ namespace py = pybind11;
 namespace shmgrad {
 namespace {
 
-torch::ScalarType torchType(ipc::DType t) {
-  return t == ipc::DType::kInt64 ? torch::kInt64 : torch::kFloat32;
-}
-
 // A shard as Python sees it. Its tensors view the segment and are valid during the
 // compute call only.
 struct PyShard {
@@ -37,11 +33,6 @@ struct PyShard {
   torch::Tensor indices, inputs, targets;
 };
 
-torch::Tensor viewOf(const void* data, int64_t n, const ipc::Shape& example, ipc::DType dtype) {
-  std::vector<int64_t> dims{n};
-  dims.insert(dims.end(), example.dims, example.dims + example.ndim);
-  return torch::from_blob(const_cast<void*>(data), dims, torchType(dtype));
-}
 
 // Calls the Python compute function. It returns the shard's loss sum (a float), or a
 // (type, text) pair describing an exception it caught (text: message and traceback).
@@ -76,8 +67,8 @@ class PyShardComputer : public worker::ShardComputer {
       shard.indices = torch::from_blob(const_cast<int64_t*>(s.indices), {s.size()}, torch::kInt64);
     } else {
       shard.kind = "explicit";
-      shard.inputs = viewOf(s.inputs, s.size(), *s.example_shape, s.input_dtype);
-      shard.targets = viewOf(s.targets, s.size(), *s.target_shape, s.target_dtype);
+      shard.inputs = worker::examplesView(s.inputs, s.size(), *s.example_shape, s.input_dtype);
+      shard.targets = worker::examplesView(s.targets, s.size(), *s.target_shape, s.target_dtype);
     }
     py::gil_scoped_acquire gil;
     try {
@@ -111,15 +102,8 @@ class EagerParticipant {
   }
 
   std::vector<torch::Tensor> views(float* base) const {
-    std::vector<torch::Tensor> out;
-    const ipc::ParamEntry* table = seg_->paramTable();
     auto keep = seg_;
-    for (uint32_t i = 0; i < seg_->header()->num_params; ++i) {
-      std::vector<int64_t> shape(table[i].shape.dims, table[i].shape.dims + table[i].shape.ndim);
-      out.push_back(torch::from_blob(base + table[i].offset, shape, [keep](void*) {},
-                                     torch::kFloat32));
-    }
-    return out;
+    return worker::parameterShapedViews(*seg_, base, [keep](void*) {});
   }
   std::vector<std::string> parameterNames() const {
     std::vector<std::string> out;

@@ -1,5 +1,5 @@
-// Tensors over a segment's shared parameter-shaped buffers and its shared model buffers,
-// for every process that maps them (TorchScript worker, eager worker, trainer). Header
+// Tensors over a segment's memory, nothing copied: parameter-shaped buffers, batches of
+// examples, and the shared model buffers, for every process that maps them (TorchScript worker, eager worker, trainer). Header
 // only: each user already links libtorch.
 #pragma once
 
@@ -14,6 +14,34 @@
 
 namespace shmgrad::worker {
 
+inline torch::ScalarType torchType(ipc::DType t) {
+  return t == ipc::DType::kInt64 ? torch::kInt64 : torch::kFloat32;
+}
+
+// n examples of `example`'s shape and `dtype` at `data` (a request region or a dataset):
+// one tensor [n, *example] over the segment, nothing copied. Shapes on the stack.
+inline torch::Tensor examplesView(const void* data, int64_t n, const ipc::Shape& example,
+                                  ipc::DType dtype) {
+  int64_t dims[ipc::kMaxDims + 1];
+  dims[0] = n;
+  for (uint32_t d = 0; d < example.ndim; ++d) dims[d + 1] = example.dims[d];
+  return torch::from_blob(const_cast<void*>(data), c10::IntArrayRef(dims, example.ndim + 1),
+                          torchType(dtype));
+}
+
+// One float32 tensor per parameter, laid out over `base` (the parameters, a slot or the
+// reduced gradient), in table order. `keep` as below.
+inline std::vector<torch::Tensor> parameterShapedViews(
+    const ipc::Segment& segment, float* base, std::function<void(void*)> keep = [](void*) {}) {
+  std::vector<torch::Tensor> out;
+  const ipc::ParamEntry* table = segment.paramTable();
+  for (uint32_t i = 0; i < segment.header()->num_params; ++i) {
+    std::vector<int64_t> shape(table[i].shape.dims, table[i].shape.dims + table[i].shape.ndim);
+    out.push_back(torch::from_blob(base + table[i].offset, shape, keep, torch::kFloat32));
+  }
+  return out;
+}
+
 // One tensor per entry of the segment's buffer table (BatchNorm statistics...), in
 // table order, with the names. `keep` (may be empty) is held by every tensor's deleter,
 // to keep the mapping alive while a view exists.
@@ -24,9 +52,8 @@ inline std::vector<std::pair<std::string, torch::Tensor>> sharedBufferViews(
   for (uint32_t i = 0; i < segment.header()->num_buffers; ++i) {
     const ipc::BufferEntry& b = table[i];
     std::vector<int64_t> shape(b.shape.dims, b.shape.dims + b.shape.ndim);
-    const auto dtype = b.dtype == static_cast<uint32_t>(ipc::DType::kInt64) ? torch::kInt64
-                                                                            : torch::kFloat32;
-    out.emplace_back(b.name, torch::from_blob(segment.buffers() + b.offset, shape, keep, dtype));
+    out.emplace_back(b.name, torch::from_blob(segment.buffers() + b.offset, shape, keep,
+                                              torchType(static_cast<ipc::DType>(b.dtype))));
   }
   return out;
 }

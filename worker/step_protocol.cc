@@ -200,14 +200,6 @@ bool StepParticipant::prepareShard(uint32_t e, Shard* s) {
 
 namespace {
 
-uint64_t dtypeSize(uint32_t dtype) {
-  switch (static_cast<ipc::DType>(dtype)) {
-    case ipc::DType::kFloat32: return 4;
-    case ipc::DType::kInt64: return 8;
-    default: return 0;
-  }
-}
-
 // Points the shard at its examples of the request's batch, checking every index and
 // every size against the region it lies in. Throws (InvalidArgument for an index out of
 // range, Corrupt for sizes no trainer writes).
@@ -226,7 +218,7 @@ void resolveBatch(const ipc::Segment& seg, Shard* s) {
     s->indices = idx;
     return;
   }
-  const uint64_t in_size = dtypeSize(r.input_dtype), tg_size = dtypeSize(r.target_dtype);
+  const uint64_t in_size = ipc::dtypeSize(r.input_dtype), tg_size = ipc::dtypeSize(r.target_dtype);
   SHMGRAD_CHECK(in_size != 0 && tg_size != 0, ErrorKind::kCorrupt,
                 "step request: unknown input or target dtype");
   const uint64_t in_numel = ipc::checkedNumel(ErrorKind::kCorrupt, "step request: example shape",

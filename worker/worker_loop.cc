@@ -12,15 +12,12 @@
 
 #include "ipc/error.h"
 #include "ipc/segment.h"
+#include "worker/buffer_views.h"
 #include "worker/replica.h"
 #include "worker/step_protocol.h"
 
 namespace shmgrad::worker {
 namespace {
-
-torch::ScalarType torchType(ipc::DType t) {
-  return t == ipc::DType::kInt64 ? torch::kInt64 : torch::kFloat32;
-}
 
 // The compute phase of a TorchScript worker: the replica's forward, built-in loss and
 // backward over the shard, in passes. Everything else is StepParticipant's.
@@ -76,18 +73,10 @@ class ScriptShardComputer : public ShardComputer {
       *targets = data_targets_.index_select(0, idx);
       return;
     }
-    *inputs = viewOf(s.inputs, n, *s.example_shape, s.input_dtype);
-    *targets = viewOf(s.targets, n, *s.target_shape, s.target_dtype);
+    *inputs = examplesView(s.inputs, n, *s.example_shape, s.input_dtype);
+    *targets = examplesView(s.targets, n, *s.target_shape, s.target_dtype);
   }
 
-  static torch::Tensor viewOf(const void* data, int64_t n, const ipc::Shape& example,
-                              ipc::DType dtype) {
-    int64_t dims[ipc::kMaxDims + 1];
-    dims[0] = n;
-    for (uint32_t d = 0; d < example.ndim; ++d) dims[d + 1] = example.dims[d];
-    return torch::from_blob(const_cast<void*>(data), c10::IntArrayRef(dims, example.ndim + 1),
-                            torchType(dtype));
-  }
 
   const ipc::Segment& seg_;
   Replica& replica_;
