@@ -107,9 +107,15 @@ def test_augment_tiny(tmp_path):
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout
     assert "transforms in the workers" in proc.stdout and "target >= 1.6x" in proc.stdout
+    assert "parallel speedup of the transforms" in proc.stdout, proc.stdout
     with open(out) as f:
         (r,) = json.load(f)["results"]
     assert r["model"] == "cnn" and r["workers"] == 2 and r["gradient_rel_diff"] < 1e-5
     assert _finite_positive(r["ratio"]) and _finite_positive(r["trainer_transform_median_s"])
+    # The bound (T + C) / (T / S + C) lies in (1, S] for any positive T and C.
+    assert 0 < r["parallel_speedup"] < 8, r
+    assert 1 < r["ratio_bound_ideal"] <= 2 + 1e-9, r
+    assert min(1.0, r["parallel_speedup"]) - 1e-9 <= r["ratio_bound"] <= max(
+        1.0, r["parallel_speedup"]) + 1e-9, r
     for loop in ("workers", "trainer"):
         assert _finite_positive(r["examples_per_s"][loop]), r

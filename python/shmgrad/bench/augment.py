@@ -4,7 +4,8 @@ against the same augmentation in the trainer.
 It takes examples/train_augmented.py's pipeline as it is: its Dataset (random crop with
 padding, horizontal flip, ToTensor, Normalize on one PIL image in ``__getitem__``), its
 label-smoothed loss, and a model (``resnet``: the example's SmallResNet; ``cnn``:
-examples/fashion_mnist.py's FashionCNN). On one eager engine of N workers it trains
+examples/fashion_mnist.py's FashionCNN; ``mlp``: shmgrad.bench's 784-256-10 MLP behind a
+Flatten, a model whose forward and backward cost less than its examples' transforms). On one eager engine of N workers it trains
 with two loops, alternating step by step so that background load hits both alike:
 
   workers  ``engine.gradient(idx, reduction="mean", seed=s)``: each worker builds its
@@ -37,7 +38,7 @@ from .timing import log
 
 DEFAULT_EXAMPLES = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                  "..", "..", "..", "examples"))
-MODELS = ("resnet", "cnn")
+MODELS = ("resnet", "cnn", "mlp")
 TARGET_RATIO = 1.6          # the issue's target for N = 2
 MAX_GRADIENT_ERROR = 1e-5   # between the two loops' gradients of one batch
 
@@ -57,6 +58,9 @@ def load_example(examples_dir):
 def make_model(example, name):
     if name == "resnet":
         return example.SmallResNet()
+    if name == "mlp":
+        from .models import MLP
+        return torch.nn.Sequential(torch.nn.Flatten(), MLP())
     from fashion_mnist import FashionCNN  # beside train_augmented.py
     return FashionCNN()
 
@@ -64,6 +68,47 @@ def make_model(example, name):
 def trainer_batch(dataset, indices, seed):
     """The batch the workers would build for ``indices`` in a step seeded with ``seed``."""
     return example_batch(dataset, indices.tolist(), seed)
+
+
+def _build_rounds(dataset, indices, rounds, barrier, queue):
+    """A calibration child: builds its share of a batch ``rounds`` times, each round
+    starting with the others, and sends the seconds each took."""
+    torch.set_num_threads(1)
+    times = []
+    for r in range(rounds):
+        barrier.wait()
+        t0 = time.perf_counter()
+        example_batch(dataset, indices, r)
+        times.append(time.perf_counter() - t0)
+    queue.put(times)
+
+
+def parallel_speedup(dataset, batch_size, workers, rounds=12, seed=0):
+    """How much faster ``workers`` processes build a batch's examples (transforms
+    included) than one process does, on this machine now: the most the workers loop can
+    gain on the transforms. 2.0 at N = 2 needs two free cores; a VM whose virtual CPUs
+    share the host's cores gets less."""
+    import multiprocessing
+    g = torch.Generator().manual_seed(seed)
+    indices = torch.randint(0, len(dataset), (batch_size,), generator=g).tolist()
+    solo = []
+    for r in range(rounds):
+        t0 = time.perf_counter()
+        example_batch(dataset, indices, r)
+        solo.append(time.perf_counter() - t0)
+    ctx = multiprocessing.get_context("fork")
+    barrier, queue = ctx.Barrier(workers), ctx.Queue()
+    per = -(-batch_size // workers)
+    procs = [ctx.Process(target=_build_rounds,
+                         args=(dataset, indices[k * per:(k + 1) * per], rounds, barrier, queue))
+             for k in range(workers)]
+    for proc in procs:
+        proc.start()
+    shares = [queue.get(timeout=300) for _ in procs]
+    for proc in procs:
+        proc.join(timeout=60)
+    together = [max(t[r] for t in shares) for r in range(rounds)]
+    return statistics.median(solo[2:]) / statistics.median(together[2:])
 
 
 def measure_model(args, example, dataset, model_name):
@@ -92,7 +137,7 @@ def measure_model(args, example, dataset, model_name):
                                f"the workers' (relative difference {err:.2e})")
 
         times = {"workers": [], "trainer": []}
-        transform_s, compute_s = [], []
+        transform_s, compute_s, explicit_compute_s = [], [], []
         for step in range(args.warmup + args.steps):
             timed = step >= args.warmup
             for loop in ("workers", "trainer"):
@@ -112,6 +157,7 @@ def measure_model(args, example, dataset, model_name):
                         compute_s.append(max(stats.compute_seconds))
                     else:
                         transform_s.append(t1 - t0)
+                        explicit_compute_s.append(max(stats.compute_seconds))
     rate = {k: args.batch_size * len(v) / sum(v) for k, v in times.items()}
     return {
         "model": model_name, "parameters": sum(p.numel() for p in model.parameters()),
@@ -121,15 +167,25 @@ def measure_model(args, example, dataset, model_name):
         "step_median_s": {k: statistics.median(v) for k, v in times.items()},
         "trainer_transform_median_s": statistics.median(transform_s),
         "workers_compute_median_s": statistics.median(compute_s),
+        "explicit_compute_median_s": statistics.median(explicit_compute_s),
     }
+
+
+def ratio_bound(r, speedup):
+    """The workers/trainer ratio the two loops' parts allow: the trainer loop takes its
+    transforms T plus the workers' forward and backward C, the workers loop T / S + C,
+    with S the machine's parallel speedup on the transforms (at most N)."""
+    t, c = r["trainer_transform_median_s"], r["explicit_compute_median_s"]
+    return (t + c) / (t / speedup + c)
 
 
 def build_parser():
     ap = argparse.ArgumentParser(prog="python3 -m shmgrad.bench.augment", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="resnet,cnn",
+    ap.add_argument("--models", default="resnet,cnn,mlp",
                     help="comma-separated: resnet (examples/train_augmented.py's SmallResNet), "
-                         "cnn (examples/fashion_mnist.py's FashionCNN); default resnet,cnn")
+                         "cnn (examples/fashion_mnist.py's FashionCNN), mlp (784-256-10); "
+                         "default resnet,cnn,mlp")
     ap.add_argument("--workers", type=int, default=2, help="eager workers N (default 2)")
     ap.add_argument("--batch-size", type=int, default=128, help="default 128")
     ap.add_argument("--steps", type=int, default=20, help="timed steps per loop (default 20)")
@@ -169,9 +225,15 @@ def main(argv=None):
     log(f"augmentation: {', '.join(args.models)}, {args.workers} eager workers, batch "
         f"{args.batch_size}, {args.warmup} + {args.steps} steps per loop; load average "
         f"{os.getloadavg()[0]:.2f}")
+    speedup = parallel_speedup(dataset, args.batch_size, args.workers, seed=args.seed)
+    print(f"parallel speedup of the transforms on this machine now: {args.workers} processes "
+          f"build a batch {speedup:.2f}x as fast as one (at most {args.workers})", flush=True)
     results = []
     for name in args.models:
         r = measure_model(args, example, dataset, name)
+        r["parallel_speedup"] = speedup
+        r["ratio_bound"] = ratio_bound(r, speedup)
+        r["ratio_bound_ideal"] = ratio_bound(r, float(args.workers))
         results.append(r)
         rate = r["examples_per_s"]
         print(f"{name} ({r['parameters']} parameters), N={args.workers}, batch "
@@ -181,6 +243,10 @@ def main(argv=None):
               f"slowest worker's transforms+forward+backward "
               f"{r['workers_compute_median_s'] * 1e3:.1f} ms; gradients agree to "
               f"{r['gradient_rel_diff']:.1e})", flush=True)
+        print(f"  bound (T + C) / (T / S + C), T the trainer's transforms, C the workers' "
+              f"forward+backward {r['explicit_compute_median_s'] * 1e3:.1f} ms: "
+              f"{r['ratio_bound']:.2f}x at this machine's S = {speedup:.2f}, "
+              f"{r['ratio_bound_ideal']:.2f}x with {args.workers} free cores", flush=True)
         if args.workers == 2:
             print(f"  target >= {TARGET_RATIO}x at N = 2: "
                   f"{'met' if r['ratio'] >= TARGET_RATIO else 'NOT met'}", flush=True)
