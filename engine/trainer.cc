@@ -25,7 +25,8 @@ namespace {
 // Tunables of the trainer's waits (every wait is also bounded by the call's timeout).
 constexpr auto kAwaitSlice = std::chrono::milliseconds(100);  // liveness checks while a step runs
 // How long the trainer and the participants of a step spin before they sleep on a futex,
-// when every one of them has a core (StepRequest::spin_ns). Long enough to cover a short
+// when every one of them has a core (StepRequest::spin_ns; at the barriers, when the
+// participants have, StepRequest::barrier_spin_ns). Long enough to cover a short
 // step's compute and the gap between two steps, so neither side pays a wake-up; bounded,
 // so a long step costs a spare core for no longer than this. SHMGRAD_SPIN_US overrides it
 // (0 disables spinning).
@@ -408,10 +409,14 @@ uint32_t Trainer::publish(int64_t B, const GradientOptions& o, uint32_t kind,
   }
   c.compute_barrier.store(ipc::barrierTag(e), std::memory_order_relaxed);
   c.reduce_barrier.store(ipc::barrierTag(e), std::memory_order_relaxed);
-  // Spin only if every process of the step has a core: the participants' threads and
-  // this trainer. Otherwise a spinning waiter would take a core from a worker.
-  const uint64_t processes = static_cast<uint64_t>(p.n) * std::max<uint32_t>(1, h->threads_per_worker) + 1;
-  r.spin_ns = processes <= cores_ ? spin_ns_ : 0;
+  // Spin only if every process that runs meanwhile has a core. Between steps and while
+  // the trainer waits, that is the participants' threads and this trainer; otherwise a
+  // spinning waiter would take a core from a worker, and the trainer sleeps. At the
+  // barriers it is the participants' threads alone, as the trainer then either spins
+  // (every process fits) or sleeps.
+  const uint64_t threads = static_cast<uint64_t>(p.n) * std::max<uint32_t>(1, h->threads_per_worker);
+  r.spin_ns = threads + 1 <= cores_ ? spin_ns_ : 0;
+  r.barrier_spin_ns = threads <= cores_ ? spin_ns_ : 0;
   r.publish_ns = ipc::monotonicNs();
   c.step_epoch.store(e, std::memory_order_release);
   ipc::futexWake(&c.step_epoch);

@@ -30,7 +30,7 @@
 namespace shmgrad::ipc {
 
 constexpr uint64_t kMagic = 0x31444152474d4853ull;  // "SHMGRAD1", little endian
-constexpr uint32_t kLayoutVersion = 5;
+constexpr uint32_t kLayoutVersion = 6;
 constexpr uint64_t kAlign = 64;            // every region and tensor starts on a cache line
 constexpr uint32_t kAlignFloats = kAlign / sizeof(float);
 constexpr uint32_t kMaxWorkers = 64;       // gradient slots in one segment, at most
@@ -176,10 +176,15 @@ struct StepRequest {
   int64_t max_examples_per_pass;  // >0: a worker splits its shard into passes
   uint64_t publish_ns;        // CLOCK_MONOTONIC when published (for wall time)
   // How long a participant may spin (pause loop, no system call) before it sleeps on a
-  // futex: at the barriers and, after this step, waiting for the next one. The trainer
-  // sets it only when every process of the step has a core of its own (participants x
-  // threads + the trainer <= cores); 0 otherwise, as spinning would steal their cores.
+  // futex, after this step, waiting for the next one. The trainer sets it only when
+  // every process of the step has a core of its own (participants x threads + the
+  // trainer <= cores), and then spins itself; 0 otherwise, as spinning would steal their
+  // cores.
   uint64_t spin_ns;
+  // The same bound for the participants' two barriers. While they are at the barriers
+  // the trainer either spins too (spin_ns > 0) or sleeps, so the trainer sets it when
+  // the participants' threads alone fit the cores (participants x threads <= cores).
+  uint64_t barrier_spin_ns;
   // Eager workers: the step's seed (shmgrad.example_seed(seed, i) seeds the generators
   // before dataset[i]) and the trainer module's mode (1: train, 0: eval).
   uint64_t seed;

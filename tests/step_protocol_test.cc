@@ -250,7 +250,8 @@ TEST(StepProtocolExitTest, StopRequestEndsEveryParticipantWithTheStoppedCode) {
 namespace shmgrad {
 namespace {
 
-// Waiters spin only when every process of the step has a core of its own.
+// Waiters spin only when every process that runs meanwhile has a core of its own: the
+// trainer and the participants between steps, the participants alone at the barriers.
 TEST(StepProtocolSpinTest, SpinOnlyWhenEveryProcessHasACore) {
   cpu_set_t cpus;
   CPU_ZERO(&cpus);
@@ -264,12 +265,19 @@ TEST(StepProtocolSpinTest, SpinOnlyWhenEveryProcessHasACore) {
     GradientOptions o;
     o.timeout_seconds = 20;
     engine.trainer().gradient(indexTensor({1, 2, 3, 4, 5, 6}), o);
-    const uint64_t spin = engine.segment().header()->request.spin_ns;
+    const ipc::StepRequest& r = engine.segment().header()->request;
     if (workers + 1 <= cores) {
-      EXPECT_GT(spin, 0u) << cores << " cores";
-      EXPECT_LE(spin, ipc::kMaxSpinNs);
+      EXPECT_GT(r.spin_ns, 0u) << cores << " cores";
+      EXPECT_LE(r.spin_ns, ipc::kMaxSpinNs);
     } else {
-      EXPECT_EQ(spin, 0u) << cores << " cores";
+      EXPECT_EQ(r.spin_ns, 0u) << cores << " cores";
+    }
+    if (workers <= cores) {
+      EXPECT_GT(r.barrier_spin_ns, 0u) << cores << " cores";
+      EXPECT_LE(r.barrier_spin_ns, ipc::kMaxSpinNs);
+      EXPECT_GE(r.barrier_spin_ns, r.spin_ns);
+    } else {
+      EXPECT_EQ(r.barrier_spin_ns, 0u) << cores << " cores";
     }
   }
 }

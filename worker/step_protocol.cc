@@ -195,6 +195,7 @@ bool StepParticipant::prepareShard(uint32_t e, Shard* s) {
   s->seed = r.seed;
   s->train = r.train_mode != 0;
   spin_ns_ = std::min<uint64_t>(r.spin_ns, ipc::kMaxSpinNs);
+  barrier_spin_ns_ = std::min<uint64_t>(r.barrier_spin_ns, ipc::kMaxSpinNs);
   return true;
 }
 
@@ -267,7 +268,7 @@ bool StepParticipant::barrier(std::atomic<uint32_t>& word, uint32_t e, uint32_t 
   return ipc::barrierWait(
       word, e, n, c_.abort_epoch, deadline,
       [&] { return c_.stop_requested.load(std::memory_order_acquire) == 0 && !coordinatorGone(); },
-      spin_ns_, &barrier_spin_);
+      barrier_spin_ns_, &barrier_spin_);
 }
 
 void StepParticipant::reducePhase(const Shard& shard) {

@@ -138,7 +138,8 @@ class StepParticipant {
   const uint32_t slot_;
   const int parent_pid_;
   uint32_t last_epoch_ = 0;
-  uint64_t spin_ns_ = 0;  // the current step's StepRequest::spin_ns, bounded
+  uint64_t spin_ns_ = 0;          // the current step's StepRequest::spin_ns, bounded
+  uint64_t barrier_spin_ns_ = 0;  // and its barrier_spin_ns
   ipc::AdaptiveSpin next_step_spin_, barrier_spin_;  // how long spinning pays, per wait
   int exit_code_ = kExitStopped;
 };
