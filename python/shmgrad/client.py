@@ -138,6 +138,12 @@ class Client:
         self._warned_unbound = False
         self.min_examples_per_worker = min_examples_per_worker
         self.max_examples_per_pass = max_examples_per_pass
+        # Only eager workers use a step's seed; TorchScript workers get 0, which spares the
+        # step the seed's arithmetic (about 15 us right after a long step, caches cold).
+        try:
+            self._eager_workers = _C.status(name)["worker_kind"] == "eager"
+        except Exception:  # no status: send seeds anyway, as an eager engine needs them
+            self._eager_workers = True
         self._param_info = [(n, tuple(s)) for n, s in trainer.parameters()]
         self._param_views = trainer.parameter_views()
         self._grad_views = trainer.gradient_views()
@@ -210,7 +216,6 @@ class Client:
         self._bind_buffers(module)
         self._bound = [p for _, p in named]
         self._bound_module = module
-        self._grad_ptrs = [g.data_ptr() for g in self._grad_views]
         if self._nodes is not None:
             self._nodes.broadcast_parameters()  # every node takes rank 0's values
         return module
@@ -280,7 +285,7 @@ class Client:
         mepw = self.min_examples_per_worker if min_examples_per_worker is None else min_examples_per_worker
         mepp = self.max_examples_per_pass if max_examples_per_pass is None else max_examples_per_pass
         if seed is None:
-            seed = step_seed(self.seed, self._steps)
+            seed = step_seed(self.seed, self._steps) if self._eager_workers else 0
         elif not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**64:
             raise errors.InvalidArgumentError(f"seed must be an int in [0, 2^64), got {seed!r}")
         self._steps += 1
@@ -313,8 +318,15 @@ class Client:
             y = targets if isinstance(targets, torch.Tensor) else torch.as_tensor(targets)
             empty = x.dim() > 0 and x.shape[0] == 0
 
+            # The engine only reads the data; detach (a new tensor object each, about 20
+            # us apiece with cold caches) only what autograd tracks.
+            if x.requires_grad:
+                x = x.detach()
+            if y.requires_grad:
+                y = y.detach()
+
             def local_step():
-                return t.gradient(None, x.detach(), y.detach(), *args)
+                return t.gradient(None, x, y, *args)
         if nodes is None:
             stats = GradientStats(local_step())
         else:
@@ -334,13 +346,13 @@ class Client:
         # optimizer.zero_grad(set_to_none=True) (the default in newer PyTorch) drops every
         # .grad at once; point them at the reduced gradient again. Looking at the first and
         # the last is enough to see that, and keeps the step's Python cost flat in the
-        # number of parameters.
+        # number of parameters. Identity, not data_ptr(): a .grad that is still our view
+        # is the same tensor object (bind assigned it), and the check stays two reads.
         bound = self._bound
         if not bound:
             return
-        first, last = bound[0].grad, bound[-1].grad
-        if (first is None or last is None or first.data_ptr() != self._grad_ptrs[0]
-                or last.data_ptr() != self._grad_ptrs[-1]):
+        views = self._grad_views
+        if bound[0].grad is not views[0] or bound[-1].grad is not views[-1]:
             for p, g in zip(bound, self._grad_views):
                 if p.grad is None or p.grad.data_ptr() != g.data_ptr():
                     p.grad = g

@@ -51,6 +51,28 @@ def test_mse_explicit_batches():
             assert relative_error([p.grad for p in model.parameters()], ref) < 1e-5
 
 
+def test_inputs_that_require_grad_and_replaced_grads():
+    """Inputs that autograd tracks give the same gradient and are left alone; a .grad the
+    user replaced (not only set to None) is pointed back at the engine's gradient."""
+    torch.manual_seed(3)
+    model = Mlp(d_in=8, d_out=3)
+    x, y = torch.randn(7, 8), torch.tensor([0, 1, 2, 0, 1, 2, 0])
+    ref = reference_gradient(model, "cross_entropy", x, y)
+    with shmgrad.Engine(model=model, workers=2, loss="cross_entropy") as engine:
+        engine.bind(model)
+        xg = x.clone().requires_grad_(True)
+        engine.gradient(inputs=xg, targets=y)
+        assert relative_error([p.grad for p in model.parameters()], ref) < 1e-5
+        assert xg.grad is None and xg.requires_grad and xg.grad_fn is None
+        params = list(model.parameters())
+        params[0].grad = torch.zeros_like(params[0])   # a new tensor, not the engine's
+        params[-1].grad = params[-1].grad.clone()
+        engine.gradient(inputs=x, targets=y)
+        views = engine.gradient_tensors()
+        assert params[0].grad is views[0] and params[-1].grad is views[-1]
+        assert relative_error([p.grad for p in params], ref) < 1e-5
+
+
 def test_fifty_sgd_momentum_steps_match_plain_pytorch(npy_dataset):
     spec, x, y = npy_dataset
     torch.manual_seed(1)
