@@ -60,10 +60,12 @@ def test_inputs_that_require_grad_and_replaced_grads():
     ref = reference_gradient(model, "cross_entropy", x, y)
     with shmgrad.Engine(model=model, workers=2, loss="cross_entropy") as engine:
         engine.bind(model)
-        xg = x.clone().requires_grad_(True)
-        engine.gradient(inputs=xg, targets=y)
-        assert relative_error([p.grad for p in model.parameters()], ref) < 1e-5
-        assert xg.grad is None and xg.requires_grad and xg.grad_fn is None
+        # float32 as it is; float64 and a non-contiguous layout converted by the engine.
+        for xg in (x.clone().requires_grad_(True), x.double().requires_grad_(True),
+                   x.t().contiguous().t().requires_grad_(True)):
+            engine.gradient(inputs=xg, targets=y)
+            assert relative_error([p.grad for p in model.parameters()], ref) < 1e-5
+            assert xg.grad is None and xg.requires_grad and xg.grad_fn is None
         params = list(model.parameters())
         params[0].grad = torch.zeros_like(params[0])   # a new tensor, not the engine's
         params[-1].grad = params[-1].grad.clone()
