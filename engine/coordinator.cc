@@ -19,6 +19,7 @@
 #include "ipc/futex.h"
 #include "ipc/segment.h"
 #include "ipc/step.h"
+#include "worker/buffer_views.h"
 #include "worker/replica.h"
 #include "worker/step_protocol.h"
 
@@ -91,9 +92,8 @@ worker::ModelParams readParamsFile(const std::string& path) {
     const uint64_t numel = ipc::checkedNumel(ErrorKind::kInvalidArgument, r.name.c_str(),
                                              r.dims.data(), ndim);
     r.dtype = static_cast<ipc::DType>(dtype);
-    const bool i64 = r.dtype == ipc::DType::kInt64;
-    r.values = torch::empty(r.dims, i64 ? torch::kInt64 : torch::kFloat32);
-    if (numel > 0) read(r.values.data_ptr(), numel * (i64 ? 8 : 4));
+    r.values = torch::empty(r.dims, worker::torchType(r.dtype));
+    if (numel > 0) read(r.values.data_ptr(), numel * ipc::dtypeSize(r.dtype));
     return r;
   };
   worker::ModelParams out;

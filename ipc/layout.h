@@ -83,6 +83,7 @@ inline bool lossKindValid(uint32_t v) { return v >= 1 && v <= kNumLossKinds; }
 inline uint64_t dtypeSize(uint32_t v) {
   return v == static_cast<uint32_t>(DType::kFloat32) ? 4 : v == static_cast<uint32_t>(DType::kInt64) ? 8 : 0;
 }
+inline uint64_t dtypeSize(DType v) { return dtypeSize(static_cast<uint32_t>(v)); }
 
 enum class BatchKind : uint32_t { kIndices = 1, kExplicit = 2 };
 

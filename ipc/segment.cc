@@ -39,6 +39,16 @@ void fillShape(Shape* out, const std::vector<int64_t>& shape) {
   for (size_t i = 0; i < shape.size(); ++i) out->dims[i] = shape[i];
 }
 
+// What a ParamEntry and a BufferEntry have in common: cleared, then name, shape, offset.
+template <typename Entry>
+void fillEntry(Entry* e, const std::string& name, const std::vector<int64_t>& shape,
+               uint64_t offset) {
+  std::memset(e, 0, sizeof(*e));
+  std::snprintf(e->name, kNameLen, "%s", name.c_str());
+  fillShape(&e->shape, shape);
+  e->offset = offset;
+}
+
 std::string describe(const Region& r) {
   return "[" + std::to_string(r.offset) + ", +" + std::to_string(r.size) + ")";
 }
@@ -170,7 +180,7 @@ Layout computeLayout(const SegmentSpec& spec) {
   uint64_t buffer_bytes = 0;
   for (const auto& b : spec.buffers) {
     l.buffer_offsets.push_back(buffer_bytes);
-    buffer_bytes += alignUp(numelOf(b.shape) * (b.dtype == DType::kInt64 ? 8 : 4), kAlign);
+    buffer_bytes += alignUp(numelOf(b.shape) * dtypeSize(b.dtype), kAlign);
   }
   l.buffers = take(buffer_bytes);
   l.params = take(l.param_floats * sizeof(float));
@@ -183,8 +193,8 @@ Layout computeLayout(const SegmentSpec& spec) {
   uint64_t data_in = 0, data_tg = 0;
   if (spec.data_count > 0) {
     data_in = static_cast<uint64_t>(spec.data_count) * numelOf(spec.data_example_shape) * 4;
-    uint64_t tsize = spec.data_target_dtype == DType::kInt64 ? 8 : 4;
-    data_tg = static_cast<uint64_t>(spec.data_count) * numelOf(spec.data_target_shape) * tsize;
+    data_tg = static_cast<uint64_t>(spec.data_count) * numelOf(spec.data_target_shape) *
+              dtypeSize(spec.data_target_dtype);
   }
   l.data_inputs = take(data_in);
   l.data_targets = take(data_tg);
@@ -261,7 +271,7 @@ void validateHeader(const SegmentHeader* h, uint64_t size) {
                       h->data_target_dtype == static_cast<uint32_t>(DType::kFloat32),
                   ErrorKind::kCorrupt, "segment header: dataset target dtype ",
                   h->data_target_dtype);
-    uint64_t tsize = h->data_target_dtype == static_cast<uint32_t>(DType::kInt64) ? 8 : 4;
+    const uint64_t tsize = dtypeSize(h->data_target_dtype);  // 4 or 8: checked above
     uint64_t n = static_cast<uint64_t>(h->data_count);
     SHMGRAD_CHECK(in == 0 || n <= size / (in * 4), ErrorKind::kCorrupt,
                   "segment header: dataset larger than the segment");
@@ -433,22 +443,15 @@ void Segment::writeHeader(const SegmentSpec& spec, const Layout& l, uint8_t* bas
   h->control.target_workers.store(spec.num_slots);
   auto* table = reinterpret_cast<ParamEntry*>(base + l.params_table.offset);
   for (size_t i = 0; i < spec.params.size(); ++i) {
-    ParamEntry& e = table[i];
-    std::memset(&e, 0, sizeof(e));
-    std::snprintf(e.name, kNameLen, "%s", spec.params[i].name.c_str());
-    fillShape(&e.shape, spec.params[i].shape);
-    e.offset = l.param_offsets[i];
-    e.numel = numelOf(spec.params[i].shape);
+    fillEntry(&table[i], spec.params[i].name, spec.params[i].shape, l.param_offsets[i]);
+    table[i].numel = numelOf(spec.params[i].shape);
   }
   auto* btable = reinterpret_cast<BufferEntry*>(base + l.buffers_table.offset);
   for (size_t i = 0; i < spec.buffers.size(); ++i) {
-    BufferEntry& e = btable[i];
-    std::memset(&e, 0, sizeof(e));
-    std::snprintf(e.name, kNameLen, "%s", spec.buffers[i].name.c_str());
-    fillShape(&e.shape, spec.buffers[i].shape);
-    e.dtype = static_cast<uint32_t>(spec.buffers[i].dtype);
-    e.offset = l.buffer_offsets[i];
-    e.nbytes = numelOf(spec.buffers[i].shape) * (spec.buffers[i].dtype == DType::kInt64 ? 8 : 4);
+    const BufferSpec& b = spec.buffers[i];
+    fillEntry(&btable[i], b.name, b.shape, l.buffer_offsets[i]);
+    btable[i].dtype = static_cast<uint32_t>(b.dtype);
+    btable[i].nbytes = numelOf(b.shape) * dtypeSize(b.dtype);
   }
   validateHeader(h, l.total_size);
 }
