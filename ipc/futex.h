@@ -90,14 +90,22 @@ class AdaptiveSpin {
   uint32_t idle_ = 0;
 };
 
+// Spins until pred() holds for as long as `adapt` allows of `max` (all of it without
+// `adapt`), and tells `adapt` how the spin fared. Returns pred().
+template <typename Pred>
+bool adaptiveSpinUntil(Pred pred, uint64_t max, AdaptiveSpin* adapt) {
+  if (adapt == nullptr) return spinUntil(pred, max);
+  const uint64_t spin = adapt->next(max);
+  const bool won = spinUntil(pred, spin);
+  adapt->result(won, spin, max);
+  return won;
+}
+
 template <typename Pred, typename Poll>
 bool waitUntil(std::atomic<uint32_t>* word, Pred pred, Poll poll, uint64_t deadline_ns,
                std::chrono::nanoseconds slice = std::chrono::milliseconds(100),
                uint64_t spin_ns = 0, AdaptiveSpin* adapt = nullptr) {
-  const uint64_t spin = adapt != nullptr ? adapt->next(spin_ns) : spin_ns;
-  const bool won = spinUntil(pred, spin);
-  if (adapt != nullptr) adapt->result(won, spin, spin_ns);
-  if (won) return true;
+  if (adaptiveSpinUntil(pred, spin_ns, adapt)) return true;
   // poll() may make system calls (liveness checks): it runs once per slice, not before
   // every sleep, so a wait that a wake ends promptly costs no call beyond the futex.
   const uint64_t slice_ns = static_cast<uint64_t>(slice.count());

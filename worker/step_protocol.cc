@@ -108,11 +108,11 @@ uint32_t StepParticipant::waitForStep() {
     if (spin_ns_ > 0) {
       const uint64_t max = spin_ns_;
       spin_ns_ = 0;  // once per step: an idle worker sleeps
-      const uint64_t spin = next_step_spin_.next(max);
-      const bool won = ipc::spinUntil(
-          [&] { return c_.step_epoch.load(std::memory_order_acquire) != cur; }, spin);
-      next_step_spin_.result(won, spin, max);
-      if (won) continue;
+      if (ipc::adaptiveSpinUntil(
+              [&] { return c_.step_epoch.load(std::memory_order_acquire) != cur; }, max,
+              &next_step_spin_)) {
+        continue;
+      }
     }
     const bool woken = ipc::futexWait(&c_.step_epoch, cur, kIdleCheckSlice);
     if (!woken && coordinatorGone()) return 0;
