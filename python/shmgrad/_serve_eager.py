@@ -18,26 +18,29 @@ EXIT_FAILURE = 1
 JOB_KEYS = ("model", "loss", "dataset", "collate_fn", "forward")
 
 
-def _take_option(args, name):
-    """Removes ``name VALUE`` or ``name=VALUE`` from args; returns VALUE or None."""
+def _find_option(args, name):
+    """Where ``name VALUE`` or ``name=VALUE`` is in args: (index, words, VALUE), or None."""
     for i, a in enumerate(args):
         if a == name and i + 1 < len(args):
-            value = args[i + 1]
-            del args[i:i + 2]
-            return value
+            return i, 2, args[i + 1]
         if a.startswith(name + "="):
-            del args[i]
-            return a[len(name) + 1:]
+            return i, 1, a[len(name) + 1:]
     return None
+
+
+def _take_option(args, name):
+    """Removes ``name VALUE`` or ``name=VALUE`` from args; returns VALUE or None."""
+    found = _find_option(args, name)
+    if found is None:
+        return None
+    i, words, value = found
+    del args[i:i + words]
+    return value
 
 
 def _peek_option(args, name):
-    for i, a in enumerate(args):
-        if a == name and i + 1 < len(args):
-            return args[i + 1]
-        if a.startswith(name + "="):
-            return a[len(name) + 1:]
-    return None
+    found = _find_option(args, name)
+    return None if found is None else found[2]
 
 
 def load_job_function(spec: str) -> dict:
@@ -86,10 +89,7 @@ def main(argv) -> int:
                                      forward=job.get("forward"), loss_names=_C.loss_names())
         _take_option(args, "--loss")  # the job's loss is used; serve's is a placeholder
         serve = [installed_binary("shmgrad", "SHMGRAD_BINARY"), "serve", *args, "--model", prepared.holder_path,
-                 "--loss", _C.loss_names()[0], "--eager-job", prepared.job_path,
-                 "--python", sys.executable,
-                 "--eager-dataset-size", str(prepared.dataset_size),
-                 "--owned-dir", prepared.directory]
+                 "--loss", _C.loss_names()[0], *prepared.serve_arguments()]
     except Exception as exc:
         kind = getattr(exc, "kind", None) or _kind_of(exc)
         if status_fd is not None:

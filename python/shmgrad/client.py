@@ -10,7 +10,7 @@ import torch
 
 from . import distributed, errors
 from ._native import _C
-from .eager import step_seed
+from .eager import shared_buffers, step_seed
 from .status import EngineStatus, read_status
 
 REDUCTIONS = ("sum", "mean")
@@ -225,8 +225,7 @@ class Client:
         # are copied in once, then its buffers view them, so after every step it holds the
         # first participant's statistics and evaluates correctly with no extra pass.
         views = dict(self._trainer.buffer_views())
-        own = {n: b for n, b in module.named_buffers()
-               if b.dtype in (torch.float32, torch.int64) and b.device.type == "cpu"}
+        own = dict(shared_buffers(module))
         if set(views) != set(own):
             raise errors.InvalidArgumentError(
                 f"the module's buffers {sorted(own)[:4]}... differ from the engine's "

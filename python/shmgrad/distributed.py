@@ -321,7 +321,6 @@ class _Buffers:
     dtype: a copy into it, one broadcast, a copy back."""
 
     def __init__(self, views):
-        self.names = [n for n, _ in views]
         self.tensors = [t for _, t in views]
         self.layout = [(n, tuple(t.shape), str(t.dtype)) for n, t in views]
         self._groups = []

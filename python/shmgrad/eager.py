@@ -9,8 +9,10 @@ The worker side is :mod:`shmgrad._eager_worker`. docs/DESIGN.md, "Eager workers"
 import os
 import pickle
 import random
+import struct
+import sys
 import tempfile
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, List, NamedTuple, Optional
 
 import torch
 
@@ -161,6 +163,12 @@ class EagerJob(NamedTuple):
     job_path: str        # the pickled job, 0600
     dataset_size: int    # examples of a Dataset the workers hold (0: none or a spec string)
 
+    def serve_arguments(self) -> List[str]:
+        """The options that make ``shmgrad serve`` run this job in eager workers, with
+        this interpreter, and remove the job's directory with the engine."""
+        return ["--eager-job", self.job_path, "--python", sys.executable,
+                "--eager-dataset-size", str(self.dataset_size), "--owned-dir", self.directory]
+
 
 def _pickle(name, obj, pickler):
     try:
@@ -174,6 +182,18 @@ def _pickle(name, obj, pickler):
 
 PARAMS_MAGIC = b"SHMGRADP"
 PARAMS_VERSION = 2
+DTYPE_FLOAT32, DTYPE_INT64 = 1, 2  # ipc::DType
+
+
+def _write_tensor(f, name: str, t: torch.Tensor, dtype: Optional[int] = None) -> None:
+    """One entry of the parameter file: u32 name length, the UTF-8 name, the u32 dtype
+    (buffers only), u32 ndim, i64 dims, then the values."""
+    raw = name.encode()
+    f.write(struct.pack("<I", len(raw)) + raw)
+    if dtype is not None:
+        f.write(struct.pack("<I", dtype))
+    f.write(struct.pack("<I", t.dim()) + struct.pack(f"<{t.dim()}q", *t.shape))
+    f.write(t.detach().contiguous().numpy().tobytes())
 
 
 def write_params(model: torch.nn.Module, path: str) -> None:
@@ -182,7 +202,6 @@ def write_params(model: torch.nn.Module, path: str) -> None:
     (engine/coordinator.cc, readParamsFile): the magic, u32 version, u32 count, then per
     parameter u32 name length, the UTF-8 name, u32 ndim, i64 dims and the values; then u32
     count and per buffer the same with a u32 dtype (ipc::DType) after the name."""
-    import struct
     named = list(model.named_parameters())
     if not named:
         raise errors.InvalidArgumentError("the model has no parameters: nothing to compute a gradient of")
@@ -193,21 +212,11 @@ def write_params(model: torch.nn.Module, path: str) -> None:
                 raise errors.InvalidArgumentError(
                     f"parameter {name} is {p.dtype} on {p.device}; shmgrad engines hold float32 "
                     "CPU parameters: call model.float().cpu() first")
-            raw = name.encode()
-            f.write(struct.pack("<I", len(raw)) + raw + struct.pack("<I", p.dim()))
-            f.write(struct.pack(f"<{p.dim()}q", *p.shape))
-            f.write(p.detach().contiguous().numpy().tobytes())
+            _write_tensor(f, name, p)
         buffers = shared_buffers(model)
         f.write(struct.pack("<I", len(buffers)))
         for name, b in buffers:
-            raw = name.encode()
-            dtype = DTYPE_INT64 if b.dtype == torch.int64 else DTYPE_FLOAT32
-            f.write(struct.pack("<I", len(raw)) + raw + struct.pack("<II", dtype, b.dim()))
-            f.write(struct.pack(f"<{b.dim()}q", *b.shape))
-            f.write(b.detach().contiguous().numpy().tobytes())
-
-
-DTYPE_FLOAT32, DTYPE_INT64 = 1, 2  # ipc::DType
+            _write_tensor(f, name, b, DTYPE_INT64 if b.dtype == torch.int64 else DTYPE_FLOAT32)
 
 
 def shared_buffers(model: torch.nn.Module):

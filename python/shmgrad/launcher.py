@@ -93,9 +93,7 @@ class ServeOptions:
         if self.dataset is not None:
             args += ["--dataset", str(self.dataset)]
         if self.eager_job is not None:
-            args += ["--eager-job", self.eager_job.job_path, "--python", sys.executable,
-                     "--eager-dataset-size", str(self.eager_job.dataset_size),
-                     "--owned-dir", self.eager_job.directory]
+            args += self.eager_job.serve_arguments()
         return args
 
 
