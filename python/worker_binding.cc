@@ -33,7 +33,6 @@ struct PyShard {
   torch::Tensor indices, inputs, targets;
 };
 
-
 // Calls the Python compute function. It returns the shard's loss sum (a float), or a
 // (type, text) pair describing an exception it caught (text: message and traceback).
 class PyShardComputer : public worker::ShardComputer {

@@ -62,7 +62,6 @@ bool sharedBufferType(const torch::Tensor& t) {
          (t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kInt64);
 }
 
-
 torch::Tensor lossSum(ipc::LossKind loss, const torch::Tensor& output, const torch::Tensor& target) {
   switch (loss) {
     case ipc::LossKind::kCrossEntropy:
