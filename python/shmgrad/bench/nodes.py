@@ -71,6 +71,7 @@ def _steps(rank, world, model_name, batch, warmup, repeats, seed, workers, engin
             if i == 0 and rank == 0:
                 out["grad"] = torch.cat([g.detach().reshape(-1).double() for g in grads]).numpy()
             out["allreduce_bytes"] = st.allreduce_bytes
+            out["exchange"], out["sent_bytes"] = st.exchange, st.sent_bytes
 
         out.update(rank_steps(batches, warmup, step))
     return out

@@ -160,7 +160,7 @@ def nodes_table(records, targets):
     """--nodes: the results as Markdown tables."""
     lines = ["| model | batch | system | workers | median ms | min ms | max ms | IQR ms | steps "
              "| DDP / this | all-reduce share | all-reduce ms | sent per node per step "
-             "(ring) | loopback per node per step | notes |",
+             "| loopback per node per step | notes |",
              "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     order = {"single-1t": 0, "shmgrad": 1, "shmgrad-nodes": 2, "ddp": 3}
     ddp = {(r["model"], r["batch"]): r for r in records if r["system"] == "ddp" and "median_s" in r}
@@ -180,7 +180,8 @@ def nodes_table(records, targets):
             notes.append(f"grad rel. diff {r['grad_rel_err']:.1e}")
         if system == "shmgrad-nodes":
             notes.append(f"slowest worker f+b {fmt_ms(r['compute_max_median_s'])} ms; "
-                         f"all-reduced {fmt_bytes(r['allreduce_bytes'])} a step")
+                         f"{r.get('exchange', 'all_reduce')} of {fmt_bytes(r['allreduce_bytes'])} "
+                         "a step")
         share = (f"{r['allreduce_share_median'] * 100:.1f}%" if "allreduce_share_median" in r
                  else "-")
         lines.append(

@@ -220,7 +220,8 @@ def run_nodes(model_name, batch, warmup, repeats, nodes, workers, seed, deadline
         "compute_max_median_s": statistics.median(
             max(r["compute"][i] for r in results.values()) for i in steps),
         "allreduce_bytes": payload,
-        "sent_bytes_per_node_step": ring_bytes_sent(payload, nodes),
+        "exchange": results[0]["exchange"],
+        "sent_bytes_per_node_step": results[0]["sent_bytes"],
         "loopback_bytes_per_node_step": results[0]["loopback_bytes"] / max(1, len(times)) / nodes,
     }, results[0]["grad"]
 
