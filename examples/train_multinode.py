@@ -10,7 +10,10 @@ stands for two nodes):
     torchrun --nnodes 2 --nproc_per_node 1 --rdzv_backend c10d \\
              --rdzv_endpoint HOST0:29400 examples/train_multinode.py       # on each node
     /usr/bin/python3 -m torch.distributed.run --standalone --nproc_per_node 2 \\
-             examples/train_multinode.py --epochs 1                         # one machine
+             --redirects 1 --tee 1 examples/train_multinode.py --epochs 1   # one machine
+
+(Debian's torch 1.13 under Python 3.11 needs --redirects 1 --tee 1: without them torchrun
+fails at start with "'NoneType' object has no attribute 'get'"; see docs/MULTINODE.md.)
 
 On a Dask cluster (one call per worker, or per host with --per-host):
 
