@@ -507,18 +507,30 @@ def test_bench_nodes_tiny(tmp_path):
     engines = f"/dev/shm/shmgrad-{os.getuid()}-bench-*"
     before = set(glob.glob(engines))
     proc = subprocess.run(  # killed if it runs past the timeout
-        [sys.executable, "-m", "shmgrad.bench", "--nodes", "2", "--tiny", "--out", str(out)],
+        [sys.executable, "-m", "shmgrad.bench", "--nodes", "2", "--tiny", "--paired",
+         "--out", str(out)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(tmp_path),
         timeout=BENCH_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout
     assert not set(glob.glob(engines)) - before, proc.stdout
     with open(out / "results.json") as f:
-        records = json.load(f)["results"]
-    assert {r["system"] for r in records} == {"single-1t", "shmgrad", "shmgrad-nodes", "ddp"}
-    nodes = next(r for r in records if r["system"] == "shmgrad-nodes")
-    ddp = next(r for r in records if r["system"] == "ddp")
+        data = json.load(f)
+    records = data["results"]
+    assert {r["system"] for r in records} == {"single-1t", "shmgrad", "shmgrad-nodes", "ddp",
+                                              "shmgrad-nodes-paired", "ddp-paired"}
+    by = {r["system"]: r for r in records}
+    nodes, ddp = by["shmgrad-nodes"], by["ddp"]
+    for r in by.values():
+        assert r["median_s"] > 0, r
+        assert r["system"] == "single-1t" or r["grad_rel_err"] < 1e-4, r
+    # --paired: both systems in the same ranks, step by step; one ratio per pair of steps,
+    # and the target evaluated on it too.
+    pn, pd = by["shmgrad-nodes-paired"], by["ddp-paired"]
+    assert pn["n"] == pd["n"] == len(pd["paired_ratios"]) >= 2
+    assert pd["paired_ratios"] == [d / s for d, s in zip(pd["times_s"], pn["times_s"])]
+    assert pd["ratio_to_nodes"]["1"] == pd["median_s"] / pn["median_s"]
+    assert any(t["config"].endswith(", paired") for t in data["targets"])
     for r in (nodes, ddp):
-        assert r["median_s"] > 0 and r["grad_rel_err"] < 1e-4, r
         assert r["sent_bytes_per_node_step"] > 0 and r["loopback_bytes_per_node_step"] > 0
     assert 0 < nodes["allreduce_share_median"] < 1
     # The tiny model's exchange is a gather of the whole gradient (with padding) and the

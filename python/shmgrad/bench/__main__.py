@@ -47,6 +47,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import traceback
@@ -169,6 +170,12 @@ def build_parser():
     ap.add_argument("--bucket-cap-mb", type=float, default=None,
                     help="with --nodes: all-reduce in buckets of this many MiB (default one "
                          "call on the whole gradient)")
+    ap.add_argument("--paired", action="store_true",
+                    help="with --nodes: also run shmgrad's nodes and DDP's ranks in the same "
+                         "processes, every batch through both in turn (the order reversed "
+                         "each batch), so that both see the same moments of a noisy "
+                         "machine; reported as shmgrad-nodes-paired and ddp-paired, with "
+                         "the median of the per-step ratios")
     ap.add_argument("--pin", action="store_true",
                     help="with --nodes: run each node (its trainer, coordinator and workers) "
                          "and each DDP rank on its own share of the CPUs, as on a machine of "
@@ -340,6 +347,24 @@ def measure_nodes(args):
             record(base, "shmgrad-nodes", w, lambda: runners.run_nodes(
                 model_name, batch, args.warmup, reps, k, w, args.seed, now() + args.timeout,
                 f"bench-{os.getpid()}-{count}n", args.bucket_cap_mb, args.pin), ref)
+            if args.paired:
+                pair = {}
+
+                def paired(system, w=w):
+                    def run():
+                        if not pair:
+                            pair.update(runners.run_paired(
+                                model_name, batch, args.warmup, reps, k, w, args.seed,
+                                now() + args.timeout, f"bench-{os.getpid()}-{count}p",
+                                args.bucket_cap_mb, args.pin))
+                        return pair[system]
+                    return run
+
+                record(base, "shmgrad-nodes-paired", w, paired("shmgrad-nodes"), ref)
+                if "error" not in records[-1]:
+                    ddp, _ = record(base, "ddp-paired", w, paired("ddp"), ref)
+                    ddp["sent_bytes_per_node_step"] = runners.ring_bytes_sent(
+                        base["params"] * 4, k)
         if "ddp" in args.systems:
             ddp, _ = record(base, "ddp", 1, lambda: runners.run_ddp(
                 model_name, batch, args.warmup, reps, k, args.seed, now() + args.timeout,
@@ -352,6 +377,12 @@ def measure_nodes(args):
                 str(s["workers"]): r["median_s"] / s["median_s"] for s in records
                 if s["system"] == "shmgrad-nodes" and "median_s" in s
                 and (s["model"], s["batch"]) == (r["model"], r["batch"])}
+        if r["system"] == "ddp-paired" and "median_s" in r:
+            r["ratio_to_nodes"] = {
+                str(s["workers"]): r["median_s"] / s["median_s"] for s in records
+                if s["system"] == "shmgrad-nodes-paired" and "median_s" in s
+                and (s["model"], s["batch"], s["workers"]) == (r["model"], r["batch"], r["workers"])}
+            r["paired_ratio_median"] = statistics.median(r["paired_ratios"])
     return records
 
 

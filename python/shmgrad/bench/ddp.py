@@ -47,6 +47,48 @@ def rank_steps(batches, warmup, step):
     return {"start": starts, "end": ends, "loopback_bytes": loopback_bytes() - lo_bytes}
 
 
+def alternating_steps(batches, warmup, steps):
+    """``rank_steps`` for several systems in the same ranks (``steps``: name -> step):
+    each batch goes through every system in turn, each behind its own barrier, the order
+    reversed on every other batch, so that both see the same moments of a noisy machine.
+    Returns name -> the timed steps' start and end times."""
+    names = list(steps)
+    times = {n: {"start": [], "end": []} for n in names}
+    for i, (x, y) in enumerate(batches):
+        for name in (names if i % 2 == 0 else names[::-1]):
+            dist.barrier()
+            t0 = now()
+            steps[name](i, x, y)
+            t1 = now()
+            if i >= warmup:
+                times[name]["start"].append(t0)
+                times[name]["end"].append(t1)
+    dist.barrier()
+    return times
+
+
+def ddp_step(rank, world, model_name, batch, seed, out):
+    """A DDP model of ``model_name`` and its step on this rank's shard of a batch:
+    ``step(i, x, y)``; the first step's gradient of the sum goes into ``out["grad"]``
+    (rank 0)."""
+    model = models.make_model(model_name, seed)
+    model.train()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    lo, hi = batch * rank // world, batch * (rank + 1) // world
+    out["grad"] = None
+
+    def step(i, x, y):
+        for p in model.parameters():
+            p.grad = None
+        loss = F.cross_entropy(ddp(x[lo:hi]), y[lo:hi], reduction="sum")
+        loss.backward()  # DDP all-reduces (averages) the gradient buckets here
+        if i == 0 and rank == 0:
+            # DDP averages over ranks; times world gives the gradient of the sum.
+            out["grad"] = (models.flat_grad(model) * world).numpy()
+
+    return step
+
+
 def rank_main(rank, world, port, model_name, batch, warmup, repeats, seed, pin, queue,
               timeout_s):
     """Runs ``warmup + repeats`` DDP steps on this rank's shard of each batch and puts
@@ -54,22 +96,9 @@ def rank_main(rank, world, port, model_name, batch, warmup, repeats, seed, pin, 
     try:
         join_local_group(rank, world, port, timeout_s, pin)  # 1 thread, like a shmgrad worker
         try:
-            model = models.make_model(model_name, seed)
-            model.train()
-            ddp = torch.nn.parallel.DistributedDataParallel(model)
+            out = {}
+            step = ddp_step(rank, world, model_name, batch, seed, out)
             batches = models.make_batches(model_name, batch, warmup + repeats, seed)
-            lo, hi = batch * rank // world, batch * (rank + 1) // world
-            out = {"grad": None}
-
-            def step(i, x, y):
-                for p in model.parameters():
-                    p.grad = None
-                loss = F.cross_entropy(ddp(x[lo:hi]), y[lo:hi], reduction="sum")
-                loss.backward()  # DDP all-reduces (averages) the gradient buckets here
-                if i == 0 and rank == 0:
-                    # DDP averages over ranks; times world gives the gradient of the sum.
-                    out["grad"] = (models.flat_grad(model) * world).numpy()
-
             out.update(rank_steps(batches, warmup, step))
             queue.put((rank, out))
         finally:

@@ -5,6 +5,7 @@ own shmgrad engine and all-reduces with the other nodes' through
 then this node's share of the batch; a step runs from the first node's start to the last
 node's end."""
 
+import contextlib
 import math
 import os
 import traceback
@@ -15,7 +16,7 @@ import torch.distributed as dist
 from ..distributed import shard
 from ..engine import Engine
 from . import models
-from .ddp import join_local_group, rank_steps
+from .ddp import alternating_steps, ddp_step, join_local_group, rank_steps
 
 
 def rank_main(rank, world, port, model_name, batch, warmup, repeats, seed, workers,
@@ -49,12 +50,27 @@ def share_cores_with_other_nodes(nodes, workers):
 
 def _steps(rank, world, model_name, batch, warmup, repeats, seed, workers, engine_prefix,
            bucket_cap_mb, timeout_s):
-    model = models.make_model(model_name, seed)
     batches = models.make_batches(model_name, batch, warmup + repeats, seed)
+    out = {}
+    with node_step(rank, world, model_name, batch, batches[0][0], warmup, seed, workers,
+                   engine_prefix, bucket_cap_mb, timeout_s, out) as step:
+        out.update(rank_steps(batches, warmup, step))
+    return out
+
+
+@contextlib.contextmanager
+def node_step(rank, world, model_name, batch, x0, warmup, seed, workers, engine_prefix,
+              bucket_cap_mb, timeout_s, out):
+    """This node's engine, open for the ``with`` block, and its step on the node's share
+    of a batch: ``step(i, x, y)``. Into ``out`` go each timed step's exchange seconds
+    (``allreduce``) and slowest worker's forward and backward (``compute``), the exchange
+    and its bytes, and the first step's gradient (rank 0). ``x0``: a batch's inputs, for
+    the engine's input region."""
+    model = models.make_model(model_name, seed)
     share = shard(range(batch), rank, world)
     lo, hi = share.start, share.stop
-    in_mb = batches[0][0].numel() * 4 / 2**20
-    out = {"allreduce": [], "compute": [], "grad": None}
+    in_mb = x0.numel() * 4 / 2**20
+    out.update({"allreduce": [], "compute": [], "grad": None})
     with Engine(model=model, workers=workers, loss="cross_entropy",
                 name=f"{engine_prefix}-{rank}", threads_per_worker=1, max_batch=max(1, hi - lo),
                 input_capacity_mb=max(64, int(math.ceil(in_mb)) + 1),
@@ -73,5 +89,31 @@ def _steps(rank, world, model_name, batch, warmup, repeats, seed, workers, engin
             out["allreduce_bytes"] = st.allreduce_bytes
             out["exchange"], out["sent_bytes"] = st.exchange, st.sent_bytes
 
-        out.update(rank_steps(batches, warmup, step))
-    return out
+        yield step
+
+
+def paired_rank_main(rank, world, port, model_name, batch, warmup, repeats, seed, workers,
+                     engine_prefix, bucket_cap_mb, pin, queue, timeout_s):
+    """``--paired``: this rank is both a shmgrad node and a DDP rank, and each batch goes
+    through both in turn (``ddp.alternating_steps``). Puts ``(rank, {"shmgrad-nodes":
+    {...}, "ddp": {...}})`` on ``queue``, each like ``rank_main``'s (or an error)."""
+    try:
+        if not pin:
+            share_cores_with_other_nodes(world, workers)
+        join_local_group(rank, world, port, timeout_s, pin)
+        try:
+            batches = models.make_batches(model_name, batch, warmup + repeats, seed)
+            node_out, ddp_out = {}, {}
+            ddp_run = ddp_step(rank, world, model_name, batch, seed, ddp_out)
+            with node_step(rank, world, model_name, batch, batches[0][0], warmup, seed,
+                           workers, engine_prefix, bucket_cap_mb, timeout_s,
+                           node_out) as node_run:
+                times = alternating_steps(batches, warmup,
+                                          {"shmgrad-nodes": node_run, "ddp": ddp_run})
+            node_out.update(times["shmgrad-nodes"])
+            ddp_out.update(times["ddp"])
+            queue.put((rank, {"shmgrad-nodes": node_out, "ddp": ddp_out}))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # report, never hang the parent
+        queue.put((rank, {"error": traceback.format_exc(limit=6)}))

@@ -71,13 +71,16 @@ def evaluate_node_targets(records):
     """--nodes: shmgrad's nodes (one worker each) no slower than DDP with as many ranks."""
     out = []
     for r in records:
+        paired = r["system"] == "ddp-paired"
         for workers, ratio in r.get("ratio_to_nodes", {}).items():
             if workers != "1":
                 continue
             out.append({"target": f"{r['nodes']} shmgrad nodes of 1 worker no slower than "
                                   f"DDP-gloo with {r['nodes']} ranks",
-                        "config": f"{r['model']} b{r['batch']}",
-                        "value": f"ddp/shmgrad-nodes = {ratio:.3f}x",
+                        "config": f"{r['model']} b{r['batch']}" + (", paired" if paired else ""),
+                        "value": f"ddp/shmgrad-nodes = {ratio:.3f}x" + (
+                            f" (per-step ratios: median {r['paired_ratio_median']:.3f}x)"
+                            if paired else ""),
                         "met": ratio >= 1.0})
     return out
 
@@ -162,23 +165,30 @@ def nodes_table(records, targets):
              "| DDP / this | all-reduce share | all-reduce ms | sent per node per step "
              "| loopback per node per step | notes |",
              "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    order = {"single-1t": 0, "shmgrad": 1, "shmgrad-nodes": 2, "ddp": 3}
+    order = {"single-1t": 0, "shmgrad": 1, "shmgrad-nodes": 2, "ddp": 3,
+             "shmgrad-nodes-paired": 4, "ddp-paired": 5}
     ddp = {(r["model"], r["batch"]): r for r in records if r["system"] == "ddp" and "median_s" in r}
+    ddp_paired = {(r["model"], r["batch"], r["workers"]): r for r in records
+                  if r["system"] == "ddp-paired" and "median_s" in r}
     for r in sorted(records, key=lambda r: (r["model"], r["batch"], order.get(r["system"], 9),
                                             r["workers"])):
         system = r["system"]
-        workers = (f"{r['workers']} per node x {r['nodes']}" if system == "shmgrad-nodes"
-                   else f"{r['nodes']} ranks" if system == "ddp" else str(r["workers"]))
+        workers = (f"{r['workers']} per node x {r['nodes']}" if system.startswith("shmgrad-nodes")
+                   else f"{r['nodes']} ranks" if system.startswith("ddp") else str(r["workers"]))
         if "error" in r:
             lines.append(f"| {r['model']} | {r['batch']} | {system} | {workers} | FAILED | | | "
                          f"| | | | | | | {r['error'][:80]} |")
             continue
-        d = ddp.get((r["model"], r["batch"]))
+        d = (ddp_paired.get((r["model"], r["batch"], r["workers"])) if system.endswith("-paired")
+             else ddp.get((r["model"], r["batch"])))
         ratio = f"{d['median_s'] / r['median_s']:.2f}x" if d is not None else "-"
         notes = []
+        if system == "shmgrad-nodes-paired" and d is not None:
+            notes.append(f"run in turn with ddp-paired; per-step DDP / shmgrad: median "
+                         f"{d['paired_ratio_median']:.3f}x")
         if r.get("grad_rel_err") is not None and system != "single-1t":
             notes.append(f"grad rel. diff {r['grad_rel_err']:.1e}")
-        if system == "shmgrad-nodes":
+        if system.startswith("shmgrad-nodes"):
             notes.append(f"slowest worker f+b {fmt_ms(r['compute_max_median_s'])} ms; "
                          f"{r.get('exchange', 'all_reduce')} of {fmt_bytes(r['allreduce_bytes'])} "
                          "a step")

@@ -204,26 +204,52 @@ def run_nodes(model_name, batch, warmup, repeats, nodes, workers, seed, deadline
         nodes_rank.rank_main, nodes,
         (nodes, _free_port(), model_name, batch, warmup, repeats, seed, workers,
          engine_prefix, bucket_cap_mb, pin), deadline, "shmgrad node")
+    out = _nodes_summary(results, nodes, workers)
+    out.update({"total_s": total, "loopback_bytes_per_node_step":
+                results[0]["loopback_bytes"] / max(1, len(out["times_s"])) / nodes})
+    return out, results[0]["grad"]
+
+
+def _nodes_summary(results, nodes, workers):
+    """The record of a shmgrad-nodes run from its ranks' results (``nodes.node_step``'s
+    figures and the step times)."""
     times = _step_times(results)
     steps = range(len(times))
-    # The all-reduce's share of a step, averaged over the nodes (a node that arrives
-    # first waits in the all-reduce for the others: that wait counts as all-reduce).
+    # The exchange's share of a step, averaged over the nodes (a node that arrives first
+    # waits in the exchange for the others: that wait counts as exchange).
     shares = [statistics.mean(r["allreduce"][i] for r in results.values()) / times[i]
               for i in steps]
-    payload = results[0]["allreduce_bytes"]
     return {
-        "times_s": times, "threads": 1, "total_s": total, "nodes": nodes,
-        "workers_per_node": workers,
+        "times_s": times, "threads": 1, "nodes": nodes, "workers_per_node": workers,
         "allreduce_share_median": statistics.median(shares),
         "allreduce_median_s": statistics.median(
             statistics.mean(r["allreduce"][i] for r in results.values()) for i in steps),
         "compute_max_median_s": statistics.median(
             max(r["compute"][i] for r in results.values()) for i in steps),
-        "allreduce_bytes": payload,
+        "allreduce_bytes": results[0]["allreduce_bytes"],
         "exchange": results[0]["exchange"],
         "sent_bytes_per_node_step": results[0]["sent_bytes"],
-        "loopback_bytes_per_node_step": results[0]["loopback_bytes"] / max(1, len(times)) / nodes,
-    }, results[0]["grad"]
+    }
+
+
+def run_paired(model_name, batch, warmup, repeats, nodes, workers, seed, deadline,
+               engine_prefix, bucket_cap_mb=None, pin=False):
+    """``--paired``: ``nodes`` ranks that are each a shmgrad node and a DDP rank, every
+    batch through both in turn (bench/nodes.py ``paired_rank_main``). Returns
+    ``{"shmgrad-nodes": (record, grad), "ddp": (record, grad)}``; the records carry the
+    per-step ratios DDP / shmgrad (``paired_ratios``), each of two steps a moment apart."""
+    results, total = _run_ranks(
+        nodes_rank.paired_rank_main, nodes,
+        (nodes, _free_port(), model_name, batch, warmup, repeats, seed, workers,
+         engine_prefix, bucket_cap_mb, pin), deadline, "paired shmgrad node and DDP rank")
+    node = {r: res["shmgrad-nodes"] for r, res in results.items()}
+    ranks = {r: res["ddp"] for r, res in results.items()}
+    node_rec = _nodes_summary(node, nodes, workers)
+    ddp_rec = {"times_s": _step_times(ranks), "threads": 1, "nodes": nodes}
+    ratios = [d / s for d, s in zip(ddp_rec["times_s"], node_rec["times_s"])]
+    for rec in (node_rec, ddp_rec):
+        rec.update({"total_s": total, "paired_ratios": ratios})
+    return {"shmgrad-nodes": (node_rec, node[0]["grad"]), "ddp": (ddp_rec, ranks[0]["grad"])}
 
 
 def ddp_repeats(budget, est_step):
