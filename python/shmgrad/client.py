@@ -33,10 +33,8 @@ class GradientStats:
     Across nodes (an engine with a ``process_group``), ``num_examples``, ``loss``,
     ``loss_sum`` and ``nonfinite`` are the global batch's; ``local_num_examples`` and
     ``local_loss_sum`` this node's, ``allreduce_seconds`` the all-reduce's (not in
-    ``wall_seconds``, which is the node's own step), ``allreduce_bytes`` the bytes each
-    node contributes to it, ``exchange`` the collective (``"all_gather"`` or
-    ``"all_reduce"``), ``sent_bytes`` what it sends per node, ``nodes`` how many. On one
-    node these are the same figures, 0.0, 0, None, 0 and 1.
+    ``wall_seconds``, which is the node's own step), ``allreduce_bytes`` the bytes it
+    all-reduced, ``nodes`` how many. On one node these are the same figures, 0.0, 0 and 1.
     """
 
     __slots__ = ("_native", "_nodes")
@@ -45,8 +43,7 @@ class GradientStats:
                 "finish_seconds")
     _NODE_FIELDS = distributed.NodeStats.__slots__
     _ONE_NODE = {"local_num_examples": "num_examples", "local_loss_sum": "loss_sum"}
-    _ONE_NODE_CONSTANTS = {"allreduce_seconds": 0.0, "allreduce_bytes": 0, "exchange": None,
-                           "sent_bytes": 0, "nodes": 1}
+    _ONE_NODE_CONSTANTS = {"allreduce_seconds": 0.0, "allreduce_bytes": 0, "nodes": 1}
 
     def __init__(self, native, nodes=None):
         self._native = native

@@ -13,14 +13,12 @@ meets them, are collective (every node calls them, in the same order):
 * :meth:`NodeGroup.broadcast_parameters` (from ``bind()``): rank 0's parameters and
   buffers again;
 * :meth:`NodeGroup.gradient` (from ``gradient()``): the node's own step, then the
-  exchange of the whole reduced gradient together with a small record ``[loss sum,
-  non-finite, examples per rank, failed per rank]``. A small exchange (every other
-  node's copy fits in ``GATHER_MAX_BYTES``) is one ``all_gather`` of a staging copy of
-  both, summed in rank order on every node; otherwise an all-reduce: one call on a
-  staging copy of both when the gradient is small, else one call on the gradient in
-  place (or one per bucket of ``bucket_cap_mb``) and one on the record, issued together.
-  A mean is taken over the global count afterwards; a model with buffers (BatchNorm
-  statistics) then takes those of the first node that computed (DDP's rule: rank 0's);
+  all-reduce of the whole reduced gradient together with a small record ``[examples,
+  loss sum, non-finite, failed per rank]``: one call on a staging copy of both when the
+  gradient is small, else one call on the gradient in place (or one per bucket of
+  ``bucket_cap_mb``) and one on the record, issued together; a mean is taken over the
+  global count after the all-reduce; a model with buffers (BatchNorm statistics) then
+  takes those of the first node that computed (DDP's rule: rank 0's);
 * :meth:`NodeGroup.check_consistency`: a checksum of the parameters, compared.
 
 Errors of the process group (a dead peer, the group's timeout) become
@@ -50,15 +48,6 @@ DEAD_PEER_POLL_S = 0.02
 # all-reduced in one call: on loopback the two copies cost less than a second
 # collective's latency (about 0.25 ms here). A larger one is all-reduced in place.
 STAGED_MAX_BYTES = 256 * 1024
-# While the other nodes' copies of the staged gradient and record add up to no more than
-# this, the exchange is one all_gather and every node sums the copies itself, in rank
-# order (so every node gets the same bits): for two nodes the same bytes as a ring
-# all-reduce, in one round instead of two. On this project's 2-vCPU VM (loopback gloo),
-# an 814 kB exchange took 2.2-2.3 ms gathered against 2.8-3.2 ms all-reduced; the two
-# were even at 1.6 MB and the ring all-reduce, which overlaps its sums with its
-# transfers, won from 3.2 MB on. From three nodes on a gather sends more bytes than the
-# ring, hence a limit on the other nodes' copies together (docs/MULTINODE.md).
-GATHER_MAX_BYTES = 1024 * 1024
 # The small record all-reduced with each step's gradient: loss sum, non-finite count, then
 # each rank's examples, then each rank's "failed" flag (2 + 2 x nodes values).
 _LOSS_SUM, _NONFINITE, _COUNTS = 0, 1, 2
@@ -69,20 +58,15 @@ _GPU_ONLY_BACKENDS = ("nccl",)
 class NodeStats:
     """The figures of one step across nodes, read through :class:`shmgrad.GradientStats`:
     the global ``num_examples``, ``loss``, ``loss_sum``, ``nonfinite``, this node's
-    ``local_num_examples`` and ``local_loss_sum``, the exchange's ``allreduce_seconds``
-    and ``allreduce_bytes`` (the buffers each node contributes: the whole reduced gradient,
-    padding included, and the small record), the ``exchange`` that carried them
-    (``"all_gather"`` or ``"all_reduce"``), the bytes it sends per node (``sent_bytes``:
-    the other nodes' copies for a gather, ``2 (n - 1) / n`` of the buffers for a ring
-    all-reduce), and the number of ``nodes``."""
+    ``local_num_examples`` and ``local_loss_sum``, the all-reduce's ``allreduce_seconds``
+    and ``allreduce_bytes`` (the buffers all-reduced: the whole reduced gradient, padding
+    included, and the small record), and the number of ``nodes``."""
 
     __slots__ = ("num_examples", "loss", "loss_sum", "nonfinite", "local_num_examples",
-                 "local_loss_sum", "allreduce_seconds", "allreduce_bytes", "exchange",
-                 "sent_bytes", "nodes")
+                 "local_loss_sum", "allreduce_seconds", "allreduce_bytes", "nodes")
 
     def __init__(self, num_examples, loss, loss_sum, nonfinite, local_num_examples,
-                 local_loss_sum, allreduce_seconds, allreduce_bytes, exchange, sent_bytes,
-                 nodes):
+                 local_loss_sum, allreduce_seconds, allreduce_bytes, nodes):
         self.num_examples = num_examples
         self.loss = loss
         self.loss_sum = loss_sum
@@ -91,8 +75,6 @@ class NodeStats:
         self.local_loss_sum = local_loss_sum
         self.allreduce_seconds = allreduce_seconds
         self.allreduce_bytes = allreduce_bytes
-        self.exchange = exchange
-        self.sent_bytes = sent_bytes
         self.nodes = nodes
 
 
@@ -140,26 +122,17 @@ class NodeGroup:
         self._failed = _COUNTS + self.size  # where the failed flags start
         record = self._failed + self.size
         n = self._grad.numel()
-        staged_bytes = (n + record) * self._grad.element_size()
-        gather = (bucket_cap_mb is None and self.size > 1
-                  and (self.size - 1) * staged_bytes <= GATHER_MAX_BYTES)
-        self._gathered = None
-        if gather or (bucket_cap_mb is None and n * self._grad.element_size() <= STAGED_MAX_BYTES):
+        if bucket_cap_mb is None and n * self._grad.element_size() <= STAGED_MAX_BYTES:
             # The gradient, then the record (float32: counts exact to 2^24 examples).
             self._staging = torch.zeros(n + record, dtype=self._grad.dtype)
             self._record = self._staging[n:]
             self._collectives = [self._staging]
-            if gather:  # every node's staging copy, in rank order
-                self._gathered = [torch.zeros_like(self._staging) for _ in range(self.size)]
         else:
             self._staging = None
             self._record = torch.zeros(record, dtype=torch.float64)
             self._collectives = [self._record] + buckets
         self._fields = self._record.numpy()  # the same memory; element access without torch
         self.allreduce_bytes = sum(t.numel() * t.element_size() for t in self._collectives)
-        self.exchange = "all_gather" if gather else "all_reduce"
-        self.sent_bytes = round(self.allreduce_bytes * (self.size - 1) * (1 if gather else 2)
-                                / (1 if gather else self.size))
         self._broken: Optional[errors.NodeError] = None
         self._steps = 0
         self._peers = self._exchange_layout(list(parameters), engine_name)
@@ -257,22 +230,9 @@ class NodeGroup:
             num_examples=count, loss=loss_sum / count if mean else loss_sum, loss_sum=loss_sum,
             nonfinite=bool(f[_NONFINITE] != 0), local_num_examples=native.num_examples,
             local_loss_sum=native.loss_sum, allreduce_seconds=seconds,
-            allreduce_bytes=self.allreduce_bytes, exchange=self.exchange,
-            sent_bytes=self.sent_bytes, nodes=self.size)
+            allreduce_bytes=self.allreduce_bytes, nodes=self.size)
 
     def _allreduce(self):
-        if self._gathered is not None:
-            n = self._grad.numel()
-            self._staging[:n].copy_(self._grad)
-            dist.all_gather(self._gathered, self._staging, group=self._pg)
-            # The same additions in the same order on every node: the same bits.
-            first, rest = self._gathered[0], self._gathered[1:]
-            torch.add(first[:n], rest[0][:n], out=self._grad)
-            torch.add(first[n:], rest[0][n:], out=self._record)
-            for other in rest[1:]:
-                self._grad.add_(other[:n])
-                self._record.add_(other[n:])
-            return
         if self._staging is not None:
             n = self._grad.numel()
             self._staging[:n].copy_(self._grad)

@@ -141,10 +141,7 @@ GRADIENT_CASES = [
 ]
 
 
-def _gradients(rank, spec, prefix, bucket_cap_mb, rank1_mode, gather):
-    if not gather:  # this small CNN's exchange would be a gather: make it an all-reduce
-        from shmgrad import distributed
-        distributed.GATHER_MAX_BYTES = 0
+def _gradients(rank, spec, prefix, bucket_cap_mb, rank1_mode):
     torch.manual_seed(100 + rank)  # other weights on every node: bind() takes rank 0's
     model = Cnn()
     x, y = _load_npy(spec)
@@ -169,8 +166,7 @@ def _gradients(rank, spec, prefix, bucket_cap_mb, rank1_mode, gather):
                 "grad": _grads(model), "num_examples": st.num_examples,
                 "local_num_examples": st.local_num_examples, "loss": st.loss,
                 "loss_sum": st.loss_sum, "allreduce_seconds": st.allreduce_seconds,
-                "nodes": st.nodes, "workers": st.workers, "bytes": st.allreduce_bytes,
-                "exchange": st.exchange, "sent_bytes": st.sent_bytes})
+                "nodes": st.nodes, "workers": st.workers, "bytes": st.allreduce_bytes})
         try:  # every share empty: refused on every node, and the group still works
             engine.gradient(torch.zeros(0, dtype=torch.int64))
         except shmgrad.InvalidArgumentError as exc:
@@ -186,16 +182,12 @@ def _load_npy(spec):
 
 
 # 0.001 MiB: buckets of 262 floats. Rank 1's workers: TorchScript or eager.
-# The three exchanges: a gather of the staged gradient and record (what two nodes do with
-# a gradient of up to GATHER_MAX_BYTES), an all-reduce of the same staging buffer, and an
-# all-reduce in buckets beside the record's.
-@pytest.mark.parametrize("bucket_cap_mb,rank1_mode,gather", [
-    (None, "script", True), (None, "eager", False), (0.001, "eager", False)])
+@pytest.mark.parametrize("bucket_cap_mb,rank1_mode", [(None, "script"), (0.001, "eager")])
 def test_gradient_of_the_global_batch(npy_dataset, tmp_path, prefix, bucket_cap_mb,
-                                      rank1_mode, gather):
+                                      rank1_mode):
     spec, x, y = npy_dataset
     with Ranks("gradients", tmp_path, spec=spec, prefix=prefix, bucket_cap_mb=bucket_cap_mb,
-               rank1_mode=rank1_mode, gather=gather) as ranks:
+               rank1_mode=rank1_mode) as ranks:
         results = ranks.results()
     assert [r["mode"] for r in results] == ["script", rank1_mode]
     torch.manual_seed(100)
@@ -220,10 +212,6 @@ def test_gradient_of_the_global_batch(npy_dataset, tmp_path, prefix, bucket_cap_
             # record [count, loss sum, non-finite, failed per rank].
             floats = sum(p.numel() for p in model0.parameters())
             assert floats * 4 < c["bytes"] <= floats * 4 + 4 * 15 * 4 + 8 * (3 + NODES)
-            # Two nodes send one buffer either way: the other's copy, or the ring's
-            # 2 (n - 1) / n of it.
-            assert c["exchange"] == ("all_gather" if gather else "all_reduce")
-            assert c["sent_bytes"] == c["bytes"]
             assert c["workers"] == (0 if not share else min(len(share), 2 - rank))
     for rank, r in enumerate(results):
         assert "every node's share was empty" in r["all_empty"]
@@ -471,7 +459,7 @@ def test_one_node_reports_its_own_figures_and_refuses_a_bad_group(prefix):
         st = engine.gradient(inputs=x, targets=y)
         assert st.local_num_examples == st.num_examples == 10 and st.nodes == 1
         assert st.local_loss_sum == st.loss_sum and st.allreduce_seconds == 0.0
-        assert st.allreduce_bytes == 0 and st.sent_bytes == 0 and st.exchange is None
+        assert st.allreduce_bytes == 0
         assert st.as_dict()["local_num_examples"] == 10
         assert engine.check_consistency() == engine.check_consistency()
         assert engine.node_rank == 0 and engine.node_count == 1
@@ -533,11 +521,8 @@ def test_bench_nodes_tiny(tmp_path):
     for r in (nodes, ddp):
         assert r["sent_bytes_per_node_step"] > 0 and r["loopback_bytes_per_node_step"] > 0
     assert 0 < nodes["allreduce_share_median"] < 1
-    # The tiny model's exchange is a gather of the whole gradient (with padding) and the
-    # record: for two nodes at least the bytes of DDP's ring all-reduce, and what was sent.
-    assert nodes["exchange"] == "all_gather"
+    # One ring all-reduce of the whole gradient (with padding) and the record, per node.
     assert nodes["sent_bytes_per_node_step"] >= ddp["sent_bytes_per_node_step"]
-    assert nodes["loopback_bytes_per_node_step"] >= nodes["sent_bytes_per_node_step"]
     assert "all-reduce share" in (out / "results.md").read_text()
 
 

@@ -19,15 +19,13 @@ With --nodes K, one run compares instead, on the same models and batches:
 
   nodes    K nodes on this machine: K processes, each a trainer with its own shmgrad
            engine of --workers workers (default 1) and a gloo process group on
-           127.0.0.1; each computes its share of the batch and exchanges the node's
-           reduced gradient with the others (shmgrad.Engine(..., process_group=...):
-           an all_gather for small gradients, else an all-reduce). Timed like DDP;
+           127.0.0.1; each computes its share of the batch and all-reduces the node's
+           reduced gradient (shmgrad.Engine(..., process_group=...)). Timed like DDP;
   ddp      DDP-gloo with K ranks, one thread each;
   shmgrad  one engine with K x workers workers (what one machine would run);
   single   the single process with 1 thread (the gradient reference).
-The table gives the exchange's share of the step ("all-reduce share"), and the bytes each
-node sends per step (as the exchange's algorithm sends them -- for DDP a ring all-reduce
-of the buffer -- and as the loopback interface counted them).
+The table gives the all-reduce's share of the step, and the bytes each node sends per
+step (ring all-reduce of the buffer, and as the loopback interface counted them).
 
 Each configuration runs warm-up steps first, then up to --repeats timed steps (fewer once
 --budget seconds are spent; at least 3). Reported per configuration: median, min, max and

@@ -62,9 +62,9 @@ def _steps(rank, world, model_name, batch, warmup, repeats, seed, workers, engin
 def node_step(rank, world, model_name, batch, x0, warmup, seed, workers, engine_prefix,
               bucket_cap_mb, timeout_s, out):
     """This node's engine, open for the ``with`` block, and its step on the node's share
-    of a batch: ``step(i, x, y)``. Into ``out`` go each timed step's exchange seconds
-    (``allreduce``) and slowest worker's forward and backward (``compute``), the exchange
-    and its bytes, and the first step's gradient (rank 0). ``x0``: a batch's inputs, for
+    of a batch: ``step(i, x, y)``. Into ``out`` go each timed step's all-reduce seconds
+    (``allreduce``) and slowest worker's forward and backward (``compute``), the bytes
+    all-reduced, and the first step's gradient (rank 0). ``x0``: a batch's inputs, for
     the engine's input region."""
     model = models.make_model(model_name, seed)
     share = shard(range(batch), rank, world)
@@ -87,7 +87,6 @@ def node_step(rank, world, model_name, batch, x0, warmup, seed, workers, engine_
             if i == 0 and rank == 0:
                 out["grad"] = torch.cat([g.detach().reshape(-1).double() for g in grads]).numpy()
             out["allreduce_bytes"] = st.allreduce_bytes
-            out["exchange"], out["sent_bytes"] = st.exchange, st.sent_bytes
 
         yield step
 

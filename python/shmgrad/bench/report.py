@@ -163,7 +163,7 @@ def nodes_table(records, targets):
     """--nodes: the results as Markdown tables."""
     lines = ["| model | batch | system | workers | median ms | min ms | max ms | IQR ms | steps "
              "| DDP / this | all-reduce share | all-reduce ms | sent per node per step "
-             "| loopback per node per step | notes |",
+             "(ring) | loopback per node per step | notes |",
              "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     order = {"single-1t": 0, "shmgrad": 1, "shmgrad-nodes": 2, "ddp": 3,
              "shmgrad-nodes-paired": 4, "ddp-paired": 5}
@@ -190,8 +190,7 @@ def nodes_table(records, targets):
             notes.append(f"grad rel. diff {r['grad_rel_err']:.1e}")
         if system.startswith("shmgrad-nodes"):
             notes.append(f"slowest worker f+b {fmt_ms(r['compute_max_median_s'])} ms; "
-                         f"{r.get('exchange', 'all_reduce')} of {fmt_bytes(r['allreduce_bytes'])} "
-                         "a step")
+                         f"all-reduced {fmt_bytes(r['allreduce_bytes'])} a step")
         share = (f"{r['allreduce_share_median'] * 100:.1f}%" if "allreduce_share_median" in r
                  else "-")
         lines.append(

@@ -215,8 +215,8 @@ def _nodes_summary(results, nodes, workers):
     figures and the step times)."""
     times = _step_times(results)
     steps = range(len(times))
-    # The exchange's share of a step, averaged over the nodes (a node that arrives first
-    # waits in the exchange for the others: that wait counts as exchange).
+    # The all-reduce's share of a step, averaged over the nodes (a node that arrives
+    # first waits in the all-reduce for the others: that wait counts as all-reduce).
     shares = [statistics.mean(r["allreduce"][i] for r in results.values()) / times[i]
               for i in steps]
     return {
@@ -227,8 +227,7 @@ def _nodes_summary(results, nodes, workers):
         "compute_max_median_s": statistics.median(
             max(r["compute"][i] for r in results.values()) for i in steps),
         "allreduce_bytes": results[0]["allreduce_bytes"],
-        "exchange": results[0]["exchange"],
-        "sent_bytes_per_node_step": results[0]["sent_bytes"],
+        "sent_bytes_per_node_step": ring_bytes_sent(results[0]["allreduce_bytes"], nodes),
     }
 
 
