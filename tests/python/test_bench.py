@@ -76,8 +76,20 @@ def test_help_documents_every_option():
     assert p.returncode == 0, p.stderr
     for opt in ("--models", "--batch-sizes", "--workers", "--repeats", "--warmup", "--budget",
                 "--systems", "--reduce-floats", "--reduce-repeats", "--timeout", "--seed",
-                "--quick", "--tiny", "--out"):
+                "--quick", "--tiny", "--out", "--nodes", "--paired", "--pin",
+                "--bucket-cap-mb"):
         assert opt in p.stdout, opt
+
+
+def test_node_options_without_nodes_are_refused(tmp_path):
+    """--paired, --pin and --bucket-cap-mb mean nothing on one node: refused, naming the
+    fix, before anything runs (no output directory)."""
+    out = tmp_path / "never"
+    p = subprocess.run([sys.executable, "-m", "shmgrad.bench", "--tiny", "--paired", "--pin",
+                        "--out", str(out)], capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0
+    assert "--paired, --pin" in p.stderr and "add --nodes K" in p.stderr, p.stderr
+    assert not out.exists()
 
 
 def test_feed_breakdown_tiny():

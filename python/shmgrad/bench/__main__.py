@@ -200,6 +200,11 @@ def resolve(args):
         args.batch_sizes = [128] if quick else [32, 128, 512]
     if args.nodes is not None and args.nodes < 2:
         raise SystemExit("shmgrad bench: --nodes must be at least 2")
+    node_only = [opt for opt, on in (("--paired", args.paired), ("--pin", args.pin),
+                                     ("--bucket-cap-mb", args.bucket_cap_mb is not None)) if on]
+    if node_only and args.nodes is None:
+        raise SystemExit(f"shmgrad bench: {', '.join(node_only)} compare(s) nodes: add --nodes K "
+                         "(e.g. --nodes 2)")
     if args.workers is None:
         args.workers = [1] if args.nodes else ([1, 2] if quick else default_workers())
     if args.repeats is None:
