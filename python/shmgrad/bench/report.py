@@ -183,6 +183,8 @@ def nodes_table(records, targets):
              else ddp.get((r["model"], r["batch"])))
         ratio = f"{d['median_s'] / r['median_s']:.2f}x" if d is not None else "-"
         notes = []
+        if system == "ddp-paired":
+            notes.append(f"run in turn with shmgrad-nodes-paired of {r['workers']} per node")
         if system == "shmgrad-nodes-paired" and d is not None:
             notes.append(f"run in turn with ddp-paired; per-step DDP / shmgrad: median "
                          f"{d['paired_ratio_median']:.3f}x")
