@@ -337,6 +337,11 @@ def measure_nodes(args):
     def record(*a, **kw):
         return run_config(records, *a, **kw)
 
+    def record_ddp(base, system, workers, fn, ref):
+        """A DDP record, with what its ring all-reduce sends per rank and step."""
+        rec, _ = record(base, system, workers, fn, ref)
+        rec["sent_bytes_per_node_step"] = runners.ring_bytes_sent(base["params"] * 4, k)
+
     for model_name, batch, batches, base in configurations(args, nodes=k, pinned=args.pin):
         ref_rec, ref = record(base, "single-1t", 1, lambda: runners.run_single(
             model_name, batches, args.warmup, budget, 1, args.seed, now() + args.timeout))
@@ -365,26 +370,25 @@ def measure_nodes(args):
 
                 record(base, "shmgrad-nodes-paired", w, paired("shmgrad-nodes"), ref)
                 if "error" not in records[-1]:
-                    ddp, _ = record(base, "ddp-paired", w, paired("ddp"), ref)
-                    ddp["sent_bytes_per_node_step"] = runners.ring_bytes_sent(
-                        base["params"] * 4, k)
+                    record_ddp(base, "ddp-paired", w, paired("ddp"), ref)
         if "ddp" in args.systems:
-            ddp, _ = record(base, "ddp", 1, lambda: runners.run_ddp(
+            record_ddp(base, "ddp", 1, lambda: runners.run_ddp(
                 model_name, batch, args.warmup, reps, k, args.seed, now() + args.timeout,
                 args.pin), ref)
-            ddp["sent_bytes_per_node_step"] = runners.ring_bytes_sent(base["params"] * 4, k)
     models.set_threads(1)
-    for r in records:  # DDP over each shmgrad-nodes configuration of the same model and batch
-        if r["system"] == "ddp" and "median_s" in r:
-            r["ratio_to_nodes"] = {
-                str(s["workers"]): r["median_s"] / s["median_s"] for s in records
-                if s["system"] == "shmgrad-nodes" and "median_s" in s
-                and (s["model"], s["batch"]) == (r["model"], r["batch"])}
-        if r["system"] == "ddp-paired" and "median_s" in r:
-            r["ratio_to_nodes"] = {
-                str(s["workers"]): r["median_s"] / s["median_s"] for s in records
-                if s["system"] == "shmgrad-nodes-paired" and "median_s" in s
-                and (s["model"], s["batch"], s["workers"]) == (r["model"], r["batch"], r["workers"])}
+    # DDP over the shmgrad-nodes configurations of the same model and batch (and, paired,
+    # of the run it was paired with: the same workers per node).
+    for r in records:
+        paired = r["system"] == "ddp-paired"
+        if r["system"] not in ("ddp", "ddp-paired") or "median_s" not in r:
+            continue
+        nodes_system = "shmgrad-nodes-paired" if paired else "shmgrad-nodes"
+        r["ratio_to_nodes"] = {
+            str(s["workers"]): r["median_s"] / s["median_s"] for s in records
+            if s["system"] == nodes_system and "median_s" in s
+            and (s["model"], s["batch"]) == (r["model"], r["batch"])
+            and (not paired or s["workers"] == r["workers"])}
+        if paired:
             r["paired_ratio_median"] = statistics.median(r["paired_ratios"])
     return records
 

@@ -31,32 +31,24 @@ def rank_steps(batches, warmup, step):
     """The timing loop every rank of a multi-process system shares: a barrier, then
     ``step(i, x, y)`` on batch i. Returns the timed steps' start and end times and the
     bytes sent on the loopback interface during them (``timing.loopback_bytes``)."""
-    starts, ends = [], []
-    for i, (x, y) in enumerate(batches):
-        if i == warmup:
-            dist.barrier()
-            lo_bytes = loopback_bytes()
-        dist.barrier()  # every rank starts the step together
-        t0 = now()
-        step(i, x, y)
-        t1 = now()
-        if i >= warmup:
-            starts.append(t0)
-            ends.append(t1)
-    dist.barrier()
-    return {"start": starts, "end": ends, "loopback_bytes": loopback_bytes() - lo_bytes}
+    times = alternating_steps(batches, warmup, {"step": step})
+    return dict(times["step"], loopback_bytes=times["loopback_bytes"])
 
 
 def alternating_steps(batches, warmup, steps):
     """``rank_steps`` for several systems in the same ranks (``steps``: name -> step):
     each batch goes through every system in turn, each behind its own barrier, the order
-    reversed on every other batch, so that both see the same moments of a noisy machine.
-    Returns name -> the timed steps' start and end times."""
+    reversed on every other batch, so that all see the same moments of a noisy machine.
+    Returns name -> the timed steps' start and end times, and under "loopback_bytes" the
+    bytes sent on the loopback interface during the timed steps, all systems together."""
     names = list(steps)
     times = {n: {"start": [], "end": []} for n in names}
     for i, (x, y) in enumerate(batches):
-        for name in (names if i % 2 == 0 else names[::-1]):
+        if i == warmup:
             dist.barrier()
+            lo_bytes = loopback_bytes()
+        for name in (names if i % 2 == 0 else names[::-1]):
+            dist.barrier()  # every rank starts the step together
             t0 = now()
             steps[name](i, x, y)
             t1 = now()
@@ -64,6 +56,7 @@ def alternating_steps(batches, warmup, steps):
                 times[name]["start"].append(t0)
                 times[name]["end"].append(t1)
     dist.barrier()
+    times["loopback_bytes"] = loopback_bytes() - lo_bytes
     return times
 
 
