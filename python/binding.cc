@@ -106,6 +106,17 @@ void bindEagerWorker(py::module_& m);  // python/worker_binding.cc
 PYBIND11_MODULE(_C, m) {
   m.doc() = "shmgrad native module (use the shmgrad package instead)";
 
+  // What this module was compiled against (shmgrad.build_info() adds the Python side).
+  m.def("build_info", [] {
+    py::dict d;
+    d["torch"] = TORCH_VERSION;
+    d["cxx11_abi"] = static_cast<bool>(_GLIBCXX_USE_CXX11_ABI);
+    d["cuda"] = false;  // the CUDA path is not built yet
+    d["cuda_toolkit"] = py::none();
+    d["compiler"] = __VERSION__;
+    return d;
+  });
+
   // shmgrad::Error -> shmgrad.errors.<class for its kind>, resolved at raise time.
   py::register_exception_translator([](std::exception_ptr p) {
     try {

@@ -1,64 +1,74 @@
-"""Repository rules that locate libtorch and Python headers.
+"""Repository rules that locate libtorch and the Python headers.
 
-libtorch's location is ONE build setting: the environment variable SHMGRAD_LIBTORCH,
-passed with `--repo_env=SHMGRAD_LIBTORCH=DIR`. Unset (the default) means Debian's
-libtorch-dev (headers in /usr/include, libraries in /usr/lib/x86_64-linux-gnu). Set it
-to the `torch` directory of a PyTorch wheel (it holds include/ and lib/), e.g.
-  bazel build --repo_env=SHMGRAD_LIBTORCH=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))') //...
-to build against that PyTorch (a GPU build must).
+Both come from ONE Python: the environment variable SHMGRAD_PYTHON, passed with
+`--repo_env=SHMGRAD_PYTHON=/path/to/python` (tools/setup.sh writes it into .bazelrc.local:
+the .venv of this checkout). Unset, it is <workspace>/.venv/bin/python. What a build needs
+to know about that Python's torch (headers, libraries, the C++ ABI flag, pybind11's ABI
+settings) is read by tools/torch_build_info.py, the script the CMake build asks too, so
+that neither build hard-codes it.
 """
 
-_DEBIAN_INCLUDE = "/usr/include"
-_DEBIAN_LIB = "/usr/lib/x86_64-linux-gnu"
+def _python(ctx):
+    python = ctx.os.environ.get("SHMGRAD_PYTHON", "")
+    if python == "":
+        python = str(ctx.path(Label("//:WORKSPACE")).dirname) + "/.venv/bin/python"
+    return python
+
+def _torch_info(ctx):
+    python = _python(ctx)
+    script = ctx.path(Label("//tools:torch_build_info.py"))
+    res = ctx.execute([python, str(script)], quiet = True)
+    if res.return_code != 0:
+        fail(("SHMGRAD_PYTHON=%s: cannot read its torch (%s%s). Run tools/setup.sh, or pass " +
+              "--repo_env=SHMGRAD_PYTHON=/path/to/python of an environment with torch.") %
+             (python, res.stdout, res.stderr))
+    info = {}
+    for line in res.stdout.strip().split("\n"):
+        if "=" in line:
+            k, v = line.split("=", 1)
+            info[k] = v
+    return python, info
 
 def _torch_repository_impl(ctx):
-    root = ctx.os.environ.get("SHMGRAD_LIBTORCH", "")
-    if root in ("", "debian"):
-        inc = _DEBIAN_INCLUDE
-        lib = _DEBIAN_LIB
-    else:
-        inc = root + "/include"
-        lib = root + "/lib"
+    python, info = _torch_info(ctx)
+    root = info["TORCH_ROOT"]
+    lib = info["TORCH_LIBRARY_DIR"]
+    inc = root + "/include"
     if not ctx.path(inc + "/torch/csrc/api/include/torch/torch.h").exists:
-        fail("SHMGRAD_LIBTORCH: no libtorch headers under %s (expected torch/csrc/api/include/torch/torch.h). " % inc +
-             "Set --repo_env=SHMGRAD_LIBTORCH to the torch/ directory of a PyTorch wheel, or install libtorch-dev.")
-    for d in ["ATen", "c10", "torch", "caffe2"]:
-        if ctx.path(inc + "/" + d).exists:
-            ctx.symlink(inc + "/" + d, "include/" + d)
-    has_cuda = ctx.path(lib + "/libc10_cuda.so").exists
-    cuda_libs = '"-ltorch_cuda", "-lc10_cuda", ' if has_cuda else ""
+        fail("no libtorch headers under %s (torch/csrc/api/include/torch/torch.h)" % inc)
+    for d in ctx.path(inc).readdir():
+        ctx.symlink(d, "include/" + d.basename)
+    defines = ["_GLIBCXX_USE_CXX11_ABI=" + info["TORCH_CXX11_ABI"]]
+    pybind = [d for d in info["TORCH_PYBIND11_DEFINES"].split("|") if d]
     ctx.file("BUILD", """
 package(default_visibility = ["//visibility:public"])
-# libtorch from {root}
+# libtorch {version} of {python}
 cc_library(
     name = "torch",
-    hdrs = glob(["include/**/*.h", "include/**/*.hpp", "include/**/*.cuh"]),
+    hdrs = glob(["include/ATen/**", "include/c10/**", "include/torch/**", "include/caffe2/**",
+                 "include/pybind11/**", "include/*.h"]),
     includes = ["include", "include/torch/csrc/api/include"],
-    defines = ["SHMGRAD_TORCH_HAS_CUDA={cuda}"],
-    linkopts = ["-L{lib}", "-Wl,-rpath,{lib}", "-Wl,--no-as-needed", {cuda_libs}"-ltorch", "-ltorch_cpu", "-lc10", "-Wl,--as-needed"],
+    defines = {defines},
+    linkopts = ["-L{lib}", "-Wl,-rpath,{lib}", "-ltorch_cpu", "-lc10"],
 )
 cc_library(
     name = "torch_python",
+    defines = {pybind},
     linkopts = ["-L{lib}", "-Wl,-rpath,{lib}", "-ltorch_python"],
     deps = [":torch"],
 )
-""".format(root = root or "Debian", lib = lib, cuda_libs = cuda_libs, cuda = "1" if has_cuda else "0"))
+""".format(version = info["TORCH_VERSION"], python = python, lib = lib,
+           defines = repr(defines), pybind = repr(pybind)))
 
 torch_repository = repository_rule(
     implementation = _torch_repository_impl,
-    environ = ["SHMGRAD_LIBTORCH"],
+    environ = ["SHMGRAD_PYTHON"],
     local = True,
 )
 
 def _python_repository_impl(ctx):
-    python = ctx.os.environ.get("SHMGRAD_PYTHON", "/usr/bin/python3")
-    res = ctx.execute([python, "-c", "import sysconfig, pybind11; print(sysconfig.get_paths()['include']); print(pybind11.get_include())"])
-    if res.return_code != 0:
-        res = ctx.execute([python, "-c", "import sysconfig; print(sysconfig.get_paths()['include']); print('/usr/include')"])
-    if res.return_code != 0:
-        fail("SHMGRAD_PYTHON=%s: cannot query its include directory: %s" % (python, res.stderr))
-    lines = res.stdout.strip().split("\n")
-    ctx.symlink(lines[0], "include/python")
+    python, info = _torch_info(ctx)
+    ctx.symlink(info["PYTHON_INCLUDE"], "include/python")
     ctx.file("BUILD", """
 package(default_visibility = ["//visibility:public"])
 # Python headers of {python}

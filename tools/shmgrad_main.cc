@@ -40,9 +40,10 @@ constexpr uint64_t kMaxInputCapacityMb = (uint64_t{1} << 24) - 1;
 constexpr double kMinStartupTimeoutS = 0.001;
 constexpr double kMaxStartupTimeoutS = 86400;
 
-// The interpreter that runs `stress` and `bench` (Debian's, with torch), unless the
-// environment names another.
-constexpr char kDefaultPython[] = "/usr/bin/python3";
+// The interpreter that runs `stress`, `bench` and `serve --eager`: the one the
+// environment names (the installed `shmgrad` command, python/shmgrad/_cli.py, names its
+// own), else python3 on the PATH.
+constexpr char kDefaultPython[] = "python3";
 constexpr char kPythonEnv[] = "SHMGRAD_PYTHON";
 
 const char* kDescription =
@@ -287,7 +288,7 @@ int execPython(const char* module, const std::vector<std::string>& rest) {
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
-  ::execv(argv[0], argv.data());  // returns only on failure
+  ::execvp(argv[0], argv.data());  // returns only on failure
   std::fprintf(stderr, "shmgrad: cannot run %s: %s\n", argv[0], std::strerror(errno));
   return kExitCannotExec;
 }

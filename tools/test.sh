@@ -1,19 +1,43 @@
 #!/usr/bin/env bash
-# Runs every test: the C++ suites through Bazel, then the Python suites through pytest.
+# Runs every test: the C++ suites through Bazel (also under AddressSanitizer+UBSan and
+# ThreadSanitizer), the Python suite against the newest torch (.venv), then the pip build
+# and the Python suite against the oldest supported torch (2.11, in .venv-2.11).
 # Runs tools/setup.sh first (installs what is missing, builds, installs the package).
+#   SHMGRAD_SKIP_OLDEST=1   leave out the torch 2.11 environment
 set -euo pipefail
 cd "$(dirname "$0")/.."
+ROOT="$(pwd)"
+SECONDS=0
+stamp() { echo "== [$((SECONDS / 60))m$((SECONDS % 60))s] $*"; }
+
+stamp "set-up (tools/setup.sh)"
 tools/setup.sh
-echo "== C++ tests: bazel test //..."
-bazel test //... 2>&1 | grep -Ev "^(Loading|Analyzing|INFO: (Analyzed|Found|From)|\[)" 
+trap 'bazel shutdown >/dev/null 2>&1 || true' EXIT  # leave no Bazel server behind
 FILTER='^(Loading|Analyzing|INFO: (Analyzed|Found|From)|\[)'
-echo "== C++ tests under AddressSanitizer+UBSan: ipc, replica, engine"
+stamp "C++ tests: bazel test //..."
+bazel test //... 2>&1 | grep -Ev "$FILTER"
+stamp "C++ tests under AddressSanitizer+UBSan: ipc, sync, replica, engine"
 bazel test --config=asan //tests:ipc_test //tests:sync_test //tests:replica_test //tests:engine_test 2>&1 | grep -Ev "$FILTER"
-echo "== synchronisation under ThreadSanitizer (clang; GCC 12's libtsan crashes on this kernel)"
+stamp "synchronisation under ThreadSanitizer (clang; GCC 12's libtsan crashes on this kernel)"
 TSAN_BASE="${SHMGRAD_TSAN_OUTPUT_BASE:-$HOME/.cache/shmgrad-bazel-tsan}"
 CC=clang bazel --output_base="$TSAN_BASE" \
   test --config=tsan --repo_env=CC=clang --symlink_prefix=/ //tests:sync_test //tests:ipc_test 2>&1 | grep -Ev "$FILTER"
 bazel --output_base="$TSAN_BASE" shutdown  # this second Bazel server is ours to stop
-echo "== Python tests: pytest tests/python"
-trap 'bazel shutdown >/dev/null 2>&1 || true' EXIT  # leave no Bazel server behind
-cd tests/python && /usr/bin/python3 -m pytest -q -p no:cacheprovider .
+bazel shutdown  # frees its memory for the Python suites
+
+TORCH="$(.venv/bin/python -c 'import torch; print(torch.__version__)')"
+stamp "Python tests against torch $TORCH: pytest tests/python"
+(cd tests/python && "$ROOT/.venv/bin/python" -m pytest -q -p no:cacheprovider .)
+
+if [ -z "${SHMGRAD_SKIP_OLDEST:-}" ]; then
+  # The oldest supported torch: its own environment, the pip build against it, and the
+  # Python suite (the wheel test and the bench's long runs are left to the newest).
+  stamp "the oldest supported torch: .venv-2.11"
+  SHMGRAD_VENV="$ROOT/.venv-2.11" SHMGRAD_TORCH_SPEC="torch==2.11.* torchvision==0.26.*" \
+    SHMGRAD_SKIP_BAZEL=1 tools/setup.sh
+  TORCH_OLD="$(.venv-2.11/bin/python -c 'import torch; print(torch.__version__)')"
+  stamp "Python tests against torch $TORCH_OLD: pytest tests/python"
+  (cd tests/python && "$ROOT/.venv-2.11/bin/python" -m pytest -q -p no:cacheprovider \
+    -m "not newest_torch_only" .)
+fi
+stamp "all tests done"

@@ -26,8 +26,9 @@ torch::jit::Module loadModel(const std::string& path) {
     std::string what = e.what();
     if (what.size() > 300) what = what.substr(0, 300) + "...";
     raise(ErrorKind::kInvalidArgument, "model file '", path,
-          "' is not a TorchScript file that this libtorch can load (", what,
-          "); save it with shmgrad.save_model(module, path) or torch.jit.save");
+          "' is not a TorchScript file that libtorch ", TORCH_VERSION, " can load (", what,
+          "); save it with shmgrad.save_model(module, path) or torch.jit.save, or use eager "
+          "workers (mode='eager')");
   }
 }
 

@@ -1,7 +1,8 @@
 """shmgrad: data-parallel gradients on one machine through shared memory.
 
 An engine (``shmgrad serve``, or :class:`Engine` from Python) runs worker processes that
-each keep their own copy of a TorchScript model. The model's parameters live in one shared-memory
+each keep their own copy of the model (eager Python workers running the module as it is,
+or C++ workers running a TorchScript file). The model's parameters live in one shared-memory
 buffer; every worker's ``.grad`` tensors are views of its own gradient slot, so backward
 writes gradients straight into shared memory, and the workers then sum the slots in
 place, each a slice. Nothing is pickled or copied per step.
@@ -34,6 +35,7 @@ from .errors import (  # noqa: F401
     TimeoutError,
     WorkerError,
 )
+from ._native import build_info  # noqa: F401
 from .client import Client, GradientStats, attach  # noqa: F401
 from .engine import Engine, save_model  # noqa: F401
 from .eager import example_seed  # noqa: F401
@@ -52,6 +54,7 @@ __all__ = [
     "WorkerStatus",
     "StepSummary",
     "attach",
+    "build_info",
     "read_status",
     "save_model",
     "example_seed",

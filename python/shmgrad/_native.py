@@ -1,9 +1,35 @@
-"""The native extension ``shmgrad._C``, with a clear error when it is not built."""
+"""The native extension ``shmgrad._C``, with a clear error when it is not built or was
+built against another torch than the one imported."""
+
+import torch
 
 try:
     from . import _C  # noqa: F401
 except ImportError as exc:  # pragma: no cover - only without set-up
     raise ImportError(
-        "shmgrad's native module is not built: run tools/setup.sh from the shmgrad checkout "
-        f"({exc})"
+        "shmgrad's native module is not built or does not load "
+        f"({exc}): install shmgrad with pip install --no-build-isolation . in the "
+        "environment whose torch it should use (or run tools/setup.sh in the checkout)"
     ) from exc
+
+
+def _release(version: str) -> str:
+    return version.split("+")[0]
+
+
+_built = _C.build_info()
+if _release(_built["torch"]) != _release(torch.__version__):  # pragma: no cover
+    raise ImportError(
+        f"shmgrad was built against torch {_built['torch']} but this Python imports torch "
+        f"{torch.__version__}: C++ extensions only load into the torch they were built "
+        "against. Reinstall shmgrad here: pip install --no-build-isolation --force-reinstall "
+        "--no-deps .")
+
+
+def build_info() -> dict:
+    """What this shmgrad was built with: ``torch`` (the version compiled against),
+    ``cxx11_abi``, ``cuda`` (whether the CUDA path is built) and ``cuda_toolkit``, and
+    ``compiler``; plus ``torch_runtime``, the torch imported now."""
+    info = dict(_built)
+    info["torch_runtime"] = torch.__version__
+    return info

@@ -2,6 +2,7 @@
 read the status. :func:`attach` returns one for an engine started elsewhere
 (``shmgrad serve``); :class:`shmgrad.Engine` is one that also started its engine."""
 
+import dataclasses
 import time
 import warnings
 from typing import List, Optional
@@ -119,6 +120,7 @@ class Client:
     """
 
     # Class-level defaults, so that close() works on an object whose __init__ failed.
+    mode_reason = ""  # why the workers are of their kind: known to the Engine that chose
     _trainer = None
     _closed = False
     _nodes = None
@@ -141,9 +143,10 @@ class Client:
         # Only eager workers use a step's seed; TorchScript workers get 0, which spares the
         # step the seed's arithmetic (about 15 us right after a long step, caches cold).
         try:
-            self._eager_workers = _C.status(name)["worker_kind"] == "eager"
+            self.mode = _C.status(name)["worker_kind"]  # "script" or "eager"
         except Exception:  # no status: send seeds anyway, as an eager engine needs them
-            self._eager_workers = True
+            self.mode = "eager"
+        self._eager_workers = self.mode == "eager"
         self._param_info = [(n, tuple(s)) for n, s in trainer.parameters()]
         self._param_views = trainer.parameter_views()
         self._grad_views = trainer.gradient_views()
@@ -402,7 +405,9 @@ class Client:
         it. Reads the segment only: safe from another thread while :meth:`gradient`
         runs."""
         self._check_open()
-        return read_status(self.name)
+        status = read_status(self.name)
+        return dataclasses.replace(status, mode_reason=self.mode_reason) if self.mode_reason \
+            else status
 
     def close(self):
         """Releases the engine (the next trainer may attach); idempotent.

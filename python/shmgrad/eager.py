@@ -12,7 +12,7 @@ import random
 import struct
 import sys
 import tempfile
-from typing import Callable, List, NamedTuple, Optional
+from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -118,6 +118,17 @@ def check_loss(loss, loss_names) -> None:
 
 
 # -- mode --------------------------------------------------------------------------
+# The first torch whose torch.jit.script warns that TorchScript is deprecated.
+TORCHSCRIPT_DEPRECATED_SINCE = (2, 10)
+
+
+def torchscript_deprecated() -> bool:
+    """Whether the imported torch deprecates TorchScript (``torch.jit.script`` warns)."""
+    release = torch.__version__.split("+")[0].split(".")
+    return tuple(int("".join(c for c in p if c.isdigit()) or 0)
+                 for p in release[:2]) >= TORCHSCRIPT_DEPRECATED_SINCE
+
+
 def _scripts(model) -> bool:
     if isinstance(model, torch.jit.ScriptModule):
         return True
@@ -128,8 +139,10 @@ def _scripts(model) -> bool:
         return False
 
 
-def choose_mode(mode: str, *, model, loss, dataset, collate_fn, forward, loss_names) -> str:
-    """"script" (TorchScript workers, C++) or "eager" (Python workers), as asked or chosen."""
+def choose_mode(mode: str, *, model, loss, dataset, collate_fn, forward,
+                loss_names) -> Tuple[str, str]:
+    """``("script" | "eager", why)``: TorchScript workers (C++) or Python workers, as
+    asked or chosen, and the reason in words (``Engine.mode_reason``, ``status()``)."""
     if mode not in MODES:
         raise errors.InvalidArgumentError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
     python_only = []
@@ -146,14 +159,21 @@ def choose_mode(mode: str, *, model, loss, dataset, collate_fn, forward, loss_na
             raise errors.InvalidArgumentError(
                 f"mode='script' runs TorchScript workers, which cannot take {', '.join(python_only)}: "
                 "use mode='eager' (or 'auto')")
-        return "script"
+        return "script", "asked for: mode='script'"
     if mode == "eager":
-        return "eager"
+        return "eager", "asked for: mode='eager'"
     if python_only:
-        return "eager"
+        return "eager", f"auto: {', '.join(python_only)} need Python workers"
     if isinstance(model, (str, os.PathLike)):
-        return "script"
-    return "script" if _scripts(model) else "eager"
+        return "script", "auto: the model is a TorchScript file"
+    if isinstance(model, torch.jit.ScriptModule):
+        return "script", "auto: the model is a TorchScript module"
+    if torchscript_deprecated():
+        return "eager", (f"auto: torch {torch.__version__} deprecates TorchScript, so a module "
+                         "runs in eager workers (mode='script' scripts it anyway)")
+    if _scripts(model):
+        return "script", "auto: the module scripts"
+    return "eager", "auto: the module does not script (torch.jit.script failed)"
 
 
 # -- the job -----------------------------------------------------------------------

@@ -71,9 +71,11 @@ class Engine(Client):
             copy; per-example transforms run in the workers). Addressed by index in
             :meth:`gradient`.
         mode: ``"script"``: TorchScript workers (C++); ``"eager"``: Python workers running
-            the module as it is; ``"auto"`` (default): TorchScript when the loss is a name,
-            the dataset a spec string or None and the model scripts, eager otherwise.
-            ``engine.mode`` and ``status().worker_kind`` say which.
+            the module as it is; ``"auto"`` (default): TorchScript for a TorchScript file
+            or module, and for a module that scripts when the loss is a name and the
+            dataset a spec string or None, on a torch that does not deprecate TorchScript
+            (before 2.10); eager otherwise. ``engine.mode`` and ``status().worker_kind``
+            say which, ``engine.mode_reason`` and ``status().mode_reason`` why.
         seed: eager workers seed Python's ``random``, NumPy and torch with
             :func:`shmgrad.example_seed` ``(step_seed, i)`` before ``dataset[i]``, where
             ``step_seed`` is ``gradient(..., seed=S)`` or derived from this seed and the
@@ -116,9 +118,9 @@ class Engine(Client):
                  min_examples_per_worker: int = 1, max_examples_per_pass: int = 0,
                  process_group=None, bucket_cap_mb: Optional[float] = None):
         loss_names = _C.loss_names()
-        self.mode = eager.choose_mode(mode, model=model, loss=loss, dataset=dataset,
-                                      collate_fn=collate_fn, forward=forward,
-                                      loss_names=loss_names)
+        self.mode, self.mode_reason = eager.choose_mode(
+            mode, model=model, loss=loss, dataset=dataset, collate_fn=collate_fn,
+            forward=forward, loss_names=loss_names)
         if self.mode == "script":
             _check_arguments(workers=workers, loss=loss, max_workers=max_workers)
         else:

@@ -18,7 +18,6 @@ import dataclasses
 import json
 import os
 import select
-import shutil
 import signal
 import sys
 import subprocess
@@ -41,18 +40,17 @@ _live_launchers = weakref.WeakSet()
 
 def installed_binary(program: str, env_var: str) -> str:
     """The path of one of shmgrad's programs: ``$env_var`` if set, else the copy that
-    tools/setup.sh installs in the package's ``bin/``, else ``program`` on the PATH."""
+    ships in the installed package's ``bin/`` (never the PATH: the ``shmgrad`` found
+    there is the console script that runs this very binary)."""
     env = os.environ.get(env_var)
     if env:
         return env
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bin", program)
     if os.path.exists(here):
         return here
-    found = shutil.which(program)
-    if found:
-        return found
     raise errors.EngineNotFoundError(
-        f"the {program} binary is not installed: run tools/setup.sh (or set {env_var})")
+        f"the {program} binary is not in {os.path.dirname(here)}: install shmgrad with "
+        f"pip install --no-build-isolation . (or set {env_var})")
 
 
 @dataclasses.dataclass(frozen=True)

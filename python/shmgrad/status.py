@@ -72,6 +72,9 @@ class EngineStatus:
     workers: List[WorkerStatus]       # every slot that has had a process
     recent_steps: List[StepSummary]   # oldest first
     text: str
+    # Why the workers are of this kind, as the process that started the engine chose it
+    # (Engine.mode_reason); "" when read by a process that did not start it.
+    mode_reason: str = ""
 
     @property
     def ready_workers(self) -> List[WorkerStatus]:
@@ -86,7 +89,7 @@ class EngineStatus:
     def from_native(cls, d: dict, text: str) -> "EngineStatus":
         """Builds one from ``_C.status(name)``'s dict and ``_C.format_status(name)``."""
         plain = {f.name: d[f.name] for f in dataclasses.fields(cls)
-                 if f.name not in ("workers", "recent_steps", "text")}
+                 if f.name not in ("workers", "recent_steps", "text", "mode_reason")}
         return cls(**plain, text=text,
                    workers=[_pick(WorkerStatus, w) for w in d["workers"]],
                    recent_steps=[_pick(StepSummary, s) for s in d["recent_steps"]])
