@@ -14,23 +14,10 @@ import signal
 import sys
 import traceback
 
+from . import _heap
+
 TRACEBACK_FRAMES = 8  # frames of a failing shard's traceback sent to the trainer
 PR_SET_PDEATHSIG = 1
-# glibc's mallopt parameters (malloc.h) and the values the TorchScript worker sets
-# (worker/worker_loop.cc, keepFreedMemory): keep freed memory in the heap, so that a
-# step's activations are not handed back to the kernel and faulted in again, zeroed, on
-# the next step (measured: 462-1113 minor faults per CNN step without, 0 with).
-M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX = -1, -2, -4
-TRIM_THRESHOLD_MAX = 2**31 - 1
-TOP_PAD_BYTES = 16 << 20
-
-
-def keep_freed_memory(libc):
-    libc.mallopt(M_MMAP_MAX, 0)
-    libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_MAX)
-    libc.mallopt(M_TOP_PAD, TOP_PAD_BYTES)
-
-
 def describe(exc: BaseException) -> str:
     """The exception's message and its traceback's last frames, as the trainer shows them."""
     frames = traceback.extract_tb(exc.__traceback__)[-TRACEBACK_FRAMES:]
@@ -82,6 +69,10 @@ class ShardRunner:
                                f"has {[n for n, _ in shared][:5]}...")
         self.buffers = [(own[n], view) for n, view in shared]
         self.model.train()
+        # torch.compile'd in this worker: the compiled module runs the same parameters
+        # (their .data and .grad are the shared views set above).
+        options = job.get("compile")
+        self.run_model = self.model if options is None else torch.compile(self.model, **options)
 
     def _bind_grads(self, in_reduced: bool):
         if in_reduced == self.grads_in_reduced:
@@ -118,9 +109,9 @@ class ShardRunner:
             stop = min(n, start + per_pass)
             batch = self._batch(shard, start, stop)
             if self.forward is not None:
-                loss = self.forward(self.model, batch)
+                loss = self.forward(self.run_model, batch)
             else:
-                loss = self.loss(self.model(batch[0]), batch[1])
+                loss = self.loss(self.run_model(batch[0]), batch[1])
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise TypeError(
                     "the loss must be one number, the sum over the batch; got "
@@ -149,7 +140,7 @@ def main(argv) -> int:
     # Die with the coordinator; the check after it covers the race where it died first.
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    keep_freed_memory(libc)
+    _heap.keep_freed_memory(libc)  # as the TorchScript worker does
     from ._native import _C
     if os.getppid() != ppid:
         return _C.EXIT_COORDINATOR_GONE
@@ -162,6 +153,7 @@ def main(argv) -> int:
     try:
         import torch
         torch.set_num_threads(max(1, participant.threads_per_worker))
+        torch.set_num_interop_threads(1)  # as the TorchScript worker
         from .eager import load_job
         runner = ShardRunner(participant, load_job(participant.job_path))
     except Exception as exc:

@@ -11,7 +11,7 @@ import torch
 
 from . import distributed, errors
 from ._native import _C
-from .eager import shared_buffers, step_seed
+from .eager import compiled_original, shared_buffers, step_seed
 from .status import EngineStatus, read_status
 
 REDUCTIONS = ("sum", "mean")
@@ -201,6 +201,8 @@ class Client:
         self._check_open()
         if not isinstance(module, torch.nn.Module):
             raise errors.InvalidArgumentError(f"bind needs a torch.nn.Module, got {type(module).__name__}")
+        given = module
+        module, _ = compiled_original(module)  # a torch.compile'd module: the one it wraps
         named = list(module.named_parameters())
         if len(named) != len(self._param_info):
             raise errors.InvalidArgumentError(
@@ -221,7 +223,7 @@ class Client:
         self._bound_module = module
         if self._nodes is not None:
             self._nodes.broadcast_parameters()  # every node takes rank 0's values
-        return module
+        return given
 
     def _bind_buffers(self, module):
         # The engine's shared buffers (BatchNorm statistics) by name: the module's values

@@ -168,6 +168,9 @@ def choose_mode(mode: str, *, model, loss, dataset, collate_fn, forward,
         return "script", "auto: the model is a TorchScript file"
     if isinstance(model, torch.jit.ScriptModule):
         return "script", "auto: the model is a TorchScript module"
+    if isinstance(dataset, str):
+        return "script", (f"auto: the dataset spec {dataset!r} is loaded by TorchScript "
+                          "workers (eager workers take a torch Dataset)")
     if torchscript_deprecated():
         return "eager", (f"auto: torch {torch.__version__} deprecates TorchScript, so a module "
                          "runs in eager workers (mode='script' scripts it anyway)")
@@ -247,9 +250,32 @@ def shared_buffers(model: torch.nn.Module):
             if b.device.type == "cpu" and b.dtype in (torch.float32, torch.int64)]
 
 
+def compiled_original(module):
+    """``(module, None)`` for a plain module; for one that ``torch.compile`` wrapped, the
+    module it wraps and ``{}`` (the workers compile their own copy with default options)."""
+    original = getattr(module, "_orig_mod", None)
+    if isinstance(original, torch.nn.Module) and type(module).__name__ == "OptimizedModule":
+        return original, {}
+    return module, None
+
+
+def compile_options(compile) -> Optional[dict]:
+    """``Engine(compile=...)``: False/None (no), True (``torch.compile`` defaults) or a dict
+    of ``torch.compile`` keyword arguments; None when the workers do not compile."""
+    if compile is None or compile is False:
+        return None
+    if compile is True:
+        return {}
+    if isinstance(compile, dict):
+        return dict(compile)
+    raise errors.InvalidArgumentError(
+        f"compile must be True, False or a dict of torch.compile options, got {compile!r}")
+
+
 def prepare_job(*, model, loss, dataset, collate_fn: Optional[Callable], forward: Optional[Callable],
-                loss_names) -> EagerJob:
-    """Checks and pickles the job once, into a private directory."""
+                loss_names, compile: Optional[dict] = None) -> EagerJob:
+    """Checks and pickles the job once, into a private directory. ``compile``: options
+    of the ``torch.compile`` each worker applies to its copy of the model (None: none)."""
     try:
         import cloudpickle
     except ImportError as exc:  # pragma: no cover - tools/setup.sh installs it
@@ -280,7 +306,8 @@ def prepare_job(*, model, loss, dataset, collate_fn: Optional[Callable], forward
         if obj is not None:
             _pickle(what, obj, cloudpickle)
     blob = _pickle("job", {"model": model, "loss": loss, "dataset": dataset,
-                           "collate_fn": collate_fn, "forward": forward}, cloudpickle)
+                           "collate_fn": collate_fn, "forward": forward, "compile": compile},
+                   cloudpickle)
     directory = tempfile.mkdtemp(prefix="shmgrad-eager-")  # mode 0700
     try:
         holder = os.path.join(directory, PARAMS_FILE)

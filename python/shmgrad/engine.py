@@ -100,6 +100,11 @@ class Engine(Client):
             whose model differs and gives every node rank 0's parameters.
         bucket_cap_mb: across nodes, all-reduce the gradient in buckets of this many MiB
             (default: one call on the whole buffer).
+        compile: eager workers apply ``torch.compile`` to their own copy of the model:
+            ``True`` (its defaults) or a dict of its options. A module already wrapped by
+            ``torch.compile`` is taken as ``compile=True`` on the module it wraps (bind
+            either). Each worker compiles when it first meets a shape, inside that step
+            (warm up before timing); gradients stay exact.
 
     Raises what ``serve`` reported when it could not start (InvalidArgumentError for a
     file that is not TorchScript or an unknown dataset, NoSpaceError when /dev/shm is too
@@ -116,8 +121,20 @@ class Engine(Client):
                  max_workers: Optional[int] = None, max_batch: int = 65536,
                  input_capacity_mb: int = 64, startup_timeout: float = 120.0,
                  min_examples_per_worker: int = 1, max_examples_per_pass: int = 0,
-                 process_group=None, bucket_cap_mb: Optional[float] = None):
+                 process_group=None, bucket_cap_mb: Optional[float] = None,
+                 compile=False):
         loss_names = _C.loss_names()
+        compile_opts = eager.compile_options(compile)
+        if isinstance(model, torch.nn.Module):
+            model, wrapped = eager.compiled_original(model)  # torch.compile(module) given
+            if wrapped is not None and compile_opts is None:
+                compile_opts = wrapped
+        if compile_opts is not None and mode == "script":
+            raise errors.InvalidArgumentError(
+                "compile= (or a torch.compile'd module) runs in eager workers: use "
+                "mode='eager' or 'auto'")
+        if compile_opts is not None:
+            mode = "eager"
         self.mode, self.mode_reason = eager.choose_mode(
             mode, model=model, loss=loss, dataset=dataset, collate_fn=collate_fn,
             forward=forward, loss_names=loss_names)
@@ -133,7 +150,7 @@ class Engine(Client):
         eager_job = None
         if self.mode == "eager":
             job = eager.prepare_job(model=model, loss=loss, dataset=dataset, collate_fn=collate_fn,
-                                    forward=forward, loss_names=loss_names)
+                                    forward=forward, loss_names=loss_names, compile=compile_opts)
             self._model_dir = job.directory
             eager_job = job
             model_path, serve_loss, serve_dataset = job.holder_path, loss_names[0], None

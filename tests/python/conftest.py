@@ -4,12 +4,17 @@ no test leaves a shared-memory segment behind."""
 import copy
 import glob
 import os
+import sys
 
 import numpy as np
 import pytest
 import torch
 
 import shmgrad
+
+# The `shmgrad` command of the environment under test (its bin/, as an activated virtual
+# environment would put it on the PATH).
+os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 from shmgrad._numerics import relative_error  # noqa: F401  (the tests' one comparison)
 
 
@@ -94,3 +99,9 @@ def npy_dataset(tmp_path):
     np.save(tmp_path / "x.npy", x.numpy())
     np.save(tmp_path / "y.npy", y.numpy())
     return f"npy:{tmp_path / 'x.npy'},{tmp_path / 'y.npy'}", x, y
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "newest_torch_only: run against the newest torch only (tools/test.sh "
+        "leaves these out for the oldest supported one: the wheel build, long benchmarks)")

@@ -115,7 +115,8 @@ def test_augment_tiny(tmp_path):
     out = tmp_path / "augment.json"
     proc = subprocess.run(
         [sys.executable, "-m", "shmgrad.bench.augment", "--models", "cnn", "--batch-size", "16",
-         "--steps", "2", "--warmup", "1", "--train-examples", "200", "--json", str(out)],
+         "--steps", "2", "--warmup", "1", "--train-examples", "200", "--json", str(out),
+         "--examples", os.path.join(os.path.dirname(__file__), "..", "..", "examples")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout
     assert "transforms in the workers" in proc.stdout and "target >= 1.6x" in proc.stdout

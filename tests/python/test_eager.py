@@ -137,8 +137,13 @@ def test_twenty_adam_steps_agree_with_plain_pytorch():
 
 def test_auto_mode_keeps_torchscript_workers_and_explicit_modes():
     model = nn.Sequential(nn.Linear(4, 3))
+    # A module that scripts runs in TorchScript workers, unless torch deprecates TorchScript.
+    auto = "eager" if shmgrad.eager.torchscript_deprecated() else "script"
     with shmgrad.Engine(model=model, loss="mse", workers=1) as engine:
+        assert engine.mode == auto and engine.status().worker_kind == auto
+    with shmgrad.Engine(model=model, loss="mse", workers=1, mode="script") as engine:
         assert engine.mode == "script" and engine.status().worker_kind == "script"
+        assert engine.mode_reason == "asked for: mode='script'"
     with shmgrad.Engine(model=model, loss="mse", workers=1, mode="eager") as engine:
         assert engine.mode == "eager"
         engine.bind(model)

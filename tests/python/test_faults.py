@@ -175,8 +175,10 @@ while True:
 
 
 def slot_processes(engine, slot):
-    """Pids of the live (not zombie) processes that run as worker `slot` of `engine`."""
+    """Pids of the live (not zombie) processes that run as worker `slot` of `engine`:
+    `shmgrad __worker NAME SLOT PPID` or `python -m shmgrad._eager_worker NAME SLOT PPID`."""
     want = ["__worker", engine.name, str(slot)]
+    want_eager = ["shmgrad._eager_worker", engine.name, str(slot)]
     pids = []
     for d in os.listdir("/proc"):
         if not d.isdigit():
@@ -184,7 +186,7 @@ def slot_processes(engine, slot):
         try:
             with open(f"/proc/{d}/cmdline", "rb") as f:
                 argv = f.read().decode(errors="replace").split("\0")
-            if argv[1:4] == want and proc_stat(int(d))[0] != "Z":
+            if (argv[1:4] == want or argv[2:5] == want_eager) and proc_stat(int(d))[0] != "Z":
                 pids.append(int(d))
         except (OSError, IndexError):
             continue  # exited meanwhile
@@ -318,7 +320,8 @@ def test_stranger_cannot_attach_or_read():
         read = subprocess.run(as_nobody + ["cat", path], capture_output=True, timeout=30)
         assert read.returncode != 0 and b"Permission denied" in read.stderr
         # The stranger's own name lookup sees a different segment (the uid is in the name)...
-        other = subprocess.run(as_nobody + [shutil.which("shmgrad"), "status", "stranger"],
+        binary = shmgrad.launcher.installed_binary("shmgrad", "SHMGRAD_BINARY")
+        other = subprocess.run(as_nobody + [binary, "status", "stranger"],
                                capture_output=True, text=True, timeout=30)
         assert other.returncode != 0 and "no engine named" in other.stderr, other.stderr
         # ...and opening the owner's file directly is refused by the kernel.

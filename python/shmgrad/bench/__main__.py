@@ -52,6 +52,7 @@ import traceback
 
 import torch
 
+from .. import _heap
 from .._numerics import relative_error
 from . import models, report, runners
 from .timing import Budget, log, now, summarize
@@ -78,13 +79,6 @@ def machine_info():
                 if line.startswith("PRETTY_NAME="):
                     info["os"] = line.split("=", 1)[1].strip().strip('"')
     except OSError:
-        pass
-    try:
-        v = subprocess.run(["dpkg-query", "-W", "-f=${Version}", "python3-torch"],
-                           capture_output=True, text=True, timeout=10)
-        if v.returncode == 0 and v.stdout:
-            info["torch_package"] = "python3-torch " + v.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
         pass
     try:
         import distributed
@@ -181,6 +175,13 @@ def build_parser():
                          "not spin when all the nodes' processes outnumber the cores (the "
                          "engine's own rule, which sees only its node)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the weights and batches")
+    ap.add_argument("--settings", choices=("alike", "default"), default="alike",
+                    help="alike (default): every system's processes start with the heap "
+                         "settings shmgrad's workers use (MALLOC_MMAP_MAX_=0, "
+                         "MALLOC_TRIM_THRESHOLD_=2147483647, MALLOC_TOP_PAD_=16777216: "
+                         "anyone can give them to their own processes) and one intra-op and "
+                         "one inter-op thread per process; default: each system as it runs "
+                         "by default (only shmgrad's workers keep freed memory)")
     ap.add_argument("--quick", action="store_true",
                     help="a subset that runs in under two minutes on a 2-core machine: "
                          "mlp,cnn, batch 128, workers 1,2, budget 10 s")
@@ -416,8 +417,41 @@ def measure_reduce(args, models_params):
     return out
 
 
+def same_settings(argv) -> None:
+    """Re-runs this command with the workers' heap settings in its environment, unless it
+    has them: every process of every system (this one, DDP's ranks, Dask's threads,
+    the engines' coordinators and workers) then starts with the same allocator settings,
+    and a comparison measures the engines, not glibc's defaults. Thread settings are
+    alike already: one intra-op thread per process (N for the single process's N-thread
+    row) and one inter-op thread (models.set_threads)."""
+    wanted = _heap.environment()
+    if all(os.environ.get(k) == v for k, v in wanted.items()):
+        return
+    env = dict(os.environ, **wanted)
+    os.execve(sys.executable, [sys.executable, "-m", "shmgrad.bench", *argv], env)
+
+
+def settings_info(args) -> dict:
+    heap = {k: os.environ.get(k) for k in _heap.environment()}
+    return {"settings": args.settings, "heap_environment": heap,
+            "intra_op_threads_per_process": 1, "inter_op_threads_per_process": 1}
+
+
+def settings_line(args) -> str:
+    if args.settings == "alike":
+        return ("Process settings: alike for every system (heap: "
+                + " ".join(f"{k}={v}" for k, v in _heap.environment().items())
+                + "; one intra-op thread per process, N for the single N-thread row; one "
+                "inter-op thread).")
+    return ("Process settings: each system as by default (only shmgrad's workers keep freed "
+            "memory; glibc's defaults elsewhere).")
+
+
 def main(argv=None):
-    args = resolve(build_parser().parse_args(argv))
+    parser = build_parser()
+    args = resolve(parser.parse_args(argv))
+    if args.settings == "alike":
+        same_settings(sys.argv[1:] if argv is None else list(argv))
     os.makedirs(args.out, exist_ok=True)
     started = datetime.datetime.now().isoformat(timespec="seconds")
     t0 = now()
@@ -442,12 +476,14 @@ def main(argv=None):
         reductions = measure_reduce(args, params)
         targets = report.evaluate_targets(records, reductions)
         text = report.table(records, reductions, targets)
+    text = settings_line(args) + "\n\n" + text
     result = {
         "schema": 1,
         "command": "shmgrad bench " + " ".join(sys.argv[1:] if argv is None else argv),
         "started": started,
         "duration_s": now() - t0,
         "machine": info,
+        "process_settings": settings_info(args),
         "load_average_before": list(load_before),
         "load_average_after": list(os.getloadavg()),
         "args": {k: v for k, v in vars(args).items()},

@@ -125,7 +125,8 @@ def make_model(name: str, seed: int = 0) -> nn.Module:
 
 
 def set_threads(n: int) -> None:
-    """Gives this process ``n`` intra-op threads, in PyTorch and in the BLAS beneath it.
+    """Gives this process ``n`` intra-op threads, in PyTorch and in the BLAS beneath it,
+    and one inter-op thread.
 
     ``torch.set_num_threads`` does not reach OpenBLAS's own thread pool, which Debian's
     PyTorch uses for matrix products and which starts with one thread per core. Without
@@ -133,6 +134,10 @@ def set_threads(n: int) -> None:
     shmgrad worker (the engine sets ``OPENBLAS_NUM_THREADS``) uses one.
     """
     torch.set_num_threads(n)
+    try:
+        torch.set_num_interop_threads(1)  # as the TorchScript worker sets it
+    except RuntimeError:
+        pass  # already set, or inter-op work already started in this process
     with open("/proc/self/maps") as maps:
         libs = {line.split()[-1] for line in maps if "openblas" in line}
     for path in sorted(libs):

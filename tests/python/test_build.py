@@ -1,0 +1,253 @@
+"""The builds and the installed package: Bazel and CMake compile the same sources; a wheel
+built by `pip wheel` works from a directory outside the checkout; build_info(); the
+TorchScript deprecation of today's torch."""
+
+import os
+import re
+import subprocess
+import sys
+import time
+import warnings
+
+import pytest
+import torch
+
+import shmgrad
+from shmgrad import eager
+
+from conftest import Mlp, reference_gradient, relative_error
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+# The folders whose sources make the library, the extension and the programs (tests and
+# examples are Bazel's alone).
+PRODUCT_PACKAGES = ("ipc", "worker", "engine", "python", "tools")
+
+
+def _bazel_sources():
+    out = set()
+    for pkg in PRODUCT_PACKAGES:
+        with open(os.path.join(ROOT, pkg, "BUILD")) as f:
+            text = f.read()
+        for block in re.findall(r"srcs\s*=\s*\[([^\]]*)\]", text):
+            out.update(f"{pkg}/{name}" for name in re.findall(r'"([^"]+\.cc)"', block))
+    return out
+
+
+def _cmake_sources():
+    with open(os.path.join(ROOT, "CMakeLists.txt")) as f:
+        text = re.sub(r"#.*", "", f.read())
+    return set(re.findall(r"\b([a-z_]+/[A-Za-z0-9_]+\.cc)\b", text))
+
+
+def _tree_sources():
+    return {f"{pkg}/{name}" for pkg in PRODUCT_PACKAGES
+            for name in os.listdir(os.path.join(ROOT, pkg)) if name.endswith(".cc")}
+
+
+def test_bazel_and_cmake_compile_the_same_sources():
+    bazel, cmake, tree = _bazel_sources(), _cmake_sources(), _tree_sources()
+    assert bazel, "no sources found in the BUILD files: the parser is broken"
+    assert bazel == cmake, (f"only in Bazel: {sorted(bazel - cmake)}; "
+                            f"only in CMakeLists.txt: {sorted(cmake - bazel)}")
+    assert tree == bazel, f"built by neither: {sorted(tree - bazel)}"
+
+
+def test_source_parity_check_can_fail(tmp_path):
+    # The parser sees a source that only one build names.
+    assert "tools/reduce_bench.cc" in _cmake_sources()
+    assert "tools/reduce_bench.cc" in _bazel_sources()
+    assert "ipc/segment.cc" in _cmake_sources() & _bazel_sources()
+
+
+def test_build_info_names_the_torch_it_was_built_against():
+    info = shmgrad.build_info()
+    assert info["torch"] == torch.__version__.split("+")[0]
+    assert info["torch_runtime"] == torch.__version__
+    assert info["cuda"] is False and info["cuda_toolkit"] is None
+    assert info["cxx11_abi"] == bool(torch._C._GLIBCXX_USE_CXX11_ABI)
+
+
+def test_auto_mode_follows_the_torchscript_deprecation():
+    with warnings.catch_warnings():
+        # shmgrad's own code must not trigger TorchScript's deprecation warnings.
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        mode, why = eager.choose_mode("auto", model=Mlp(), loss="cross_entropy", dataset=None,
+                                      collate_fn=None, forward=None, loss_names=["cross_entropy"])
+    if eager.torchscript_deprecated():
+        assert mode == "eager" and "deprecates TorchScript" in why and torch.__version__ in why
+    else:
+        assert mode == "script" and why == "auto: the module scripts"
+
+
+def test_auto_engine_on_deprecated_torchscript_is_eager_and_says_why():
+    if not eager.torchscript_deprecated():
+        pytest.skip(f"torch {torch.__version__} does not deprecate TorchScript")
+    torch.manual_seed(0)
+    model = Mlp()
+    x, y = torch.randn(12, 20), torch.randint(0, 5, (12,))
+    expected = reference_gradient(model, "cross_entropy", x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        with shmgrad.Engine(model=model, workers=2, loss="cross_entropy") as engine:
+            assert engine.mode == "eager"
+            status = engine.status()
+            assert status.worker_kind == "eager"
+            assert "deprecates TorchScript" in status.mode_reason
+            engine.bind(model)
+            engine.gradient(inputs=x, targets=y)
+            assert relative_error([p.grad for p in model.parameters()], expected) < 1e-6
+
+
+def test_script_mode_still_works_when_asked(tmp_path):
+    # mode='script' scripts the module (the user asked: the deprecation warning is theirs)
+    # and the C++ workers load it with torch::jit::load.
+    torch.manual_seed(1)
+    model = Mlp()
+    x, y = torch.randn(10, 20), torch.randint(0, 5, (10,))
+    expected = reference_gradient(model, "cross_entropy", x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        path = shmgrad.save_model(model, tmp_path / "m.pt")
+    with shmgrad.Engine(model=str(path), workers=2, loss="cross_entropy") as engine:
+        assert engine.mode == "script" and engine.mode_reason == "auto: the model is a TorchScript file"
+        engine.bind(model)
+        engine.gradient(inputs=x, targets=y)
+        assert relative_error([p.grad for p in model.parameters()], expected) < 1e-6
+
+
+def test_a_file_that_is_not_torchscript_names_the_torch_version(tmp_path):
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"not a model")
+    with pytest.raises(shmgrad.InvalidArgumentError) as info:
+        shmgrad.Engine(model=str(bad), workers=1, loss="cross_entropy")
+    assert torch.__version__.split("+")[0] in str(info.value)
+    assert "mode='eager'" in str(info.value)
+
+
+@pytest.mark.parametrize("mode", ["eager", "script"])
+def test_default_zero_grad_sets_none_and_the_next_gradient_relinks(mode):
+    # PyTorch 2.x: optimizer.zero_grad() sets every .grad to None by default.
+    torch.manual_seed(2)
+    model, ref = Mlp(), Mlp()
+    ref.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        engine = shmgrad.Engine(model=model, workers=2, loss="cross_entropy", mode=mode)
+    with engine:
+        engine.bind(model)
+        for step in range(3):
+            x, y = torch.randn(16, 20), torch.randint(0, 5, (16,))
+            opt.zero_grad()
+            assert all(p.grad is None for p in model.parameters())
+            engine.gradient(inputs=x, targets=y, reduction="mean")
+            opt.step()
+            ref_opt.zero_grad()
+            torch.nn.functional.cross_entropy(ref(x), y).backward()
+            ref_opt.step()
+        assert relative_error(list(model.parameters()), list(ref.parameters())) < 1e-5
+
+
+@pytest.mark.newest_torch_only
+def test_wheel_installs_outside_the_checkout_and_works_from_anywhere(tmp_path):
+    py = sys.executable
+    wheels = tmp_path / "wheels"
+    build_dir = os.path.join(ROOT, "build", f"torch-{torch.__version__}")  # setup.sh's: incremental
+    subprocess.run([py, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps",
+                    f"--config-settings=build-dir={build_dir}", "-w", str(wheels), ROOT],
+                   check=True, timeout=900)
+    [wheel] = list(wheels.glob("shmgrad-*.whl"))
+    site = tmp_path / "site"
+    subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site),
+                    str(wheel)], check=True, timeout=300)
+    for f in ("shmgrad/bin/shmgrad", "shmgrad/bin/reduce_bench"):
+        assert os.access(site / f, os.X_OK), f"{f} is not in the wheel"
+    assert list((site / "shmgrad").glob("_C*.so")), "the extension is not in the wheel"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHMGRAD_")}
+    env["PYTHONPATH"] = str(site)
+    script = f"""
+import os, sys, subprocess, warnings, torch, shmgrad
+assert shmgrad.__file__.startswith({str(site)!r}), shmgrad.__file__
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+x, y = torch.randn(9, 6), torch.randint(0, 3, (9,))
+ref = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+ref.load_state_dict(m.state_dict())
+torch.nn.functional.cross_entropy(ref(x), y, reduction="sum").backward()
+for mode in ("eager", "script"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        e = shmgrad.Engine(model=m, workers=2, loss="cross_entropy", mode=mode)
+    with e:
+        e.bind(m)
+        e.gradient(inputs=x, targets=y)
+        err = max(float((p.grad - r.grad).abs().max()) for p, r in zip(m.parameters(), ref.parameters()))
+        assert err < 1e-5, (mode, err)
+        print("exact", mode, e.status().worker_kind)
+"""
+    out = subprocess.run([py, "-c", script], cwd=elsewhere, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "exact eager eager" in out.stdout and "exact script script" in out.stdout
+    # The command: serve, status, stop, with the TorchScript model saved here.
+    cli = str(site / "bin" / "shmgrad")
+    model_path = tmp_path / "m.pt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        shmgrad.save_model(Mlp(), model_path)
+    name = f"wheel-{os.getpid()}"
+    serve = subprocess.Popen([py, cli, "serve", "--name", name, "--model", str(model_path),
+                              "--workers", "2", "--loss", "cross_entropy"], cwd=elsewhere,
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        status = ""
+        for _ in range(300):
+            st = subprocess.run([py, cli, "status", name], cwd=elsewhere, env=env,
+                                capture_output=True, text=True, timeout=60)
+            status = st.stdout
+            if st.returncode == 0 and "serving" in status:
+                break
+            assert serve.poll() is None, serve.stdout.read()
+            time.sleep(0.2)
+        assert "serving" in status, status
+        stop = subprocess.run([py, cli, "stop", name], cwd=elsewhere, env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        assert serve.wait(timeout=60) == 0
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
+
+
+def test_torch_compile_in_eager_workers_gives_exact_gradients():
+    # A torch.compile'd module: each worker compiles its own copy; binding the compiled
+    # module binds the one it wraps. Exact against one process, over two optimizer steps.
+    torch.manual_seed(3)
+    model = Mlp()
+    ref = Mlp()
+    ref.load_state_dict(model.state_dict())
+    compiled = torch.compile(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    with shmgrad.Engine(model=compiled, workers=2, loss="cross_entropy") as engine:
+        assert engine.mode == "eager"
+        assert engine.bind(compiled) is compiled
+        for _ in range(2):
+            x, y = torch.randn(16, 20), torch.randint(0, 5, (16,))
+            opt.zero_grad()
+            engine.gradient(inputs=x, targets=y, reduction="mean")
+            ref_opt.zero_grad()
+            torch.nn.functional.cross_entropy(ref(x), y).backward()
+            assert relative_error([p.grad for p in model.parameters()],
+                                  [p.grad for p in ref.parameters()]) < 1e-5
+            opt.step()
+            ref_opt.step()
+    with pytest.raises(shmgrad.InvalidArgumentError, match="mode='eager'"):
+        shmgrad.Engine(model=Mlp(), workers=1, loss="cross_entropy", mode="script", compile=True)
+    with pytest.raises(shmgrad.InvalidArgumentError, match="compile must be"):
+        shmgrad.Engine(model=Mlp(), workers=1, loss="cross_entropy", compile="yes")
