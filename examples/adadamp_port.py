@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """adadamp's Dask MNIST example, written against shmgrad.
 
 adadamp (github.com/stsievert/adadamp) trains PyTorch's MNIST example network on a Dask
@@ -42,7 +42,7 @@ Measured on a 2-vCPU VM (AMD EPYC, Debian 12, torch 1.13.1 CPU) that other peopl
 work shared, with the defaults (2 eager workers): test accuracy 77.62% after 40 steps,
 688 examples/s, 77 s in all.
 
-Run: /usr/bin/python3 examples/adadamp_port.py [--epochs E] [--max-steps S] [--workers N]
+Run: .venv/bin/python examples/adadamp_port.py [--epochs E] [--max-steps S] [--workers N]
 """
 
 import argparse

@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Fixed versus adaptive batch sizes on Fashion-MNIST through one shmgrad engine.
 
 Trains the demo CNN twice from the same initial weights, on the same data order, with
@@ -19,7 +19,7 @@ of an epoch) at which each run first reached the fixed run's final accuracy minu
 points. It checks that the adaptive run got there with at least 2x fewer model updates and
 in less wall time than the whole fixed run (exit status 1 if not).
 
-Run: /usr/bin/python3 examples/adaptive_batch.py
+Run: .venv/bin/python examples/adaptive_batch.py
 """
 
 import argparse

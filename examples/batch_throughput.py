@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Training throughput of the Fashion-MNIST CNN through one engine, per batch size and
 max_examples_per_pass: what a growing batch buys on this machine.
 
@@ -9,7 +9,7 @@ goes beyond the workers' compute (medians over all steps): the engine's own over
 (its wall time minus the slowest worker's forward+backward), the rest of the
 `engine.gradient` call in the trainer, and `optimizer.step()`.
 
-Run: /usr/bin/python3 examples/batch_throughput.py
+Run: .venv/bin/python examples/batch_throughput.py
 """
 
 import argparse

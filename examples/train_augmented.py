@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Train a small ResNet with BatchNorm on Fashion-MNIST, with data augmentation run by
 shmgrad's eager workers.
 
@@ -21,7 +21,7 @@ training images, batch 128): test accuracy 86.02% (BatchNorm statistics recomput
 914 examples/s, 66 s of training, 85 s in all. Step time outside the workers' compute
 (transforms, forward, backward): 1.2%. See README.md, "Eager workers".
 
-Run: /usr/bin/python3 examples/train_augmented.py [--epochs E] [--workers N]
+Run: .venv/bin/python examples/train_augmented.py [--epochs E] [--workers N]
      [--batch-size B] [--train-examples K]
 """
 

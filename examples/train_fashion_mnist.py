@@ -1,10 +1,10 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Train a small CNN on Fashion-MNIST through a shmgrad engine.
 
 The engine loads the 60000 training images once into shared memory; every step this
 script sends only the batch's indices, the workers write their gradients straight into
 shared memory and reduce them in place, and torch.optim.SGD updates the shared
-parameters that every worker reads. Run: /usr/bin/python3 examples/train_fashion_mnist.py
+parameters that every worker reads. Run: .venv/bin/python examples/train_fashion_mnist.py
 """
 
 import argparse

@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Train the Fashion-MNIST CNN of train_fashion_mnist.py on several nodes: each node runs a
 shmgrad engine for its share of every batch, and the nodes' trainers all-reduce the
 reduced gradients through torch.distributed (gloo). Same model, global batch, learning
@@ -9,11 +9,8 @@ stands for two nodes):
 
     torchrun --nnodes 2 --nproc_per_node 1 --rdzv_backend c10d \\
              --rdzv_endpoint HOST0:29400 examples/train_multinode.py       # on each node
-    /usr/bin/python3 -m torch.distributed.run --standalone --nproc_per_node 2 \\
-             --redirects 1 --tee 1 examples/train_multinode.py --epochs 1   # one machine
-
-(Debian's torch 1.13 under Python 3.11 needs --redirects 1 --tee 1: without them torchrun
-fails at start with "'NoneType' object has no attribute 'get'"; see docs/MULTINODE.md.)
+    .venv/bin/python -m torch.distributed.run --standalone --nproc_per_node 2 \\
+             examples/train_multinode.py --epochs 1                        # one machine
 
 On a Dask cluster (one call per worker, or per host with --per-host):
 

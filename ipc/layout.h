@@ -11,7 +11,7 @@
 //   header.slots        num_slots gradient slots, each laid out like params
 //   header.reduced      the reduced gradient, laid out like params
 //   header.req_indices  int64 dataset indices of the current step
-//   header.req_inputs   float32 inputs of an explicit batch
+//   header.req_inputs   inputs of an explicit batch (float32, or int64 for eager workers)
 //   header.req_targets  targets of an explicit batch (int64 or float32)
 //   header.data_inputs  optional read-only dataset: float32 inputs
 //   header.data_targets optional read-only dataset: targets
@@ -169,7 +169,7 @@ struct StepRequest {
   uint32_t num_participants;  // workers taking part, 1..num_slots
   uint32_t reduction_scale_is_mean;  // 1: reduced = sum / B
   float scale;                // factor applied while reducing (1 or 1/B)
-  uint32_t input_dtype;       // explicit: DType of inputs (float32)
+  uint32_t input_dtype;       // explicit: DType of inputs (float32; int64 for eager workers)
   Shape example_shape;        // explicit: shape of one input example
   uint32_t target_dtype;      // explicit: DType of targets
   uint32_t reserved0;
@@ -255,7 +255,7 @@ struct alignas(64) SegmentHeader {
   uint64_t slot_stride;      // bytes between slots, >= param_floats*4, multiple of kAlign
   Region reduced;            // param_floats floats
   Region req_indices;        // int64[max_batch]
-  Region req_inputs;         // float32 inputs of an explicit batch
+  Region req_inputs;         // inputs of an explicit batch (input_dtype)
   Region req_targets;        // targets of an explicit batch
   Region data_inputs;        // dataset inputs (float32), size 0 without dataset
   Region data_targets;       // dataset targets (DType data_target_dtype)

@@ -1,8 +1,8 @@
 // The worker side of the step protocol (docs/DESIGN.md, "The step protocol"), shared by
 // every kind of worker. A worker kind supplies only its compute phase (a ShardComputer:
-// the TorchScript replica in worker_loop.cc; an eager Python module later); waiting for
-// a step, validating the request, both barriers, the in-place reduction of its slice and
-// the result record are this code's, written once.
+// the TorchScript replica in worker_loop.cc, or an eager Python worker through
+// python/worker_binding.cc); waiting for a step, validating the request, both barriers,
+// the in-place reduction of its slice and the result record are this code's, written once.
 //
 // No libtorch here: the protocol touches only the segment.
 #pragma once

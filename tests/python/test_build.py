@@ -2,6 +2,7 @@
 built by `pip wheel` works from a directory outside the checkout; build_info(); the
 TorchScript deprecation of today's torch."""
 
+import json
 import os
 import re
 import subprocess
@@ -251,3 +252,33 @@ def test_torch_compile_in_eager_workers_gives_exact_gradients():
         shmgrad.Engine(model=Mlp(), workers=1, loss="cross_entropy", mode="script", compile=True)
     with pytest.raises(shmgrad.InvalidArgumentError, match="compile must be"):
         shmgrad.Engine(model=Mlp(), workers=1, loss="cross_entropy", compile="yes")
+
+
+@pytest.mark.newest_torch_only
+def test_device_check_prepares_and_dry_runs(tmp_path):
+    # Here: what must travel to the GPU machine, within its 64 MiB; then the same run as
+    # there, against this environment, scaled down (build, a test, the scaling bench).
+    script = os.path.join(ROOT, "tools", "device-check")
+    prep = subprocess.run([script], capture_output=True, text=True, timeout=300)
+    assert prep.returncode == 0, prep.stdout + prep.stderr
+    assert 'carry: [".device"]' in prep.stdout and "tools/device-check --run" in prep.stdout
+    device = os.path.join(ROOT, ".device")
+    assert os.path.exists(os.path.join(device, "include", "boost", "interprocess",
+                                       "shared_memory_object.hpp"))
+    assert os.path.exists(os.path.join(device, "include", "CLI", "CLI.hpp"))
+    assert any(w.startswith("distributed-") for w in os.listdir(os.path.join(device, "wheels")))
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(device) for f in fs)
+    assert size < 64 << 20
+    out = tmp_path / "out"
+    run = subprocess.run([script, "--run", "--dry-run", "--out", str(out)], capture_output=True,
+                         text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    with open(out / "report.json") as f:
+        report = json.load(f)
+    assert report["steps"] == {"build": 0, "tests": 0, "bench": 0}
+    with open(out / "bench" / "results.json") as f:
+        systems = {r["system"] for r in json.load(f)["results"]}
+    assert {"single", "shmgrad", "ddp"} <= systems
+    assert "Process settings: alike" in (out / "report.md").read_text()
+    gpu = subprocess.run([script, "--gpu"], capture_output=True, text=True, timeout=60)
+    assert gpu.returncode != 0 and "CUDA path is not built" in gpu.stderr

@@ -6,6 +6,8 @@
            (``engine.gradient(inputs=..., targets=...)``);
   eager    the same with eager Python workers (``mode="eager"``): the same models as
            plain nn.Modules, the same explicit batches;
+  compiled (not by default) eager workers that torch.compile their model
+           (``compile=True``); compilation falls in the warm-up steps;
   ddp      PyTorch DistributedDataParallel, gloo backend, N processes on 127.0.0.1
            (torch.multiprocessing spawn), each computing its shard and all-reducing;
   dask     the task-scheduler approach shmgrad replaces: a Dask ``distributed`` client
@@ -57,7 +59,8 @@ from .._numerics import relative_error
 from . import models, report, runners
 from .timing import Budget, log, now, summarize
 
-SYSTEMS = ("single", "shmgrad", "eager", "ddp", "dask", "reduce")
+SYSTEMS = ("single", "shmgrad", "eager", "compiled", "ddp", "dask", "reduce")
+DEFAULT_SYSTEMS = [s for s in SYSTEMS if s != "compiled"]  # compiling costs minutes
 LARGE_REDUCE_FLOATS = 16 * 1024 * 1024  # 64 MiB a slot: larger than most last-level caches
 
 
@@ -143,8 +146,10 @@ def build_parser():
                     help="seconds of timed steps per configuration: stop repeating once "
                          "spent (at least 3 steps or --repeats if fewer; default 60, "
                          "--quick 10)")
-    ap.add_argument("--systems", type=name_list(SYSTEMS), default=list(SYSTEMS),
-                    help=f"what to measure, comma-separated (default all: {','.join(SYSTEMS)}); "
+    ap.add_argument("--systems", type=name_list(SYSTEMS), default=list(DEFAULT_SYSTEMS),
+                    help=f"what to measure, comma-separated (default "
+                         f"{','.join(DEFAULT_SYSTEMS)}; also: compiled, eager workers running "
+                         "torch.compile'd models, compile time in the warm-up steps); "
                          "ratios need shmgrad")
     ap.add_argument("--reduce-floats", type=int_list, default=None,
                     help="slot sizes (floats) for the reduction benchmark (default: each "
@@ -289,13 +294,15 @@ def measure(args):
                         model_name, batches, args.warmup, budget, n, args.seed,
                         now() + args.timeout), ref)
             engines = {}
-            for mode, system in (("script", "shmgrad"), ("eager", "eager")):
+            for mode, system, compiled in (("script", "shmgrad", False),
+                                           ("eager", "eager", False),
+                                           ("eager", "compiled", True)):
                 if system in systems:
                     engine_count += 1
                     name = f"bench-{os.getpid()}-{engine_count}"
                     engines[system], _ = record(base, system, n, lambda: runners.run_shmgrad(
                         model_name, batches, args.warmup, budget, n, args.seed,
-                        now() + args.timeout, name, mode=mode), ref)
+                        now() + args.timeout, name, mode=mode, compile=compiled), ref)
             if "ddp" in systems:
                 est = next((e["median_s"] for e in engines.values() if "median_s" in e),
                            single_by_n.get(1, {}).get("median_s"))
@@ -315,7 +322,7 @@ def measure(args):
     for r in records:
         key = (r["model"], r["batch"], r["workers"])
         s = shm.get(key)
-        if r["system"] == "ddp" and key in eager and "median_s" in r:
+        if r["system"] in ("ddp", "compiled") and key in eager and "median_s" in r:
             r["ratio_to_eager"] = r["median_s"] / eager[key]["median_s"]
         if s is not None and "median_s" in r:
             r["ratio_to_shmgrad"] = r["median_s"] / s["median_s"]

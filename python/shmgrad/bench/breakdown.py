@@ -19,7 +19,7 @@ Alongside, in the same process and in alternating blocks of steps, ``eager`` tim
 forward and backward of the same model in this process with one thread (what DDP runs at
 N = 1), and ``copy`` times copying the batch alone. Medians in microseconds.
 
-Run: ``/usr/bin/python3 -m shmgrad.bench.breakdown --model mlp --batch 32 --workers 1,2``
+Run: ``.venv/bin/python -m shmgrad.bench.breakdown --model mlp --batch 32 --workers 1,2``
 """
 
 import argparse

@@ -12,7 +12,7 @@ batch with the same model:
 It prints each one's median step time, the engine's own overhead (its wall time minus
 the slowest worker's forward+backward) and the time of copying the batch alone. It
 checks on the first step that all three gave the same gradient (exit status 1 if not).
-Run: ``/usr/bin/python3 -m shmgrad.bench.feed --model mlp --batch 512 --workers 1``
+Run: ``.venv/bin/python -m shmgrad.bench.feed --model mlp --batch 512 --workers 1``
 """
 
 import argparse

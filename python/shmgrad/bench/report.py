@@ -8,6 +8,7 @@ LABELS = {
     "single": "single process, N threads",
     "shmgrad": "shmgrad, N workers",
     "eager": "shmgrad eager, N workers",
+    "compiled": "shmgrad eager, torch.compile'd, N workers",
     "ddp": "DDP gloo, N processes",
     "dask": "Dask deep-copy, N threads",
 }
@@ -95,7 +96,8 @@ def table(records, reductions, targets):
     lines = ["| model | batch | N | system | median ms | min ms | max ms | IQR ms | steps "
              "| vs shmgrad | notes |",
              "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
-    order = {"single-1t": 0, "single": 1, "shmgrad": 2, "eager": 3, "ddp": 4, "dask": 5}
+    order = {"single-1t": 0, "single": 1, "shmgrad": 2, "eager": 3, "compiled": 4, "ddp": 5,
+             "dask": 6}
     rows = sorted(records, key=lambda r: (r["model"], r["batch"], r["workers"],
                                           order.get(r["system"], 9)))
     seen_1t = set()
@@ -115,7 +117,7 @@ def table(records, reductions, targets):
         else:
             ratio = f"{r['ratio_to_shmgrad']:.2f}x" if "ratio_to_shmgrad" in r else "-"
         notes = []
-        if r["system"] in ("shmgrad", "eager"):
+        if r["system"] in ("shmgrad", "eager", "compiled"):
             notes.append(f"overhead {r['overhead_median'] * 100:.1f}%")
             notes.append(f"slowest worker f+b {fmt_ms(r['compute_max_median_s'])} ms")
             notes.append(f"reduce phase {fmt_ms(r['reduce_median_s'])} ms "
@@ -216,6 +218,7 @@ def plot(records, path):
     fig, axes = plt.subplots(len(models), len(batches), squeeze=False, figsize=(width, height))
     styles = {"single-1t": ("tab:gray", "--", ""), "single": ("tab:blue", "-", "o"),
               "shmgrad": ("tab:red", "-", "s"), "eager": ("tab:orange", "-", "v"),
+              "compiled": ("tab:brown", "-", "^"),
               "ddp": ("tab:green", "-", "^"),
               "dask": ("tab:purple", "-", "D")}
     for i, m in enumerate(models):

@@ -54,9 +54,10 @@ def run_single(model_name, batches, warmup, budget, threads, seed, deadline):
 
 # -- 2. shmgrad -----------------------------------------------------------------------
 def run_shmgrad(model_name, batches, warmup, budget, workers, seed, deadline, engine_name,
-                mode="script"):
+                mode="script", compile=False):
     """An engine of ``workers`` workers, TorchScript (``mode="script"``) or eager Python
-    (``mode="eager"``: the same nn.Module run as it is), fed the batches explicitly."""
+    (``mode="eager"``: the same nn.Module run as it is, torch.compile'd in each worker
+    with ``compile``), fed the batches explicitly."""
     models.set_threads(1)  # the trainer only copies the batch in and waits
     model = models.make_model(model_name, seed)
     batch = batches[0][0].shape[0]
@@ -64,10 +65,15 @@ def run_shmgrad(model_name, batches, warmup, budget, workers, seed, deadline, en
     engine = None
     try:
         t_start = now()
-        engine = Engine(model=model, workers=workers, loss="cross_entropy", name=engine_name,
-                        mode=mode, threads_per_worker=1, max_batch=max(batch, 1),
-                        input_capacity_mb=max(64, int(math.ceil(in_mb * 2)) + 1),
-                        startup_timeout=max(10.0, min(120.0, deadline - now())))
+        with warnings.catch_warnings():
+            # The "shmgrad" row measures TorchScript workers on purpose: torch's
+            # deprecation warning is not news to the person running the bench.
+            warnings.simplefilter("ignore", FutureWarning)
+            engine = Engine(model=model, workers=workers, loss="cross_entropy",
+                            name=engine_name, mode=mode, threads_per_worker=1,
+                            max_batch=max(batch, 1), compile=compile,
+                            input_capacity_mb=max(64, int(math.ceil(in_mb * 2)) + 1),
+                            startup_timeout=max(10.0, min(120.0, deadline - now())))
         startup = now() - t_start
         overheads, engine_overheads, compute, reduce_s, engine_wall = [], [], [], [], []
         grads = engine.gradient_tensors()  # read directly: no module is bound
@@ -92,8 +98,8 @@ def run_shmgrad(model_name, batches, warmup, budget, workers, seed, deadline, en
                                         if st.wall_seconds > 0 else 0.0)
             return dt
 
-        times = timed_steps(batches, warmup, budget, deadline,
-                            "shmgrad" if mode == "script" else f"shmgrad ({mode})", step)
+        label = "shmgrad" if mode == "script" else f"shmgrad ({mode}{', compiled' if compile else ''})"
+        times = timed_steps(batches, warmup, budget, deadline, label, step)
         return {
             "times_s": times,
             "threads": 1,
