@@ -27,6 +27,7 @@ import json
 import statistics
 import sys
 import time
+import warnings
 
 import torch
 
@@ -67,9 +68,13 @@ def measure(model_name, batch, workers, steps, warmup, seed=0):
     rows = {p: [] for p in PARTS}
     eager, copy = [], []
     buf = torch.empty_like(batches[0][0])
-    with Engine(model=models.make_model(model_name, seed), workers=workers,
-                loss="cross_entropy", threads_per_worker=1, max_batch=batch,
-                name=f"breakdown-{workers}-{int(time.time() * 1000) % 100000}") as engine:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # TorchScript workers, on purpose
+        engine = Engine(model=models.make_model(model_name, seed), workers=workers,
+                        mode="script", loss="cross_entropy", threads_per_worker=1,
+                        max_batch=batch,
+                        name=f"breakdown-{workers}-{int(time.time() * 1000) % 100000}")
+    with engine:
         engine.gradient_tensors()  # the grads are read directly: no module bound
         # Rounds of engine steps, then as many eager steps: eager work between every two
         # engine steps would stand for a trainer that computes between steps, not the
