@@ -16,21 +16,13 @@ MIN_TORCH = (2, 11)
 LIST_SEPARATOR = "|"
 
 
-def _version_tuple(version: str):
-    parts = []
-    for p in version.split("+")[0].split(".")[:2]:
-        digits = "".join(c for c in p if c.isdigit())
-        parts.append(int(digits or 0))
-    return tuple(parts)
-
-
 def info() -> dict:
     try:
         import torch
         from torch.utils import cpp_extension
     except ImportError as exc:
         raise SystemExit(f"torch is not installed in {sys.executable} ({exc}): pip install torch")
-    if _version_tuple(torch.__version__) < MIN_TORCH:
+    if torch.__version__ < MIN_TORCH:  # a TorchVersion: compares with tuples
         raise SystemExit(
             f"torch {torch.__version__} in {sys.executable} is older than shmgrad supports "
             f"(>= {'.'.join(map(str, MIN_TORCH))}): pip install --upgrade torch")

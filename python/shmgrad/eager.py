@@ -124,9 +124,7 @@ TORCHSCRIPT_DEPRECATED_SINCE = (2, 10)
 
 def torchscript_deprecated() -> bool:
     """Whether the imported torch deprecates TorchScript (``torch.jit.script`` warns)."""
-    release = torch.__version__.split("+")[0].split(".")
-    return tuple(int("".join(c for c in p if c.isdigit()) or 0)
-                 for p in release[:2]) >= TORCHSCRIPT_DEPRECATED_SINCE
+    return torch.__version__ >= TORCHSCRIPT_DEPRECATED_SINCE  # a TorchVersion
 
 
 def _scripts(model) -> bool:
@@ -139,8 +137,8 @@ def _scripts(model) -> bool:
         return False
 
 
-def choose_mode(mode: str, *, model, loss, dataset, collate_fn, forward,
-                loss_names) -> Tuple[str, str]:
+def choose_mode(mode: str, *, model, loss, dataset, collate_fn, forward, loss_names,
+                compile: bool = False) -> Tuple[str, str]:
     """``("script" | "eager", why)``: TorchScript workers (C++) or Python workers, as
     asked or chosen, and the reason in words (``Engine.mode_reason``, ``status()``)."""
     if mode not in MODES:
@@ -154,6 +152,8 @@ def choose_mode(mode: str, *, model, loss, dataset, collate_fn, forward,
         python_only.append("collate_fn")
     if forward is not None:
         python_only.append("forward")
+    if compile:
+        python_only.append("compile= (or a torch.compile'd module)")
     if mode == "script":
         if python_only:
             raise errors.InvalidArgumentError(

@@ -129,15 +129,9 @@ class Engine(Client):
             model, wrapped = eager.compiled_original(model)  # torch.compile(module) given
             if wrapped is not None and compile_opts is None:
                 compile_opts = wrapped
-        if compile_opts is not None and mode == "script":
-            raise errors.InvalidArgumentError(
-                "compile= (or a torch.compile'd module) runs in eager workers: use "
-                "mode='eager' or 'auto'")
-        if compile_opts is not None:
-            mode = "eager"
         self.mode, self.mode_reason = eager.choose_mode(
             mode, model=model, loss=loss, dataset=dataset, collate_fn=collate_fn,
-            forward=forward, loss_names=loss_names)
+            forward=forward, loss_names=loss_names, compile=compile_opts is not None)
         if self.mode == "script":
             _check_arguments(workers=workers, loss=loss, max_workers=max_workers)
         else:

@@ -81,13 +81,18 @@ def test_auto_mode_follows_the_torchscript_deprecation():
         assert mode == "script" and why == "auto: the module scripts"
 
 
+def _mlp_case(*, seed, examples):
+    """An Mlp, a batch for it and the single-process gradient of its summed loss."""
+    torch.manual_seed(seed)
+    model = Mlp()
+    x, y = torch.randn(examples, 20), torch.randint(0, 5, (examples,))
+    return model, x, y, reference_gradient(model, "cross_entropy", x, y)
+
+
 def test_auto_engine_on_deprecated_torchscript_is_eager_and_says_why():
     if not eager.torchscript_deprecated():
         pytest.skip(f"torch {torch.__version__} does not deprecate TorchScript")
-    torch.manual_seed(0)
-    model = Mlp()
-    x, y = torch.randn(12, 20), torch.randint(0, 5, (12,))
-    expected = reference_gradient(model, "cross_entropy", x, y)
+    model, x, y, expected = _mlp_case(seed=0, examples=12)
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
         with shmgrad.Engine(model=model, workers=2, loss="cross_entropy") as engine:
@@ -103,10 +108,7 @@ def test_auto_engine_on_deprecated_torchscript_is_eager_and_says_why():
 def test_script_mode_still_works_when_asked(tmp_path):
     # mode='script' scripts the module (the user asked: the deprecation warning is theirs)
     # and the C++ workers load it with torch::jit::load.
-    torch.manual_seed(1)
-    model = Mlp()
-    x, y = torch.randn(10, 20), torch.randint(0, 5, (10,))
-    expected = reference_gradient(model, "cross_entropy", x, y)
+    model, x, y, expected = _mlp_case(seed=1, examples=10)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         path = shmgrad.save_model(model, tmp_path / "m.pt")

@@ -455,8 +455,7 @@ def settings_line(args) -> str:
 
 
 def main(argv=None):
-    parser = build_parser()
-    args = resolve(parser.parse_args(argv))
+    args = resolve(build_parser().parse_args(argv))
     if args.settings == "alike":
         same_settings(sys.argv[1:] if argv is None else list(argv))
     os.makedirs(args.out, exist_ok=True)
