@@ -13,12 +13,12 @@ namespace shmgrad::engine {
 struct Dataset {
   std::string description;
   int64_t count = 0;
-  std::vector<int64_t> example_shape;   // shape of one input
-  std::vector<float> inputs;            // count * numel(example_shape)
+  std::vector<int64_t> example_shape;  // shape of one input
+  std::vector<float> inputs;           // count * numel(example_shape)
   ipc::DType target_dtype = ipc::DType::kInt64;
-  std::vector<int64_t> target_shape;    // shape of one target ({} for class labels)
-  std::vector<int64_t> targets_i64;     // when target_dtype == kInt64
-  std::vector<float> targets_f32;       // when target_dtype == kFloat32
+  std::vector<int64_t> target_shape;  // shape of one target ({} for class labels)
+  std::vector<int64_t> targets_i64;   // when target_dtype == kInt64
+  std::vector<float> targets_f32;     // when target_dtype == kFloat32
 };
 
 // The directory holding Debian's Fashion-MNIST (SHMGRAD_FASHION_MNIST_DIR overrides).

@@ -87,12 +87,17 @@ class Net(nn.Module):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--epochs", type=int, default=1)
-    ap.add_argument("--max-steps", type=int, default=40,
-                    help="stop after this many steps in all (default 40; 0: no limit)")
+    ap.add_argument(
+        "--max-steps",
+        type=int,
+        default=40,
+        help="stop after this many steps in all (default 40; 0: no limit)",
+    )
     ap.add_argument("--batch-size", type=int, default=1024)
     ap.add_argument("--lr", type=float, default=1.0)
     ap.add_argument("--gamma", type=float, default=0.7)
@@ -108,20 +113,27 @@ def main(argv=None):
     test_x = (test_x - MEAN) / STD  # what the transform does to a test image
 
     model = Net()
-    loss_fn = nn.NLLLoss(reduction="sum")                          # shmgrad: summed
-    with shmgrad.Engine(model=model, loss=loss_fn, dataset=train_set,  # shmgrad
-                        workers=args.workers) as engine:
-        engine.bind(model)                                         # shmgrad
+    loss_fn = nn.NLLLoss(reduction="sum")  # shmgrad: summed
+    with shmgrad.Engine(
+        model=model,
+        loss=loss_fn,
+        dataset=train_set,  # shmgrad
+        workers=args.workers,
+    ) as engine:
+        engine.bind(model)  # shmgrad
         optimizer = optim.Adadelta(model.parameters(), lr=args.lr)
         scheduler = StepLR(optimizer, step_size=1, gamma=args.gamma)
-        print(f"adadamp's MNIST example on Fashion-MNIST: {args.workers} {engine.mode} workers, "
-              f"batch {args.batch_size}, Adadelta lr {args.lr}", flush=True)
+        print(
+            f"adadamp's MNIST example on Fashion-MNIST: {args.workers} {engine.mode} workers, "
+            f"batch {args.batch_size}, Adadelta lr {args.lr}",
+            flush=True,
+        )
         steps = examples = 0
         train_s = 0.0
         for epoch in range(1, args.epochs + 1):
             t0 = time.perf_counter()
             for idx in torch.randperm(len(train_set)).split(args.batch_size):
-                stats = engine.gradient(idx, reduction="mean")    # shmgrad
+                stats = engine.gradient(idx, reduction="mean")  # shmgrad
                 optimizer.step()
                 steps += 1
                 examples += len(idx)
@@ -132,8 +144,11 @@ def main(argv=None):
             train_s += time.perf_counter() - t0
             scheduler.step()
             acc = accuracy(model, test_x, test_y)  # the bound model, in eval mode
-            print(f"epoch {epoch}: test accuracy {acc * 100:.2f}% after {steps} steps, "
-                  f"{examples / train_s:.0f} examples/s", flush=True)
+            print(
+                f"epoch {epoch}: test accuracy {acc * 100:.2f}% after {steps} steps, "
+                f"{examples / train_s:.0f} examples/s",
+                flush=True,
+            )
             if steps == args.max_steps:
                 break
     return 0

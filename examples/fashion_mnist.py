@@ -40,6 +40,6 @@ def accuracy(model, x, y, batch=2000):
     model.eval()
     correct = 0
     for i in range(0, len(x), batch):
-        correct += (model(x[i:i + batch]).argmax(1) == y[i:i + batch]).sum().item()
+        correct += (model(x[i : i + batch]).argmax(1) == y[i : i + batch]).sum().item()
     model.train()
     return correct / len(x)

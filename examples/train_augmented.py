@@ -45,12 +45,14 @@ MEAN, STD = 0.2860, 0.3530  # of Fashion-MNIST's training pixels
 
 def train_transform(padding=2):
     """What every training example goes through, one PIL image at a time."""
-    return transforms.Compose([
-        transforms.RandomCrop(28, padding=padding),
-        transforms.RandomHorizontalFlip(),
-        transforms.ToTensor(),
-        transforms.Normalize((MEAN,), (STD,)),
-    ])
+    return transforms.Compose(
+        [
+            transforms.RandomCrop(28, padding=padding),
+            transforms.RandomHorizontalFlip(),
+            transforms.ToTensor(),
+            transforms.Normalize((MEAN,), (STD,)),
+        ]
+    )
 
 
 def as_images(x):
@@ -65,8 +67,8 @@ class TransformedFashionMNIST(torch.utils.data.Dataset):
     images); see README.md for datasets too large for that."""
 
     def __init__(self, images, labels, transform):
-        self.images = images   # uint8 [N, 28, 28]
-        self.labels = labels   # int64 [N]
+        self.images = images  # uint8 [N, 28, 28]
+        self.labels = labels  # int64 [N]
         self.transform = transform
 
     def __len__(self):
@@ -88,8 +90,9 @@ class BasicBlock(nn.Module):
         self.bn2 = nn.BatchNorm2d(cout)
         self.shortcut = nn.Identity()
         if stride != 1 or cin != cout:
-            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
-                                          nn.BatchNorm2d(cout))
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
+            )
 
     def forward(self, x):
         out = F.relu(self.bn1(self.conv1(x)))
@@ -102,8 +105,9 @@ class SmallResNet(nn.Module):
 
     def __init__(self, widths=(16, 32, 64), classes=10):
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(1, widths[0], 3, 1, 1, bias=False),
-                                  nn.BatchNorm2d(widths[0]), nn.ReLU())
+        self.stem = nn.Sequential(
+            nn.Conv2d(1, widths[0], 3, 1, 1, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU()
+        )
         stages, cin = [], widths[0]
         for k, w in enumerate(widths):
             stages.append(BasicBlock(cin, w, 1 if k == 0 else 2))
@@ -129,16 +133,22 @@ def training_set(train_examples, padding, seed):
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--batch-size", type=int, default=128)
-    ap.add_argument("--train-examples", type=int, default=60000,
-                    help="train on this many of the 60000 training images (default all)")
+    ap.add_argument(
+        "--train-examples",
+        type=int,
+        default=60000,
+        help="train on this many of the 60000 training images (default all)",
+    )
     ap.add_argument("--lr", type=float, default=0.1, help="peak learning rate (one cycle)")
-    ap.add_argument("--padding", type=int, default=2, choices=(2, 4),
-                    help="random crop padding in pixels")
+    ap.add_argument(
+        "--padding", type=int, default=2, choices=(2, 4), help="random crop padding in pixels"
+    )
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if not 1 <= args.train_examples <= 60000:
@@ -159,23 +169,29 @@ def main(argv=None):
     test_x = (test_x - MEAN) / STD
     n = len(dataset)
     steps_per_epoch = (n + args.batch_size - 1) // args.batch_size
-    print(f"augmented Fashion-MNIST: SmallResNet ({sum(p.numel() for p in model.parameters())} "
-          f"parameters), {n} training images, {args.workers} eager workers, batch "
-          f"{args.batch_size}, {args.epochs} epoch(s)", flush=True)
-    with shmgrad.Engine(model=model, loss=smoothed_loss(), dataset=dataset,
-                        workers=args.workers, seed=args.seed) as engine:
+    print(
+        f"augmented Fashion-MNIST: SmallResNet ({sum(p.numel() for p in model.parameters())} "
+        f"parameters), {n} training images, {args.workers} eager workers, batch "
+        f"{args.batch_size}, {args.epochs} epoch(s)",
+        flush=True,
+    )
+    with shmgrad.Engine(
+        model=model, loss=smoothed_loss(), dataset=dataset, workers=args.workers, seed=args.seed
+    ) as engine:
         engine.bind(model)
-        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True,
-                              weight_decay=5e-4)
-        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr,
-                                                    total_steps=args.epochs * steps_per_epoch)
+        opt = torch.optim.SGD(
+            model.parameters(), lr=args.lr, momentum=0.9, nesterov=True, weight_decay=5e-4
+        )
+        sched = torch.optim.lr_scheduler.OneCycleLR(
+            opt, max_lr=args.lr, total_steps=args.epochs * steps_per_epoch
+        )
         train_s = 0.0
         for epoch in range(1, args.epochs + 1):
             perm = torch.randperm(n)
             loss_sum = wall = compute = 0.0
             t0 = time.perf_counter()
             for step in range(steps_per_epoch):
-                idx = perm[step * args.batch_size:(step + 1) * args.batch_size]
+                idx = perm[step * args.batch_size : (step + 1) * args.batch_size]
                 s0 = time.perf_counter()
                 stats = engine.gradient(idx, reduction="mean")  # transforms run in the workers
                 opt.step()
@@ -185,18 +201,25 @@ def main(argv=None):
                 loss_sum += stats.loss_sum
                 if (step + 1) % 100 == 0:
                     done = min((step + 1) * args.batch_size, n)
-                    print(f"  epoch {epoch} step {step + 1}/{steps_per_epoch} loss "
-                          f"{loss_sum / done:.4f} {done / (time.perf_counter() - t0):.0f} ex/s",
-                          flush=True)
+                    print(
+                        f"  epoch {epoch} step {step + 1}/{steps_per_epoch} loss "
+                        f"{loss_sum / done:.4f} {done / (time.perf_counter() - t0):.0f} ex/s",
+                        flush=True,
+                    )
             elapsed = time.perf_counter() - t0
             train_s += elapsed
             acc = accuracy(model, test_x, test_y)  # the bound model, in eval mode
-            print(f"epoch {epoch}: test accuracy {acc * 100:.2f}%, {n / elapsed:.0f} "
-                  f"examples/s, train loss {loss_sum / n:.4f}, share of step time not in the "
-                  f"workers' compute (transforms, forward, backward) "
-                  f"{100 * (wall - compute) / wall:.1f}%", flush=True)
-        print(f"done: test accuracy {acc * 100:.2f}%, {args.epochs * n / train_s:.0f} examples/s "
-              f"over {train_s:.0f} s of training")
+            print(
+                f"epoch {epoch}: test accuracy {acc * 100:.2f}%, {n / elapsed:.0f} "
+                f"examples/s, train loss {loss_sum / n:.4f}, share of step time not in the "
+                f"workers' compute (transforms, forward, backward) "
+                f"{100 * (wall - compute) / wall:.1f}%",
+                flush=True,
+            )
+        print(
+            f"done: test accuracy {acc * 100:.2f}%, {args.epochs * n / train_s:.0f} examples/s "
+            f"over {train_s:.0f} s of training"
+        )
     return 0
 
 

@@ -7,15 +7,24 @@ namespace shmgrad {
 
 const char* errorKindName(ErrorKind kind) {
   switch (kind) {
-    case ErrorKind::kInvalidArgument: return "InvalidArgument";
-    case ErrorKind::kNotFound: return "NotFound";
-    case ErrorKind::kBusy: return "Busy";
-    case ErrorKind::kTimeout: return "Timeout";
-    case ErrorKind::kWorkerFailed: return "WorkerFailed";
-    case ErrorKind::kCorrupt: return "Corrupt";
-    case ErrorKind::kNoSpace: return "NoSpace";
-    case ErrorKind::kNonFinite: return "NonFinite";
-    case ErrorKind::kSystem: return "System";
+    case ErrorKind::kInvalidArgument:
+      return "InvalidArgument";
+    case ErrorKind::kNotFound:
+      return "NotFound";
+    case ErrorKind::kBusy:
+      return "Busy";
+    case ErrorKind::kTimeout:
+      return "Timeout";
+    case ErrorKind::kWorkerFailed:
+      return "WorkerFailed";
+    case ErrorKind::kCorrupt:
+      return "Corrupt";
+    case ErrorKind::kNoSpace:
+      return "NoSpace";
+    case ErrorKind::kNonFinite:
+      return "NonFinite";
+    case ErrorKind::kSystem:
+      return "System";
   }
   return "Unknown";
 }

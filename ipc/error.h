@@ -24,14 +24,16 @@ const char* errorKindName(ErrorKind kind);
 
 class Error : public std::runtime_error {
  public:
-  Error(ErrorKind kind, const std::string& message)
-      : std::runtime_error(message), kind_(kind) {}
+  Error(ErrorKind kind, const std::string& message) : std::runtime_error(message), kind_(kind) {}
   // A worker's failure: which slot, and the type of the error it raised there
   // ("TypeError" from an eager worker, "" from C++).
   Error(ErrorKind kind, const std::string& message, int worker, std::string error_type)
-      : std::runtime_error(message), kind_(kind), worker_(worker), error_type_(std::move(error_type)) {}
+      : std::runtime_error(message),
+        kind_(kind),
+        worker_(worker),
+        error_type_(std::move(error_type)) {}
   ErrorKind kind() const { return kind_; }
-  int worker() const { return worker_; }                       // -1: not a worker's
+  int worker() const { return worker_; }  // -1: not a worker's
   const std::string& errorType() const { return error_type_; }
 
  private:
@@ -57,9 +59,9 @@ template <typename... Args>
 }
 
 // Throws shmgrad::Error of the given kind with the concatenated message if cond fails.
-#define SHMGRAD_CHECK(cond, kind, ...)                    \
-  do {                                                    \
-    if (!(cond)) ::shmgrad::raise(kind, __VA_ARGS__);     \
+#define SHMGRAD_CHECK(cond, kind, ...)                \
+  do {                                                \
+    if (!(cond)) ::shmgrad::raise(kind, __VA_ARGS__); \
   } while (0)
 
 namespace detail {
@@ -83,14 +85,14 @@ long retryEintr(Call call) {
 // accepts that one errno (e.g. ESRCH from kill on a process that is already gone) and
 // then yields -1.
 #define SHMGRAD_SYSCHECK(expr, what) SHMGRAD_SYSCHECK_OK(expr, what, 0)
-#define SHMGRAD_SYSCHECK_OK(expr, what, accepted_errno)                                  \
-  ([&]() -> long {                                                                      \
-    const long shmgrad_rc_ = ::shmgrad::detail::retryEintr([&] { return (expr); });     \
-    if (shmgrad_rc_ >= 0) return shmgrad_rc_;                                           \
-    if ((accepted_errno) != 0 && -shmgrad_rc_ == (accepted_errno)) return -1;           \
-    errno = static_cast<int>(-shmgrad_rc_);                                             \
-    ::shmgrad::raise(::shmgrad::ErrorKind::kSystem, what, " failed: ",                  \
-                     ::shmgrad::detail::errnoText());                                   \
+#define SHMGRAD_SYSCHECK_OK(expr, what, accepted_errno)                             \
+  ([&]() -> long {                                                                  \
+    const long shmgrad_rc_ = ::shmgrad::detail::retryEintr([&] { return (expr); }); \
+    if (shmgrad_rc_ >= 0) return shmgrad_rc_;                                       \
+    if ((accepted_errno) != 0 && -shmgrad_rc_ == (accepted_errno)) return -1;       \
+    errno = static_cast<int>(-shmgrad_rc_);                                         \
+    ::shmgrad::raise(::shmgrad::ErrorKind::kSystem, what,                           \
+                     " failed: ", ::shmgrad::detail::errnoText());                  \
   }())
 
 }  // namespace shmgrad

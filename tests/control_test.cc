@@ -224,12 +224,13 @@ TEST_P(ReadStatusTest, ReturnsExactlyWhatTheSegmentHolds) {
                                  std::to_string(getpid()) + ", segment " + ipc::segmentPath(name)))
       << text;
   EXPECT_FALSE(contains(text, "not running")) << text;
-  EXPECT_TRUE(contains(text, std::string("model ") + kModelPath + ", loss mse, 2 parameter tensors"))
+  EXPECT_TRUE(
+      contains(text, std::string("model ") + kModelPath + ", loss mse, 2 parameter tensors"))
       << text;
   EXPECT_TRUE(contains(text, "dataset ten examples: 10 examples")) << text;
   EXPECT_TRUE(contains(text, "trainer: pid 4242")) << text;
-  EXPECT_TRUE(contains(text, "steps served " + std::to_string(served) +
-                                 ", aborted 3, retried 2, worker restarts 5"))
+  EXPECT_TRUE(contains(
+      text, "steps served " + std::to_string(served) + ", aborted 3, retried 2, worker restarts 5"))
       << text;
   EXPECT_TRUE(contains(text, "workers (target 2 of 3 slots):")) << text;
   EXPECT_TRUE(contains(text, "  worker 0: pid 1001, ready, restarts 1\n")) << text;
@@ -271,7 +272,8 @@ TEST(ReadStatusTest, OutOfRangeStatesReadAsUnknown) {
 
 TEST(ReadStatusTest, NoEngineIsNotFound) {
   std::string message;
-  EXPECT_TRUE(throwsKind(ErrorKind::kNotFound, [] { readStatus(uniqueEngineName()); }, &message));
+  EXPECT_TRUE(throwsKind(
+      ErrorKind::kNotFound, [] { readStatus(uniqueEngineName()); }, &message));
   EXPECT_TRUE(contains(message, "no engine named")) << message;
 }
 
@@ -293,8 +295,9 @@ TEST(FormatStatusTest, UsesTheStructOnly) {
   s.slots = 2;
   s.workers.push_back({1, 77, "dead", 9, 0, 0});
   const std::string text = formatStatus(s);
-  EXPECT_TRUE(contains(text, "engine nowhere (stopping), coordinator pid 12345 (not running), "
-                             "segment /dev/shm/shmgrad-0-nowhere (3.0 MiB)\n"))
+  EXPECT_TRUE(contains(text,
+                       "engine nowhere (stopping), coordinator pid 12345 (not running), "
+                       "segment /dev/shm/shmgrad-0-nowhere (3.0 MiB)\n"))
       << text;
   EXPECT_TRUE(contains(text, "model /m.pt, loss nll, 4 parameter tensors, 64 floats\n")) << text;
   EXPECT_FALSE(contains(text, "dataset")) << text;
@@ -328,7 +331,8 @@ TEST(RequestResizeTest, OutOfRangeIsInvalidArgumentNamingTheSlots) {
   for (uint32_t n : {0u, kSlots + 1, ipc::kMaxWorkers + 1}) {
     SCOPED_TRACE("n = " + std::to_string(n));
     std::string message;
-    EXPECT_TRUE(throwsKind(ErrorKind::kInvalidArgument, [&] { requestResize(name, n); }, &message));
+    EXPECT_TRUE(throwsKind(
+        ErrorKind::kInvalidArgument, [&] { requestResize(name, n); }, &message));
     EXPECT_TRUE(contains(message, "it has 3 slots")) << message;
     EXPECT_TRUE(contains(message, "--max-workers")) << message;
     EXPECT_EQ(c.target_workers.load(), 1u) << "a refused resize must not change the target";

@@ -15,7 +15,7 @@
 namespace shmgrad::testing {
 namespace {
 
-constexpr int64_t kSide = 12;     // CNN inputs [1, 12, 12]
+constexpr int64_t kSide = 12;  // CNN inputs [1, 12, 12]
 constexpr int64_t kClasses = 5;
 constexpr int64_t kExamples = 300;
 
@@ -28,8 +28,10 @@ Fixture makeFixture(const std::string& kind, uint64_t seed) {
   Fixture f;
   f.dir = tempDir(kind + std::to_string(seed));
   f.model = f.dir + "/" + kind + ".pt";
-  if (kind == "mlp") saveMlp(f.model, kSide * kSide, 16, kClasses, seed);
-  else saveCnn(f.model, kSide, kClasses, seed);
+  if (kind == "mlp")
+    saveMlp(f.model, kSide * kSide, 16, kClasses, seed);
+  else
+    saveCnn(f.model, kSide, kClasses, seed);
   torch::manual_seed(seed + 100);
   f.x = torch::randn({kExamples, 1, kSide, kSide});
   f.y = torch::randint(0, kClasses, {kExamples}, torch::kInt64);
@@ -52,9 +54,9 @@ TEST_P(GradientTest, MatchesSingleProcessReference) {
   const auto [kind, workers] = GetParam();
   Fixture f = makeFixture(kind, 7);
   const std::string name = uniqueName(kind + std::to_string(workers));
-  EngineProcess engine(name, {"--model", f.model, "--workers", std::to_string(workers), "--loss",
-                              "cross_entropy", "--dataset",
-                              "npy:" + f.inputs_npy + "," + f.targets_npy});
+  EngineProcess engine(
+      name, {"--model", f.model, "--workers", std::to_string(workers), "--loss", "cross_entropy",
+             "--dataset", "npy:" + f.inputs_npy + "," + f.targets_npy});
   auto t = Trainer::attach(name);
   ASSERT_EQ(t->workerCount(), workers);
   ASSERT_EQ(t->datasetSize(), kExamples);
@@ -162,8 +164,11 @@ TEST(EngineTest, BadInputIsAnErrorAndTheEngineKeepsServing) {
       EXPECT_EQ(e.kind(), kind) << e.what();
     }
   };
-  expectKind(ErrorKind::kInvalidArgument, [&] { t->gradient(torch::tensor({int64_t{0}, kExamples}, torch::kInt64)); });
-  expectKind(ErrorKind::kInvalidArgument, [&] { t->gradient(torch::tensor({int64_t{-1}}, torch::kInt64)); });
+  expectKind(ErrorKind::kInvalidArgument, [&] {
+    t->gradient(torch::tensor({int64_t{0}, kExamples}, torch::kInt64));
+  });
+  expectKind(ErrorKind::kInvalidArgument,
+             [&] { t->gradient(torch::tensor({int64_t{-1}}, torch::kInt64)); });
   expectKind(ErrorKind::kInvalidArgument, [&] { t->gradient(torch::empty({0}, torch::kInt64)); });
   // Inputs the model rejects: the worker's own message comes back.
   try {
@@ -171,12 +176,14 @@ TEST(EngineTest, BadInputIsAnErrorAndTheEngineKeepsServing) {
     ADD_FAILURE() << "no error raised";
   } catch (const Error& e) {
     EXPECT_EQ(e.kind(), ErrorKind::kWorkerFailed);
-    EXPECT_NE(std::string(e.what()).find("could not compute its shard"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("could not compute its shard"), std::string::npos)
+        << e.what();
   }
   // The next valid call works and is exact.
   torch::Tensor idx = torch::arange(10, torch::kInt64);
   t->gradient(idx);
-  auto ref = referenceGradient(f.model, "cross_entropy", f.x.narrow(0, 0, 10), f.y.narrow(0, 0, 10));
+  auto ref =
+      referenceGradient(f.model, "cross_entropy", f.x.narrow(0, 0, 10), f.y.narrow(0, 0, 10));
   EXPECT_LT(relativeError(t->gradientViews(), ref), 1e-5);
 }
 
@@ -192,7 +199,9 @@ TEST(EngineTest, SecondTrainerIsToldWhoHoldsTheEngine) {
       Trainer::attach(name);
     } catch (const Error& e) {
       code = (e.kind() == ErrorKind::kBusy &&
-              std::string(e.what()).find(std::to_string(getppid())) != std::string::npos) ? 0 : 2;
+              std::string(e.what()).find(std::to_string(getppid())) != std::string::npos)
+                 ? 0
+                 : 2;
     }
     _exit(code);
   }

@@ -68,14 +68,12 @@ template <typename Fn>
   } catch (const Error& e) {
     if (message != nullptr) *message = e.what();
     if (e.kind() == kind) return ::testing::AssertionSuccess();
-    return ::testing::AssertionFailure()
-           << "threw " << errorKindName(e.kind()) << " instead of " << errorKindName(kind)
-           << ": " << e.what();
+    return ::testing::AssertionFailure() << "threw " << errorKindName(e.kind()) << " instead of "
+                                         << errorKindName(kind) << ": " << e.what();
   } catch (const std::exception& e) {
     return ::testing::AssertionFailure() << "threw a non-shmgrad exception: " << e.what();
   }
-  return ::testing::AssertionFailure() << "threw nothing (expected " << errorKindName(kind)
-                                       << ")";
+  return ::testing::AssertionFailure() << "threw nothing (expected " << errorKindName(kind) << ")";
 }
 
 // A small model: shapes whose sizes are and are not multiples of 16 floats, a scalar
@@ -87,8 +85,8 @@ SegmentSpec smallSpec(const std::string& name, bool with_dataset = true) {
   s.loss = LossKind::kCrossEntropy;
   s.num_slots = 3;
   s.threads_per_worker = 1;
-  s.params = {{"fc1.weight", {7, 5}},  {"fc1.bias", {7}},     {"conv.weight", {4, 1, 3, 3}},
-              {"scale", {}},          {"empty", {0, 3}},     {"fc2.weight", {16}},
+  s.params = {{"fc1.weight", {7, 5}}, {"fc1.bias", {7}}, {"conv.weight", {4, 1, 3, 3}},
+              {"scale", {}},          {"empty", {0, 3}}, {"fc2.weight", {16}},
               {"fc2.bias", {2, 3, 4}}};
   s.max_batch = 100;
   s.input_bytes = 4096 + 3;  // not a multiple of 64
@@ -115,7 +113,9 @@ class HeaderCopy {
   uint8_t* data() { return bytes_.data() + offset_; }
   uint64_t size() const { return size_; }
   SegmentHeader* header() { return reinterpret_cast<SegmentHeader*>(data()); }
-  ParamEntry* table() { return reinterpret_cast<ParamEntry*>(data() + header()->params_table.offset); }
+  ParamEntry* table() {
+    return reinterpret_cast<ParamEntry*>(data() + header()->params_table.offset);
+  }
   void reset() { std::memcpy(data(), pristine_.data(), size_); }
   void validate() { validateHeader(header(), size_); }
 
@@ -211,8 +211,12 @@ TEST(ReduceTest, SliceBoundsPartitionOnCacheLines) {
         ASSERT_LE(e, total);
         // Consecutive: slice rank starts where slice rank-1 ended (disjoint, no gap).
         ASSERT_EQ(b, expect_begin);
-        if (b != 0 && b != total) { ASSERT_EQ(b % 16, 0u); }
-        if (e != 0 && e != total) { ASSERT_EQ(e % 16, 0u); }
+        if (b != 0 && b != total) {
+          ASSERT_EQ(b % 16, 0u);
+        }
+        if (e != 0 && e != total) {
+          ASSERT_EQ(e % 16, 0u);
+        }
         expect_begin = e;
       }
       ASSERT_EQ(expect_begin, total);  // covers [0, total)
@@ -233,11 +237,15 @@ TEST(ReduceTest, AnyNonFiniteFindsNanAndInf) {
       for (float bad : {nan, inf, -inf}) {
         float saved = data[pos];
         data[pos] = bad;
-        EXPECT_TRUE(anyNonFinite(data.data(), 0, len)) << "len " << len << " pos " << pos
-                                                       << " value " << bad;
+        EXPECT_TRUE(anyNonFinite(data.data(), 0, len))
+            << "len " << len << " pos " << pos << " value " << bad;
         // Outside the checked range it does not count.
-        if (pos > 0) { EXPECT_FALSE(anyNonFinite(data.data(), 0, pos)); }
-        if (pos + 1 < len) { EXPECT_FALSE(anyNonFinite(data.data(), pos + 1, len)); }
+        if (pos > 0) {
+          EXPECT_FALSE(anyNonFinite(data.data(), 0, pos));
+        }
+        if (pos + 1 < len) {
+          EXPECT_FALSE(anyNonFinite(data.data(), pos + 1, len));
+        }
         EXPECT_TRUE(anyNonFinite(data.data(), pos, pos + 1));
         data[pos] = saved;
       }
@@ -305,11 +313,16 @@ TEST(SegmentTest, LayoutIsAlignedAndDisjoint) {
     Region r;
   };
   std::vector<Named> regions = {
-      {"params_table", h->params_table}, {"params", h->params},
-      {"slots", h->slots},               {"reduced", h->reduced},
-      {"req_indices", h->req_indices},   {"req_inputs", h->req_inputs},
-      {"req_targets", h->req_targets},   {"data_inputs", h->data_inputs},
-      {"data_targets", h->data_targets}, {"device", h->device},
+      {"params_table", h->params_table},
+      {"params", h->params},
+      {"slots", h->slots},
+      {"reduced", h->reduced},
+      {"req_indices", h->req_indices},
+      {"req_inputs", h->req_inputs},
+      {"req_targets", h->req_targets},
+      {"data_inputs", h->data_inputs},
+      {"data_targets", h->data_targets},
+      {"device", h->device},
   };
   EXPECT_GE(h->params_table.size, sizeof(ParamEntry) * spec.params.size());
   EXPECT_GE(h->params.size, h->param_floats * sizeof(float));
@@ -449,14 +462,16 @@ TEST(ValidateHeaderTest, TargetedCorruptionsAreCorrupt) {
   std::vector<std::pair<std::string, std::function<void(SegmentHeader*, ParamEntry*)>>> cases = {
       {"bad magic", [](SegmentHeader* h, ParamEntry*) { h->magic ^= 0x100; }},
       {"magic zero", [](SegmentHeader* h, ParamEntry*) { h->magic = 0; }},
-      {"layout_version", [](SegmentHeader* h, ParamEntry*) { h->layout_version = kLayoutVersion + 1; }},
+      {"layout_version",
+       [](SegmentHeader* h, ParamEntry*) { h->layout_version = kLayoutVersion + 1; }},
       {"header_size", [](SegmentHeader* h, ParamEntry*) { h->header_size -= 64; }},
       {"total_size larger", [](SegmentHeader* h, ParamEntry*) { h->total_size += 64; }},
       {"total_size smaller", [](SegmentHeader* h, ParamEntry*) { h->total_size -= 64; }},
       {"num_slots 0", [](SegmentHeader* h, ParamEntry*) { h->num_slots = 0; }},
       {"num_slots 1000", [](SegmentHeader* h, ParamEntry*) { h->num_slots = 1000; }},
       {"num_slots 65", [](SegmentHeader* h, ParamEntry*) { h->num_slots = kMaxWorkers + 1; }},
-      {"num_slots past the slots region", [](SegmentHeader* h, ParamEntry*) { h->num_slots = kMaxWorkers; }},
+      {"num_slots past the slots region",
+       [](SegmentHeader* h, ParamEntry*) { h->num_slots = kMaxWorkers; }},
       {"num_params 0", [](SegmentHeader* h, ParamEntry*) { h->num_params = 0; }},
       {"num_params huge", [](SegmentHeader* h, ParamEntry*) { h->num_params = 0xffffffffu; }},
       {"num_params past the table", [](SegmentHeader* h, ParamEntry*) { h->num_params += 1; }},
@@ -466,8 +481,10 @@ TEST(ValidateHeaderTest, TargetedCorruptionsAreCorrupt) {
       {"max_batch negative", [](SegmentHeader* h, ParamEntry*) { h->max_batch = -5; }},
       {"max_batch past req_indices", [](SegmentHeader* h, ParamEntry*) { h->max_batch *= 1000; }},
       {"param_floats misaligned", [](SegmentHeader* h, ParamEntry*) { h->param_floats += 1; }},
-      {"param_floats huge", [](SegmentHeader* h, ParamEntry*) { h->param_floats = uint64_t{1} << 62; }},
-      {"param_floats past params", [](SegmentHeader* h, ParamEntry*) { h->param_floats += 1 << 20; }},
+      {"param_floats huge",
+       [](SegmentHeader* h, ParamEntry*) { h->param_floats = uint64_t{1} << 62; }},
+      {"param_floats past params",
+       [](SegmentHeader* h, ParamEntry*) { h->param_floats += 1 << 20; }},
       {"model_path unterminated",
        [](SegmentHeader* h, ParamEntry*) { std::memset(h->model_path, 'm', kPathLen); }},
       {"description unterminated",
@@ -496,11 +513,12 @@ TEST(ValidateHeaderTest, TargetedCorruptionsAreCorrupt) {
       {"slot_stride huge",
        [](SegmentHeader* h, ParamEntry*) { h->slot_stride = uint64_t{1} << 60; }},
       {"param offset outside param_floats",
-       [last](SegmentHeader* h, ParamEntry* t) { t[last].offset = h->param_floats + kAlignFloats; }},
+       [last](SegmentHeader* h, ParamEntry* t) {
+         t[last].offset = h->param_floats + kAlignFloats;
+       }},
       {"param offset at param_floats",
        [last](SegmentHeader* h, ParamEntry* t) { t[last].offset = h->param_floats; }},
-      {"param offset huge",
-       [](SegmentHeader*, ParamEntry* t) { t[0].offset = ~uint64_t{0} - 15; }},
+      {"param offset huge", [](SegmentHeader*, ParamEntry* t) { t[0].offset = ~uint64_t{0} - 15; }},
       {"param offset misaligned", [](SegmentHeader*, ParamEntry* t) { t[1].offset += 1; }},
       {"param numel mismatch", [](SegmentHeader*, ParamEntry* t) { t[0].numel += 1; }},
       {"param name unterminated",
@@ -511,7 +529,8 @@ TEST(ValidateHeaderTest, TargetedCorruptionsAreCorrupt) {
          t[0].shape.dims[0] = -t[0].shape.dims[0];
          t[0].shape.dims[1] = -t[0].shape.dims[1];
        }},
-      {"param ndim too large", [](SegmentHeader*, ParamEntry* t) { t[0].shape.ndim = kMaxDims + 1; }},
+      {"param ndim too large",
+       [](SegmentHeader*, ParamEntry* t) { t[0].shape.ndim = kMaxDims + 1; }},
       {"param ndim huge", [](SegmentHeader*, ParamEntry* t) { t[0].shape.ndim = 0xffffffffu; }},
       {"param shape overflows",
        [](SegmentHeader*, ParamEntry* t) {
@@ -520,9 +539,8 @@ TEST(ValidateHeaderTest, TargetedCorruptionsAreCorrupt) {
          t[0].numel = 0;  // the wrapped product of these dims
        }},
       {"data_count huge", [](SegmentHeader* h, ParamEntry*) { h->data_count = int64_t{1} << 50; }},
-      {"data_count max", [](SegmentHeader* h, ParamEntry*) {
-         h->data_count = std::numeric_limits<int64_t>::max();
-       }},
+      {"data_count max",
+       [](SegmentHeader* h, ParamEntry*) { h->data_count = std::numeric_limits<int64_t>::max(); }},
       {"data_count negative", [](SegmentHeader* h, ParamEntry*) { h->data_count = -1; }},
       {"data_count past the segment",
        [](SegmentHeader* h, ParamEntry*) { h->data_count = int64_t{1} << 39; }},
@@ -532,8 +550,7 @@ TEST(ValidateHeaderTest, TargetedCorruptionsAreCorrupt) {
        [](SegmentHeader* h, ParamEntry*) { h->data_example_shape.dims[0] = -3; }},
       {"data example ndim", [](SegmentHeader* h, ParamEntry*) { h->data_example_shape.ndim = 9; }},
       {"data target dtype", [](SegmentHeader* h, ParamEntry*) { h->data_target_dtype = 7; }},
-      {"data target dtype none",
-       [](SegmentHeader* h, ParamEntry*) { h->data_target_dtype = 0; }},
+      {"data target dtype none", [](SegmentHeader* h, ParamEntry*) { h->data_target_dtype = 0; }},
       {"data example shape huge",
        [](SegmentHeader* h, ParamEntry*) {
          h->data_example_shape.ndim = 2;
@@ -547,7 +564,8 @@ TEST(ValidateHeaderTest, TargetedCorruptionsAreCorrupt) {
     copy.reset();
     corrupt(copy.header(), copy.table());
     std::string message;
-    EXPECT_TRUE(throwsKind(ErrorKind::kCorrupt, [&] { copy.validate(); }, &message));
+    EXPECT_TRUE(throwsKind(
+        ErrorKind::kCorrupt, [&] { copy.validate(); }, &message));
     EXPECT_FALSE(message.empty());
   }
 
@@ -581,8 +599,8 @@ TEST(ValidateHeaderTest, RandomByteFlipsNeverCrash) {
     // The first half flips bytes of the header only (every other iteration only of the
     // fields before the control block); the second half also of the parameter table.
     const uint64_t lo = 0;
-    const uint64_t hi = iter < 2000 ? (iter % 2 == 0 ? sizeof(SegmentHeader) : fields_end)
-                                    : table_end;
+    const uint64_t hi =
+        iter < 2000 ? (iter % 2 == 0 ? sizeof(SegmentHeader) : fields_end) : table_end;
     const int flips = 1 + static_cast<int>(rng() % 4);
     for (int f = 0; f < flips; ++f) {
       uint64_t pos = lo + rng() % (hi - lo);
@@ -614,7 +632,8 @@ TEST(SegmentTest, OpenMissingIsNotFound) {
   const std::string name = uniqueEngineName();
   ASSERT_FALSE(Segment::exists(name));
   std::string message;
-  EXPECT_TRUE(throwsKind(ErrorKind::kNotFound, [&] { Segment::open(name); }, &message));
+  EXPECT_TRUE(throwsKind(
+      ErrorKind::kNotFound, [&] { Segment::open(name); }, &message));
   EXPECT_NE(message.find(name), std::string::npos) << message;
 }
 
@@ -645,7 +664,8 @@ TEST(SegmentTest, LiveSegmentIsBusyAndStaleSegmentIsReplaced) {
 
   // Held by a live coordinator (this process): busy, naming the pid, segment kept.
   std::string message;
-  EXPECT_TRUE(throwsKind(ErrorKind::kBusy, [&] { Segment::create(spec); }, &message));
+  EXPECT_TRUE(throwsKind(
+      ErrorKind::kBusy, [&] { Segment::create(spec); }, &message));
   EXPECT_NE(message.find(std::to_string(getpid())), std::string::npos) << message;
   EXPECT_TRUE(Segment::exists(name));
   first->params()[0] = 7.0f;
@@ -698,7 +718,8 @@ TEST(SegmentTest, TooLargeForDevShmIsNoSpace) {
   ASSERT_GT(free_bytes, 0u) << "statvfs /dev/shm failed";
   spec.input_bytes = free_bytes + (1ull << 30);
   std::string message;
-  EXPECT_TRUE(throwsKind(ErrorKind::kNoSpace, [&] { Segment::create(spec); }, &message));
+  EXPECT_TRUE(throwsKind(
+      ErrorKind::kNoSpace, [&] { Segment::create(spec); }, &message));
   EXPECT_NE(message.find("/dev/shm"), std::string::npos) << message;
   EXPECT_FALSE(Segment::exists(name));
   struct stat st;
@@ -713,8 +734,14 @@ TEST(SegmentTest, FailedCreateLeavesNoFileAndIsInvalidArgument) {
   std::vector<std::pair<std::string, std::function<void(SegmentSpec*)>>> cases = {
       {"9-dim dataset example shape",
        [](SegmentSpec* s) { s->data_example_shape = std::vector<int64_t>(kMaxDims + 1, 1); }},
-      {"negative parameter dim", [](SegmentSpec* s) { s->params[0].shape = {-1, 5}; }},
-      {"negative dataset dim", [](SegmentSpec* s) { s->data_example_shape = {-2, 4}; }},
+      {"negative parameter dim",
+       [](SegmentSpec* s) {
+         s->params[0].shape = {-1, 5};
+       }},
+      {"negative dataset dim",
+       [](SegmentSpec* s) {
+         s->data_example_shape = {-2, 4};
+       }},
       {"max_batch 2^61", [](SegmentSpec* s) { s->max_batch = int64_t{1} << 61; }},
   };
   for (auto& [what, mutate] : cases) {
@@ -809,12 +836,15 @@ TEST(FutexTest, WaitUntilTimesOutWithoutWake) {
   }
   // poll() returning false ends the wait early.
   const uint64_t start = monotonicNs();
-  bool ok = waitUntil(word, [] { return false; }, [] { return false; }, start + 5'000'000'000ull);
+  bool ok = waitUntil(
+      word, [] { return false; }, [] { return false; }, start + 5'000'000'000ull);
   EXPECT_FALSE(ok);
   EXPECT_LT(monotonicNs() - start, 1'000'000'000ull);
   // A deadline already passed returns at once; a true predicate returns true at once.
-  EXPECT_FALSE(waitUntil(word, [] { return false; }, [] { return true; }, monotonicNs()));
-  EXPECT_TRUE(waitUntil(word, [] { return true; }, [] { return true; }, 0));
+  EXPECT_FALSE(waitUntil(
+      word, [] { return false; }, [] { return true; }, monotonicNs()));
+  EXPECT_TRUE(waitUntil(
+      word, [] { return true; }, [] { return true; }, 0));
 }
 
 TEST(FutexTest, FutexWaitReturnsOnValueMismatchAndTimeout) {

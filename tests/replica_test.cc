@@ -48,14 +48,12 @@ template <typename Fn>
   } catch (const Error& e) {
     if (message != nullptr) *message = e.what();
     if (e.kind() == kind) return ::testing::AssertionSuccess();
-    return ::testing::AssertionFailure()
-           << "threw " << errorKindName(e.kind()) << " instead of " << errorKindName(kind)
-           << ": " << e.what();
+    return ::testing::AssertionFailure() << "threw " << errorKindName(e.kind()) << " instead of "
+                                         << errorKindName(kind) << ": " << e.what();
   } catch (const std::exception& e) {
     return ::testing::AssertionFailure() << "threw a non-shmgrad exception: " << e.what();
   }
-  return ::testing::AssertionFailure() << "threw nothing (expected " << errorKindName(kind)
-                                       << ")";
+  return ::testing::AssertionFailure() << "threw nothing (expected " << errorKindName(kind) << ")";
 }
 
 std::string saveModel(const std::string& kind, const std::string& dir, uint64_t seed) {
@@ -286,7 +284,8 @@ TEST_P(ReplicaTest, GradientsAreWrittenIntoTheSharedSlot) {
   // And the next backward uses the updated values.
   r1.zeroGrad();
   r1.accumulate(x, y);
-  EXPECT_LT(relativeError(readBuffer(*seg, seg->slot(1)), referenceGradientWith(model_path, updated, x, y)),
+  EXPECT_LT(relativeError(readBuffer(*seg, seg->slot(1)),
+                          referenceGradientWith(model_path, updated, x, y)),
             1e-5);
   EXPECT_EQ(nonZero(*seg, seg->slot(0)), 0);
 }
@@ -311,8 +310,8 @@ TEST(ReplicaErrorsTest, SlotOutOfRangeAndMismatchedModel) {
     SegmentGuard guard(name);
     auto seg = ipc::Segment::create(specFor(name, cnn, model, 1));
     std::string message;
-    EXPECT_TRUE(
-        throwsKind(ErrorKind::kInvalidArgument, [&] { worker::Replica r(*seg, 0); }, &message));
+    EXPECT_TRUE(throwsKind(
+        ErrorKind::kInvalidArgument, [&] { worker::Replica r(*seg, 0); }, &message));
     EXPECT_NE(message.find("does not match"), std::string::npos) << message;
   }
 }
@@ -321,7 +320,8 @@ TEST(ReplicaErrorsTest, ModelFileErrors) {
   const std::string dir = tempDir("replica-files");
   const std::string missing = dir + "/no-such-model.pt";
   std::string message;
-  EXPECT_TRUE(throwsKind(ErrorKind::kNotFound, [&] { worker::describeModel(missing); }, &message));
+  EXPECT_TRUE(throwsKind(
+      ErrorKind::kNotFound, [&] { worker::describeModel(missing); }, &message));
   EXPECT_NE(message.find(missing), std::string::npos) << message;
   EXPECT_TRUE(throwsKind(ErrorKind::kNotFound, [&] { worker::loadModel(missing); }));
 
@@ -330,10 +330,11 @@ TEST(ReplicaErrorsTest, ModelFileErrors) {
     std::ofstream f(text);
     f << "this is not a TorchScript archive\n";
   }
-  EXPECT_TRUE(
-      throwsKind(ErrorKind::kInvalidArgument, [&] { worker::describeModel(text); }, &message));
+  EXPECT_TRUE(throwsKind(
+      ErrorKind::kInvalidArgument, [&] { worker::describeModel(text); }, &message));
   EXPECT_NE(message.find("TorchScript"), std::string::npos) << message;
-  EXPECT_TRUE(throwsKind(ErrorKind::kInvalidArgument, [&] { worker::loadModel(text); }, &message));
+  EXPECT_TRUE(throwsKind(
+      ErrorKind::kInvalidArgument, [&] { worker::loadModel(text); }, &message));
   EXPECT_NE(message.find("TorchScript"), std::string::npos) << message;
 
   // A directory is not a model file either.
@@ -342,7 +343,8 @@ TEST(ReplicaErrorsTest, ModelFileErrors) {
 
 TEST(ReplicaErrorsTest, ParseLoss) {
   std::string message;
-  EXPECT_TRUE(throwsKind(ErrorKind::kInvalidArgument, [&] { ipc::parseLoss("foo"); }, &message));
+  EXPECT_TRUE(throwsKind(
+      ErrorKind::kInvalidArgument, [&] { ipc::parseLoss("foo"); }, &message));
   for (const char* choice : {"cross_entropy", "nll", "mse"}) {
     EXPECT_NE(message.find(choice), std::string::npos) << message;
   }

@@ -43,7 +43,8 @@ void workerThread(Shared* s, uint32_t id) {
     const uint32_t r = rank & 0xffffu;
     const uint32_t n = s->nparticipants.load(std::memory_order_relaxed);
     // "Backward": this participant's slot gets values the trainer can predict.
-    for (uint64_t i = 0; i < kFloats; ++i) s->slots[r][i] = static_cast<float>((e % 97) + r + i % 5);
+    for (uint64_t i = 0; i < kFloats; ++i)
+      s->slots[r][i] = static_cast<float>((e % 97) + r + i % 5);
     const uint64_t deadline = monotonicNs() + 10 * kSecond;
     auto alive = [] { return true; };
     if (!barrierWait(s->c.compute_barrier, e, n, s->c.abort_epoch, deadline, alive, 100)) continue;
@@ -79,9 +80,9 @@ TEST(SyncTest, StepProtocolWithThreadsGivesExactSums) {
     s.c.reduce_barrier.store(barrierTag(e), std::memory_order_relaxed);
     s.c.step_epoch.store(e, std::memory_order_release);
     futexWake(&s.c.step_epoch);
-    ASSERT_TRUE(waitUntil(&s.c.trainer_wake,
-                          [&] { return s.c.done_epoch.load(std::memory_order_acquire) == e; },
-                          [] { return true; }, monotonicNs() + 10 * kSecond))
+    ASSERT_TRUE(waitUntil(
+        &s.c.trainer_wake, [&] { return s.c.done_epoch.load(std::memory_order_acquire) == e; },
+        [] { return true; }, monotonicNs() + 10 * kSecond))
         << "epoch " << e << " did not complete";
     for (uint64_t i = 0; i < kFloats; i += 97) {
       float expect = 0;
@@ -103,8 +104,9 @@ TEST(SyncTest, AbortReleasesWaitersAndStaleArrivalsNeverCount) {
   // Three of four participants arrive; the fourth "died".
   for (int i = 0; i < 3; ++i) {
     waiters.emplace_back([&] {
-      bool ok = barrierWait(c.compute_barrier, e, 4, c.abort_epoch, monotonicNs() + 20 * kSecond,
-                            [] { return true; }, 100);
+      bool ok = barrierWait(
+          c.compute_barrier, e, 4, c.abort_epoch, monotonicNs() + 20 * kSecond, [] { return true; },
+          100);
       if (!ok) released.fetch_add(1);
     });
   }

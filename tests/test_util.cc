@@ -30,12 +30,15 @@ std::string uniqueName(const std::string& tag) {
          std::to_string(ipc::monotonicNs() % 1000000);
 }
 
-std::string saveMlp(const std::string& path, int64_t in, int64_t hidden, int64_t out, uint64_t seed) {
+std::string saveMlp(const std::string& path, int64_t in, int64_t hidden, int64_t out,
+                    uint64_t seed) {
   torch::manual_seed(seed);
   torch::jit::Module m("Mlp");
-  m.register_parameter("w1", (torch::randn({hidden, in}) / std::sqrt(double(in))).requires_grad_(), false);
+  m.register_parameter("w1", (torch::randn({hidden, in}) / std::sqrt(double(in))).requires_grad_(),
+                       false);
   m.register_parameter("b1", (torch::randn({hidden}) * 0.1).requires_grad_(), false);
-  m.register_parameter("w2", (torch::randn({out, hidden}) / std::sqrt(double(hidden))).requires_grad_(), false);
+  m.register_parameter(
+      "w2", (torch::randn({out, hidden}) / std::sqrt(double(hidden))).requires_grad_(), false);
   m.register_parameter("b2", (torch::randn({out}) * 0.1).requires_grad_(), false);
   m.define(R"(
 def forward(self, x):
@@ -52,7 +55,10 @@ std::string saveCnn(const std::string& path, int64_t side, int64_t out, uint64_t
   torch::jit::Module m("Cnn");
   m.register_parameter("cw", (torch::randn({4, 1, 3, 3}) / 3.0).requires_grad_(), false);
   m.register_parameter("cb", (torch::randn({4}) * 0.1).requires_grad_(), false);
-  m.register_parameter("fw", (torch::randn({out, 4 * pooled * pooled}) / std::sqrt(4.0 * pooled * pooled)).requires_grad_(), false);
+  m.register_parameter("fw",
+                       (torch::randn({out, 4 * pooled * pooled}) / std::sqrt(4.0 * pooled * pooled))
+                           .requires_grad_(),
+                       false);
   m.register_parameter("fb", (torch::randn({out}) * 0.1).requires_grad_(), false);
   m.define(R"(
 def forward(self, x):
@@ -70,9 +76,11 @@ void writeNpy(const std::string& path, const torch::Tensor& t0) {
   std::string descr = t.scalar_type() == torch::kInt64 ? "<i8" : "<f4";
   if (t.scalar_type() != torch::kInt64) t = t.to(torch::kFloat32);
   std::string shape = "(";
-  for (int64_t d = 0; d < t.dim(); ++d) shape += std::to_string(t.size(d)) + (t.dim() == 1 ? "," : (d + 1 < t.dim() ? ", " : ""));
+  for (int64_t d = 0; d < t.dim(); ++d)
+    shape += std::to_string(t.size(d)) + (t.dim() == 1 ? "," : (d + 1 < t.dim() ? ", " : ""));
   shape += ")";
-  std::string header = "{'descr': '" + descr + "', 'fortran_order': False, 'shape': " + shape + ", }";
+  std::string header =
+      "{'descr': '" + descr + "', 'fortran_order': False, 'shape': " + shape + ", }";
   while ((10 + header.size() + 1) % 64 != 0) header += ' ';
   header += '\n';
   std::ofstream f(path, std::ios::binary);
@@ -91,9 +99,12 @@ std::vector<torch::Tensor> referenceGradient(const std::string& model_path, cons
   torch::Tensor out = m.forward({inputs}).toTensor();
   auto red = mean ? torch::Reduction::Mean : torch::Reduction::Sum;
   torch::Tensor l;
-  if (loss == "cross_entropy") l = torch::nll_loss(torch::log_softmax(out, 1), targets, {}, red);
-  else if (loss == "nll") l = torch::nll_loss(out, targets, {}, red);
-  else l = torch::mse_loss(out, targets, red);
+  if (loss == "cross_entropy")
+    l = torch::nll_loss(torch::log_softmax(out, 1), targets, {}, red);
+  else if (loss == "nll")
+    l = torch::nll_loss(out, targets, {}, red);
+  else
+    l = torch::mse_loss(out, targets, red);
   l.backward();
   std::vector<torch::Tensor> g;
   for (const auto& p : m.parameters()) g.push_back(p.grad().clone());

@@ -16,7 +16,8 @@ std::string tempDir(const std::string& tag);
 
 // MLP in -> hidden -> out with ReLU; CNN: conv3x3(1->4) ReLU maxpool2 linear(->out)
 // on [1, side, side] inputs. Saved with torch.jit-compatible Module::save.
-std::string saveMlp(const std::string& path, int64_t in, int64_t hidden, int64_t out, uint64_t seed);
+std::string saveMlp(const std::string& path, int64_t in, int64_t hidden, int64_t out,
+                    uint64_t seed);
 std::string saveCnn(const std::string& path, int64_t side, int64_t out, uint64_t seed);
 
 void writeNpy(const std::string& path, const torch::Tensor& t);  // float32 or int64

@@ -23,7 +23,7 @@ SUDO=""
 if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
 
 PACKAGES=(bazel-bootstrap bazel-rules-java libboost-dev libcli11-dev libgtest-dev zlib1g-dev
-          cmake clang libclang-rt-14-dev python3-venv python3-dev dataset-fashion-mnist)
+          cmake clang clang-format libclang-rt-14-dev python3-venv python3-dev dataset-fashion-mnist)
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

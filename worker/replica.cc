@@ -50,9 +50,9 @@ ModelParams describeModel(const std::string& path) {
   for (const auto& nb : m.named_buffers(/*recurse=*/true)) {
     const torch::Tensor& t = nb.value;
     if (!sharedBufferType(t)) continue;
-    out.buffer_specs.push_back({nb.name, t.sizes().vec(),
-                                t.scalar_type() == torch::kInt64 ? ipc::DType::kInt64
-                                                                 : ipc::DType::kFloat32});
+    out.buffer_specs.push_back(
+        {nb.name, t.sizes().vec(),
+         t.scalar_type() == torch::kInt64 ? ipc::DType::kInt64 : ipc::DType::kFloat32});
     out.buffer_values.push_back(t.detach().contiguous().clone());
   }
   return out;
@@ -63,7 +63,8 @@ bool sharedBufferType(const torch::Tensor& t) {
          (t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kInt64);
 }
 
-torch::Tensor lossSum(ipc::LossKind loss, const torch::Tensor& output, const torch::Tensor& target) {
+torch::Tensor lossSum(ipc::LossKind loss, const torch::Tensor& output,
+                      const torch::Tensor& target) {
   switch (loss) {
     case ipc::LossKind::kCrossEntropy:
       return F::cross_entropy(output, target, F::CrossEntropyFuncOptions().reduction(torch::kSum));
@@ -98,10 +99,11 @@ Replica::Replica(const ipc::Segment& segment, uint32_t slot)
     const ipc::ParamEntry& e = table[i];
     torch::Tensor p = np.value;
     std::vector<int64_t> shape(e.shape.dims, e.shape.dims + e.shape.ndim);
-    SHMGRAD_CHECK(np.name == e.name && p.sizes().vec() == shape && p.scalar_type() == torch::kFloat32,
-                  ErrorKind::kInvalidArgument, "model parameter ", i, " (", np.name, ", ",
-                  p.sizes(), ") does not match the engine's (", e.name, ", ",
-                  c10::IntArrayRef(shape), "); was the file replaced after the engine started?");
+    SHMGRAD_CHECK(
+        np.name == e.name && p.sizes().vec() == shape && p.scalar_type() == torch::kFloat32,
+        ErrorKind::kInvalidArgument, "model parameter ", i, " (", np.name, ", ", p.sizes(),
+        ") does not match the engine's (", e.name, ", ", c10::IntArrayRef(shape),
+        "); was the file replaced after the engine started?");
     auto opts = torch::TensorOptions().dtype(torch::kFloat32);
     // The parameter's storage becomes the shared buffer: every worker and the trainer
     // see the same bytes, so an optimizer step is seen by all with no copy.
@@ -160,9 +162,8 @@ void Replica::zeroGrad() {
 double Replica::accumulate(const torch::Tensor& inputs, const torch::Tensor& targets,
                            float grad_scale) {
   torch::jit::IValue out = module_.forward({inputs});
-  SHMGRAD_CHECK(out.isTensor(), ErrorKind::kInvalidArgument,
-                "the model's forward returned ", out.tagKind(),
-                "; shmgrad needs a model whose forward returns one Tensor");
+  SHMGRAD_CHECK(out.isTensor(), ErrorKind::kInvalidArgument, "the model's forward returned ",
+                out.tagKind(), "; shmgrad needs a model whose forward returns one Tensor");
   torch::Tensor loss = lossSum(loss_, out.toTensor(), targets);
   double value = loss.item<double>();
   if (grad_scale == 1.0f) {

@@ -10,8 +10,8 @@ namespace shmgrad::worker {
 struct WorkerOptions {
   std::string engine_name;
   uint32_t slot = 0;
-  int parent_pid = 0;          // the coordinator; the worker exits when it is gone
-  uint32_t generation = 0;     // which incarnation of this slot (restarts)
+  int parent_pid = 0;       // the coordinator; the worker exits when it is gone
+  uint32_t generation = 0;  // which incarnation of this slot (restarts)
 };
 
 // Runs until the engine stops, the coordinator dies or the slot is retired.

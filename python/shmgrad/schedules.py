@@ -85,7 +85,8 @@ def _real(name: str, v, *, minimum: float, strict: bool = False) -> float:
     if not ok:
         cmp = ">" if strict else ">="
         raise errors.InvalidArgumentError(
-            f"{name} must be a finite number {cmp} {minimum:g}, got {v!r}")
+            f"{name} must be a finite number {cmp} {minimum:g}, got {v!r}"
+        )
     return float(v)
 
 
@@ -104,7 +105,8 @@ class Schedule:
             if max_batch_size < initial:
                 raise errors.InvalidArgumentError(
                     f"max_batch_size must be >= the initial batch size {initial}, "
-                    f"got {max_batch_size!r}")
+                    f"got {max_batch_size!r}"
+                )
         self.max_batch_size = max_batch_size
 
     # -- argument checks shared by the subclasses ------------------------------------
@@ -112,7 +114,9 @@ class Schedule:
     def _check_step(step, required: bool) -> Optional[int]:
         if step is None:
             if required:
-                raise errors.InvalidArgumentError("step is required (the number of model updates so far)")
+                raise errors.InvalidArgumentError(
+                    "step is required (the number of model updates so far)"
+                )
             return None
         if not _is_int(step) or step < 0:
             raise errors.InvalidArgumentError(f"step must be an int >= 0, got {step!r}")
@@ -218,8 +222,14 @@ class GeoDamp(Schedule):
     Needs ``epoch`` (passes over the data so far, an int or a float); ignores ``step``.
     """
 
-    def __init__(self, B0: int, factor: float, delay_epochs: float, *,  # noqa: N803
-                 max_batch_size: Optional[int] = None):
+    def __init__(
+        self,
+        B0: int,
+        factor: float,
+        delay_epochs: float,
+        *,  # noqa: N803
+        max_batch_size: Optional[int] = None,
+    ):
         self.B0 = _positive_int("B0", B0)
         self.factor = _real("factor", factor, minimum=1.0)
         self.delay_epochs = _real("delay_epochs", delay_epochs, minimum=0.0, strict=True)
@@ -235,10 +245,11 @@ class GeoDamp(Schedule):
         if self.factor.is_integer():  # exact, however large
             return self.B0 * int(self.factor) ** k
         try:
-            return _ceil(self.B0 * self.factor ** k)
+            return _ceil(self.B0 * self.factor**k)
         except OverflowError:
             raise errors.InvalidArgumentError(
-                f"epoch {epoch!r} is too large: the batch size overflows a float") from None
+                f"epoch {epoch!r} is too large: the batch size overflows a float"
+            ) from None
 
     def __repr__(self):
         return f"GeoDamp({self.B0}, {self.factor:g}, {self.delay_epochs:g}{self._cap_repr()})"
@@ -265,8 +276,9 @@ class AdaDamp(Schedule):
         self.initial_loss: Optional[float] = None
         self.loss: Optional[float] = None
 
-    def update_loss(self, engine=None, sample_indices=None, *, loss: Optional[float] = None,
-                    **gradient_kwargs) -> float:
+    def update_loss(
+        self, engine=None, sample_indices=None, *, loss: Optional[float] = None, **gradient_kwargs
+    ) -> float:
         """Records the current training loss ``F(x_k)``; returns it.
 
         Either give ``loss`` (a finite value > 0, e.g. a running mean you already have),
@@ -287,17 +299,21 @@ class AdaDamp(Schedule):
         if loss is not None:
             if engine is not None or sample_indices is not None:
                 raise errors.InvalidArgumentError(
-                    "give either loss or engine and sample_indices to update_loss, not both")
+                    "give either loss or engine and sample_indices to update_loss, not both"
+                )
         else:
             if engine is None:
                 raise errors.InvalidArgumentError(
-                    "update_loss needs a loss value or an engine and sample_indices")
+                    "update_loss needs a loss value or an engine and sample_indices"
+                )
             if sample_indices is None:
                 raise errors.InvalidArgumentError(
-                    "sample_indices is required with engine (a fixed sample of the dataset)")
+                    "sample_indices is required with engine (a fixed sample of the dataset)"
+                )
             if "reduction" in gradient_kwargs:
                 raise errors.InvalidArgumentError(
-                    "update_loss always uses reduction='mean'; do not pass reduction")
+                    "update_loss always uses reduction='mean'; do not pass reduction"
+                )
             loss = engine.gradient(sample_indices, reduction="mean", **gradient_kwargs).loss
         if not _is_real(loss) or not math.isfinite(loss) or loss <= 0:
             raise errors.InvalidArgumentError(f"loss must be a finite number > 0, got {loss!r}")

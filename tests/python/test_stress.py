@@ -8,11 +8,31 @@ import subprocess
 
 def test_stress_short_run(tmp_path):
     counts_path = tmp_path / "stress.json"
-    out = subprocess.run(["shmgrad", "stress", "--name", "stress-test", "--steps", "40",
-                          "--kill-rate", "0.3", "--trainer-restart-rate", "0.05",
-                          "--resize-rate", "0.2", "--seed", "7", "--step-timeout", "30",
-                          "--json", str(counts_path)],
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            "shmgrad",
+            "stress",
+            "--name",
+            "stress-test",
+            "--steps",
+            "40",
+            "--kill-rate",
+            "0.3",
+            "--trainer-restart-rate",
+            "0.05",
+            "--resize-rate",
+            "0.2",
+            "--seed",
+            "7",
+            "--step-timeout",
+            "30",
+            "--json",
+            str(counts_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     with open(counts_path) as f:
         counts = json.load(f)
@@ -32,16 +52,32 @@ def test_stress_short_run(tmp_path):
 
 
 def test_stress_help_and_bad_arguments():
-    out = subprocess.run(["shmgrad", "stress", "--help"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        ["shmgrad", "stress", "--help"], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0
     for opt in ("--mode", "--kill-rate", "--seed", "--json"):
         assert opt in out.stdout, opt
-    out = subprocess.run(["shmgrad", "stress", "--name", "x", "--kill-rate", "2"],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode != 0 and "--kill-rate must be a probability in [0, 1], got 2" in out.stderr
-    out = subprocess.run(["shmgrad", "stress", "--name", "x", "--resize-rate", "-0.5"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        ["shmgrad", "stress", "--name", "x", "--kill-rate", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        out.returncode != 0 and "--kill-rate must be a probability in [0, 1], got 2" in out.stderr
+    )
+    out = subprocess.run(
+        ["shmgrad", "stress", "--name", "x", "--resize-rate", "-0.5"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode != 0 and "--resize-rate must be a probability" in out.stderr
-    out = subprocess.run(["shmgrad", "stress", "--name", "x", "--mode", "fast"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        ["shmgrad", "stress", "--name", "x", "--mode", "fast"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode != 0 and "invalid choice: 'fast'" in out.stderr
