@@ -15,7 +15,9 @@ ignored folder .device/ (at most 64 MiB):
                                Python tests, then the CPU scaling benchmark (CNN and
                                WRN at batch 256: shmgrad with 1, 2, 4, 8 and 16 workers
                                against DDP-gloo with as many ranks and one process, in
-                               one run), and writes report.md and the results into DIR.
+                               one run), then examples/adaptive_batch.py shortened (fixed
+                               against adaptive batches, like for like, one worker per
+                               core), and writes report.md and the results into DIR.
   --run --dry-run --out DIR    the same here, against .venv, scaled to this machine.
 """
 
@@ -36,22 +38,73 @@ DEVICE_PYTHON = "/opt/torch/.venv/bin/python3"
 CARRY_LIMIT_BYTES = 64 << 20
 # Wheels for the GPU machine's interpreter; pip matches manylinux tags exactly.
 WHEEL_TARGET = ["--python-version", "3.12", "--implementation", "cp", "--only-binary=:all:"] + [
-    a for tag in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
-                  "manylinux_2_5_x86_64", "manylinux1_x86_64", "any")
-    for a in ("--platform", tag)]
+    a
+    for tag in (
+        "manylinux_2_28_x86_64",
+        "manylinux_2_17_x86_64",
+        "manylinux2014_x86_64",
+        "manylinux_2_5_x86_64",
+        "manylinux1_x86_64",
+        "any",
+    )
+    for a in ("--platform", tag)
+]
 DEVICE_WHEELS = ["distributed"]  # what the machine lacks of tools/requirements.txt
 HEADERS = ("boost/interprocess/shared_memory_object.hpp", "CLI/CLI.hpp", "zlib.h")
 FASHION_MNIST = "/usr/share/datasets/fashion-mnist"
 
 # What --run does, at the machine's scale and at this one's (--dry-run).
 SCALES = {
-    "device": {"workers": "1,2,4,8,16", "batch": "256", "models": "cnn,wrn", "repeats": 10,
-               "budget": 6, "tests": ["test_build.py", "test_engine.py", "test_eager.py",
-                                      "test_faults.py", "test_launcher.py"],
-               "test_timeout": 240, "bench_timeout": 200},
-    "local": {"workers": "1,2", "batch": "32", "models": "cnn", "repeats": 3, "budget": 2,
-              "tests": ["test_build.py::test_bazel_and_cmake_compile_the_same_sources"],
-              "test_timeout": 120, "bench_timeout": 300},
+    "device": {
+        "workers": "1,2,4,8,16",
+        "batch": "256",
+        "models": "cnn,wrn",
+        "repeats": 10,
+        "budget": 6,
+        "tests": [
+            "test_build.py",
+            "test_engine.py",
+            "test_eager.py",
+            "test_faults.py",
+            "test_launcher.py",
+        ],
+        "test_timeout": 240,
+        "bench_timeout": 200,
+        # GeoDamp doubling every epoch from 128 to 1024; batch 128 keeps 8 of the 16
+        # workers busy (min_examples_per_worker 16), batches of 256 on use all 16.
+        "adaptive": [
+            "--workers",
+            "16",
+            "--min-examples-per-worker",
+            "16",
+            "--epochs",
+            "4",
+            "--delay-epochs",
+            "1",
+        ],
+        "adaptive_timeout": 150,
+    },
+    "local": {
+        "workers": "1,2",
+        "batch": "32",
+        "models": "cnn",
+        "repeats": 3,
+        "budget": 2,
+        "tests": ["test_build.py::test_bazel_and_cmake_compile_the_same_sources"],
+        "test_timeout": 120,
+        "bench_timeout": 300,
+        "adaptive": [
+            "--workers",
+            "2",
+            "--epochs",
+            "2",
+            "--delay-epochs",
+            "1",
+            "--train-examples",
+            "4096",
+        ],
+        "adaptive_timeout": 150,
+    },
 }
 
 
@@ -63,8 +116,9 @@ def run(cmd, *, timeout, cwd=ROOT, env=None, out=None):
     """Runs cmd, its output to the terminal and to `out` (a path) if given; the exit code."""
     log("$ " + " ".join(cmd))
     with open(out, "w") if out else open(os.devnull, "w") as sink:
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(
+            cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         deadline = time.monotonic() + timeout
         try:
             for line in proc.stdout:
@@ -76,22 +130,33 @@ def run(cmd, *, timeout, cwd=ROOT, env=None, out=None):
                     break
         finally:
             try:
-                return proc.wait(timeout=30)
+                code = proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-                return proc.wait()
+                code = proc.wait()
+    return code
 
 
 # -- prepare (here) -------------------------------------------------------------------
 def included_headers():
     """The system headers of HEADERS and everything they include, as the compiler sees them."""
     src = "".join(f"#include <{h}>\n" for h in HEADERS)
-    res = subprocess.run(["g++", "-std=c++20", "-M", "-x", "c++", "-"], input=src, text=True,
-                         capture_output=True, check=True)
+    res = subprocess.run(
+        ["g++", "-std=c++20", "-M", "-x", "c++", "-"],
+        input=src,
+        text=True,
+        capture_output=True,
+        check=True,
+    )
     names = res.stdout.replace("\\\n", " ").split()
-    return sorted({n for n in names if n.startswith("/usr/include/")
-                   and n[len("/usr/include/"):].split("/")[0] in ("boost", "CLI", "zlib.h",
-                                                                  "zconf.h")})
+    return sorted(
+        {
+            n
+            for n in names
+            if n.startswith("/usr/include/")
+            and n[len("/usr/include/") :].split("/")[0] in ("boost", "CLI", "zlib.h", "zconf.h")
+        }
+    )
 
 
 def prepare(python):
@@ -102,32 +167,60 @@ def prepare(python):
         os.makedirs(os.path.dirname(dest), exist_ok=True)
         shutil.copy2(path, dest)
     wheels = os.path.join(PREPARED, "wheels")
-    subprocess.run([python, "-m", "pip", "download", "-q", "--disable-pip-version-check",
-                    "-d", wheels, *WHEEL_TARGET, *DEVICE_WHEELS], check=True)
+    subprocess.run(
+        [
+            python,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--disable-pip-version-check",
+            "-d",
+            wheels,
+            *WHEEL_TARGET,
+            *DEVICE_WHEELS,
+        ],
+        check=True,
+    )
     if os.path.isdir(FASHION_MNIST):
         shutil.copytree(FASHION_MNIST, os.path.join(PREPARED, "data", "fashion-mnist"))
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(PREPARED) for f in fs)
     if size > CARRY_LIMIT_BYTES:
         raise SystemExit(f"{PREPARED} holds {size >> 20} MiB, more than the 64 MiB that travel")
-    print(f"prepared {PREPARED}: {size / 2**20:.1f} MiB "
-          f"({len(glob.glob(os.path.join(wheels, '*.whl')))} wheels)")
-    print("carry: [\".device\"]")
+    print(
+        f"prepared {PREPARED}: {size / 2**20:.1f} MiB "
+        f"({len(glob.glob(os.path.join(wheels, '*.whl')))} wheels)"
+    )
+    print('carry: [".device"]')
     print('run there: tools/device-check --run --out "$OUT"')
 
 
 # -- run (there, or here with --dry-run) ------------------------------------------------
 def machine_facts(python):
-    facts = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-             "host_cpus": os.cpu_count(), "platform": platform.platform()}
-    res = subprocess.run([python, "-c", "import torch,sys;print(torch.__version__);"
-                          "print(torch.cuda.is_available());print(sys.version.split()[0])"],
-                         capture_output=True, text=True)
+    facts = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "host_cpus": os.cpu_count(),
+        "platform": platform.platform(),
+    }
+    res = subprocess.run(
+        [
+            python,
+            "-c",
+            "import torch,sys;print(torch.__version__);"
+            "print(torch.cuda.is_available());print(sys.version.split()[0])",
+        ],
+        capture_output=True,
+        text=True,
+    )
     if res.returncode == 0:
         facts["torch"], facts["cuda_available"], facts["python"] = res.stdout.split()
     smi = shutil.which("nvidia-smi")
     if smi:
-        out = subprocess.run([smi, "--query-gpu=name,memory.total,driver_version",
-                              "--format=csv,noheader"], capture_output=True, text=True)
+        out = subprocess.run(
+            [smi, "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+        )
         facts["gpus"] = out.stdout.strip()
     return facts
 
@@ -141,17 +234,41 @@ def build_env(base_python, venv, dry_run):
     python = os.path.join(venv, "bin", "python")
     wheels = os.path.join(PREPARED, "wheels")
     if os.path.isdir(wheels):
-        run([python, "-m", "pip", "install", "-q", "--no-index", "--find-links", wheels,
-             *DEVICE_WHEELS], timeout=300)
+        run(
+            [
+                python,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-index",
+                "--find-links",
+                wheels,
+                *DEVICE_WHEELS,
+            ],
+            timeout=300,
+        )
     return python
 
 
 def build_shmgrad(python, out_dir, dry_run):
-    import_torch = subprocess.run([python, "-c", "import torch;print(torch.__version__)"],
-                                  capture_output=True, text=True, check=True)
+    import_torch = subprocess.run(
+        [python, "-c", "import torch;print(torch.__version__)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     torch_version = import_torch.stdout.strip()
-    cmd = [python, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps",
-           f"--config-settings=build-dir={ROOT}/build/torch-{torch_version}"]
+    cmd = [
+        python,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--no-build-isolation",
+        "--no-deps",
+        f"--config-settings=build-dir={ROOT}/build/torch-{torch_version}",
+    ]
     include = os.path.join(PREPARED, "include")
     if not dry_run and os.path.isdir(include):
         cmd.append(f"--config-settings=cmake.define.SHMGRAD_EXTRA_INCLUDE={include}")
@@ -175,11 +292,15 @@ def run_checks(args):
     scale = SCALES["local" if args.dry_run else "device"]
     out_dir = os.path.abspath(args.out)
     os.makedirs(out_dir, exist_ok=True)
-    base = args.python or (os.path.join(ROOT, ".venv", "bin", "python") if args.dry_run
-                           else DEVICE_PYTHON)
+    base = args.python or (
+        os.path.join(ROOT, ".venv", "bin", "python") if args.dry_run else DEVICE_PYTHON
+    )
     started = time.monotonic()
-    report = {"facts": machine_facts(base), "scale": "local dry run" if args.dry_run else "device",
-              "steps": {}}
+    report = {
+        "facts": machine_facts(base),
+        "scale": "local dry run" if args.dry_run else "device",
+        "steps": {},
+    }
     log(f"facts: {report['facts']}")
     python = build_env(base, "/tmp/shmgrad-device-venv", args.dry_run)
     rc = build_shmgrad(python, out_dir, args.dry_run)
@@ -192,45 +313,122 @@ def run_checks(args):
         tests = [os.path.join(ROOT, "tests", "python", t) for t in scale["tests"]]
         report["steps"]["tests"] = run(
             [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
-            timeout=scale["test_timeout"], cwd=os.path.join(ROOT, "tests", "python"), env=env,
-            out=os.path.join(out_dir, "tests.log"))
+            timeout=scale["test_timeout"],
+            cwd=os.path.join(ROOT, "tests", "python"),
+            env=env,
+            out=os.path.join(out_dir, "tests.log"),
+        )
         bench_out = os.path.join(out_dir, "bench")
         report["steps"]["bench"] = run(
-            [python, "-m", "shmgrad.bench", "--models", scale["models"], "--batch-sizes",
-             scale["batch"], "--workers", scale["workers"], "--systems", "single,shmgrad,ddp",
-             "--repeats", str(scale["repeats"]), "--budget", str(scale["budget"]),
-             "--out", bench_out],
-            timeout=scale["bench_timeout"], env=env, out=os.path.join(out_dir, "bench.log"))
+            [
+                python,
+                "-m",
+                "shmgrad_tools.bench",
+                "--models",
+                scale["models"],
+                "--batch-sizes",
+                scale["batch"],
+                "--workers",
+                scale["workers"],
+                "--systems",
+                "single,shmgrad,ddp",
+                "--repeats",
+                str(scale["repeats"]),
+                "--budget",
+                str(scale["budget"]),
+                "--out",
+                bench_out,
+            ],
+            timeout=scale["bench_timeout"],
+            env=env,
+            out=os.path.join(out_dir, "bench.log"),
+        )
+        report["adaptive"] = run_adaptive(python, scale, env, out_dir)
+        # The example exits 1 when adaptive batches did not pay: a finding, not a failure.
+        report["steps"]["adaptive"] = 0 if report["adaptive"].get("exit") in (0, 1) else 1
     report["seconds"] = round(time.monotonic() - started, 1)
     with open(os.path.join(out_dir, "report.json"), "w") as f:
         json.dump(report, f, indent=2)
-    lines = [f"# device-check ({report['scale']})", "", "```",
-             json.dumps(report["facts"], indent=2), "```", ""]
+    lines = [
+        f"# device-check ({report['scale']})",
+        "",
+        "```",
+        json.dumps(report["facts"], indent=2),
+        "```",
+        "",
+    ]
     lines += [f"- {step}: exit {code}" for step, code in report["steps"].items()]
     lines.append(f"- total: {report['seconds']} s")
     table = os.path.join(out_dir, "bench", "results.md")
     if os.path.exists(table):
         lines += ["", open(table).read()]
+    if report.get("adaptive", {}).get("summary_text"):
+        lines += [
+            "",
+            "## Adaptive batches, like for like",
+            "",
+            "```",
+            report["adaptive"]["summary_text"],
+            "```",
+        ]
     with open(os.path.join(out_dir, "report.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     log(f"report: {os.path.join(out_dir, 'report.md')} ({report['seconds']} s)")
     return 0 if report["steps"] and all(c == 0 for c in report["steps"].values()) else 1
 
 
+def run_adaptive(python, scale, env, out_dir):
+    """examples/adaptive_batch.py, shortened: its exit status, summary and the lines it printed."""
+    result_path = os.path.join(out_dir, "adaptive.json")
+    log_path = os.path.join(out_dir, "adaptive.log")
+    code = run(
+        [
+            python,
+            os.path.join(ROOT, "examples", "adaptive_batch.py"),
+            *scale["adaptive"],
+            "--json",
+            result_path,
+        ],
+        timeout=scale["adaptive_timeout"],
+        env=env,
+        out=log_path,
+    )
+    result = {"exit": code, "args": scale["adaptive"]}
+    if os.path.exists(result_path):
+        with open(result_path) as f:
+            result["summary"] = json.load(f)["summary"]
+    with open(log_path) as f:
+        text = f.read()
+    start = text.find("\nrun ")
+    result["summary_text"] = text[start + 1 :].rstrip() if start >= 0 else ""
+    return result
+
+
 def main():
-    ap = argparse.ArgumentParser(prog="tools/device-check", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="tools/device-check",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--run", action="store_true", help="run the checks (on the GPU machine)")
-    ap.add_argument("--dry-run", action="store_true",
-                    help="with --run: here, against .venv, scaled to this machine")
-    ap.add_argument("--gpu", action="store_true",
-                    help="also the GPU checks: refused until the CUDA path is built")
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="with --run: here, against .venv, scaled to this machine",
+    )
+    ap.add_argument(
+        "--gpu",
+        action="store_true",
+        help="also the GPU checks: refused until the CUDA path is built",
+    )
     ap.add_argument("--out", default="device-check-out", help="the report's folder (--run)")
     ap.add_argument("--python", default=None, help="the interpreter to build against")
     args = ap.parse_args()
     if args.gpu:
-        raise SystemExit("device-check --gpu: shmgrad's CUDA path is not built yet "
-                         "(shmgrad.build_info()['cuda'] is False); run without --gpu")
+        raise SystemExit(
+            "device-check --gpu: shmgrad's CUDA path is not built yet "
+            "(shmgrad.build_info()['cuda'] is False); run without --gpu"
+        )
     if args.run:
         return run_checks(args)
     prepare(args.python or sys.executable)

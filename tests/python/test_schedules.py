@@ -9,11 +9,12 @@ import torch
 
 import shmgrad
 from shmgrad import InvalidArgumentError
-from shmgrad._numerics import relative_error
+from shmgrad.testing import relative_error
 from shmgrad.schedules import AdaDamp, Constant, GeoDamp, PadaDamp
 
 
 # -- schedule values, by hand ----------------------------------------------------------
+
 
 def test_exported_from_package():
     assert shmgrad.schedules.GeoDamp is GeoDamp
@@ -57,8 +58,8 @@ def test_geodamp():
     # Fractional delays: floor(0.3 / 0.1) is 3 (not 2, as plain floating point says).
     assert GeoDamp(1, 2, 0.1).batch_size(epoch=0.3) == 8
     # Integer factors stay exact however far the batch grows.
-    assert GeoDamp(64, 2, 1).virtual_batch_size(epoch=100) == 64 * 2 ** 100
-    assert GeoDamp(64, 2, 1, max_batch_size=512)(epoch=100) == (512, 512 / (64 * 2 ** 100))
+    assert GeoDamp(64, 2, 1).virtual_batch_size(epoch=100) == 64 * 2**100
+    assert GeoDamp(64, 2, 1, max_batch_size=512)(epoch=100) == (512, 512 / (64 * 2**100))
 
 
 def test_adadamp_with_loss_values():
@@ -81,7 +82,13 @@ def test_adadamp_with_loss_values():
 def test_lr_scaling_past_the_cap():
     s = GeoDamp(64, 2, 1, max_batch_size=256)
     assert [s(epoch=e) for e in range(6)] == [
-        (64, 1.0), (128, 1.0), (256, 1.0), (256, 0.5), (256, 0.25), (256, 0.125)]
+        (64, 1.0),
+        (128, 1.0),
+        (256, 1.0),
+        (256, 0.5),
+        (256, 0.25),
+        (256, 0.125),
+    ]
     assert s.virtual_batch_size(epoch=5) == 2048
     assert s.batch_size(epoch=5) == 256
     assert s.lr_scale(epoch=5) == 0.125
@@ -102,28 +109,31 @@ def test_lr_scaling_past_the_cap():
     assert GeoDamp(32, 2, 1, max_batch_size=32)(epoch=2) == (32, 0.25)
 
 
-@pytest.mark.parametrize("make,name", [
-    (lambda: Constant(0), "batch_size"),
-    (lambda: Constant(1.5), "batch_size"),
-    (lambda: Constant(True), "batch_size"),
-    (lambda: PadaDamp(0, 1), "B0"),
-    (lambda: PadaDamp(-4, 1), "B0"),
-    (lambda: PadaDamp("32", 1), "B0"),
-    (lambda: PadaDamp(32, -1), "rate"),
-    (lambda: PadaDamp(32, float("nan")), "rate"),
-    (lambda: PadaDamp(32, "1"), "rate"),
-    (lambda: PadaDamp(32, 1, max_batch_size=16), "max_batch_size"),
-    (lambda: PadaDamp(32, 1, max_batch_size=0), "max_batch_size"),
-    (lambda: GeoDamp(64.0, 2, 1), "B0"),
-    (lambda: GeoDamp(64, 0.5, 1), "factor"),
-    (lambda: GeoDamp(64, float("inf"), 1), "factor"),
-    (lambda: GeoDamp(64, 2, 0), "delay_epochs"),
-    (lambda: GeoDamp(64, 2, -1), "delay_epochs"),
-    (lambda: GeoDamp(64, 2, 1, max_batch_size=32), "max_batch_size"),
-    (lambda: GeoDamp(64, 2, 1, max_batch_size=100.0), "max_batch_size"),
-    (lambda: AdaDamp(None), "B0"),
-    (lambda: AdaDamp(8, max_batch_size=4), "max_batch_size"),
-])
+@pytest.mark.parametrize(
+    "make,name",
+    [
+        (lambda: Constant(0), "batch_size"),
+        (lambda: Constant(1.5), "batch_size"),
+        (lambda: Constant(True), "batch_size"),
+        (lambda: PadaDamp(0, 1), "B0"),
+        (lambda: PadaDamp(-4, 1), "B0"),
+        (lambda: PadaDamp("32", 1), "B0"),
+        (lambda: PadaDamp(32, -1), "rate"),
+        (lambda: PadaDamp(32, float("nan")), "rate"),
+        (lambda: PadaDamp(32, "1"), "rate"),
+        (lambda: PadaDamp(32, 1, max_batch_size=16), "max_batch_size"),
+        (lambda: PadaDamp(32, 1, max_batch_size=0), "max_batch_size"),
+        (lambda: GeoDamp(64.0, 2, 1), "B0"),
+        (lambda: GeoDamp(64, 0.5, 1), "factor"),
+        (lambda: GeoDamp(64, float("inf"), 1), "factor"),
+        (lambda: GeoDamp(64, 2, 0), "delay_epochs"),
+        (lambda: GeoDamp(64, 2, -1), "delay_epochs"),
+        (lambda: GeoDamp(64, 2, 1, max_batch_size=32), "max_batch_size"),
+        (lambda: GeoDamp(64, 2, 1, max_batch_size=100.0), "max_batch_size"),
+        (lambda: AdaDamp(None), "B0"),
+        (lambda: AdaDamp(8, max_batch_size=4), "max_batch_size"),
+    ],
+)
 def test_bad_constructor_arguments(make, name):
     with pytest.raises(InvalidArgumentError, match=name):
         make()
@@ -163,6 +173,7 @@ def test_bad_call_arguments():
 
 # -- the engine: active workers, resize, passes -----------------------------------------
 
+
 class TinyMlp(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -189,9 +200,14 @@ def engine_setup(tmp_path_factory):
     torch.manual_seed(11)
     model = TinyMlp()
     reference = copy.deepcopy(model)  # never bound: plain single-process PyTorch
-    engine = shmgrad.Engine(model=model, workers=3, max_workers=4, loss="cross_entropy",
-                            dataset=f"npy:{d / 'x.npy'},{d / 'y.npy'}",
-                            min_examples_per_worker=10)
+    engine = shmgrad.Engine(
+        model=model,
+        workers=3,
+        max_workers=4,
+        loss="cross_entropy",
+        dataset=f"npy:{d / 'x.npy'},{d / 'y.npy'}",
+        min_examples_per_worker=10,
+    )
     try:
         engine.bind(model)
         yield engine, model, reference, x, y
@@ -265,8 +281,9 @@ def test_gradient_right_after_resize_matches_pytorch(engine_setup, workers):
     assert engine.workers == workers
     idx = torch.randperm(N, generator=torch.Generator().manual_seed(workers))[:97]
     for reduction in ("sum", "mean"):
-        stats = assert_matches_reference(engine, model, reference, x, y, idx, reduction,
-                                         min_examples_per_worker=1)
+        stats = assert_matches_reference(
+            engine, model, reference, x, y, idx, reduction, min_examples_per_worker=1
+        )
         assert stats.workers == workers
     # the engine's default min_examples_per_worker (10) still caps the workers
     stats = assert_matches_reference(engine, model, reference, x, y, idx[:15])
@@ -278,14 +295,106 @@ def test_max_examples_per_pass(engine_setup):
     engine.resize(3)
     idx = torch.arange(50, 100)
     for reduction in ("sum", "mean"):
-        stats = assert_matches_reference(engine, model, reference, x, y, idx, reduction,
-                                         max_examples_per_pass=7)
+        stats = assert_matches_reference(
+            engine, model, reference, x, y, idx, reduction, max_examples_per_pass=7
+        )
         assert stats.workers == 3 and sum(stats.worker_examples) == 50
     # one worker doing all 50 examples in 8 passes
-    stats = assert_matches_reference(engine, model, reference, x, y, idx,
-                                     max_examples_per_pass=7, min_examples_per_worker=50)
+    stats = assert_matches_reference(
+        engine, model, reference, x, y, idx, max_examples_per_pass=7, min_examples_per_worker=50
+    )
     assert stats.workers == 1
     # explicit inputs too
     engine.gradient(inputs=x[idx], targets=y[idx], max_examples_per_pass=7)
     want = reference_gradient(reference, x[idx], y[idx])
     assert relative_error([p.grad for p in model.parameters()], want) < 1e-5
+
+
+# -- examples/adaptive_batch.py's verdict compares arrival with arrival ------------------
+
+
+def _adaptive_example():
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "adaptive_batch.py")
+    spec = importlib.util.spec_from_file_location("adaptive_batch_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _FakeRun:
+    def __init__(self, label, schedule, history, workers):
+        self.label, self.schedule, self.history = label, schedule, history
+        self.workers_used = set(workers)
+
+    def first_reaching(self, target):
+        return next((h for h in self.history if h["accuracy"] >= target), None)
+
+
+def _history(rows):
+    return [
+        {"epoch": e, "accuracy": a, "updates": u, "examples": e * 60000, "wall": w}
+        for e, (a, u, w) in enumerate(rows, 1)
+    ]
+
+
+def test_adaptive_example_compares_arrival_with_arrival(capsys):
+    ex = _adaptive_example()
+    # The figures of the run that was called "1.49x faster": the adaptive run reached the
+    # target at 20.6 s, the fixed run at 18.5 s (and finished its 8 epochs at 30.6 s).
+    fixed = _FakeRun(
+        "fixed",
+        Constant(128),
+        _history(
+            [
+                (0.86, 469, 3.9),
+                (0.87, 938, 7.6),
+                (0.88, 1407, 11.2),
+                (0.885, 1876, 14.9),
+                (0.8937, 2345, 18.5),
+                (0.89, 2814, 22.3),
+                (0.891, 3283, 26.5),
+                (0.8967, 3752, 30.6),
+            ]
+        ),
+        [2],
+    )
+    adaptive = _FakeRun(
+        "adaptive",
+        GeoDamp(128, 2, 2, max_batch_size=1024),
+        _history(
+            [
+                (0.86, 469, 4.0),
+                (0.87, 938, 7.8),
+                (0.88, 1172, 11.3),
+                (0.885, 1406, 14.6),
+                (0.889, 1523, 17.6),
+                (0.8929, 1644, 20.6),
+                (0.895, 1703, 23.4),
+                (0.897, 1762, 26.2),
+            ]
+        ),
+        [2],
+    )
+    summary = ex.summarize([fixed, adaptive], None)
+    out = capsys.readouterr().out
+    assert summary["exit_status"] == 1
+    assert summary["fixed_at_target"]["epoch"] == 5 and summary["adaptive_at_target"]["epoch"] == 6
+    assert abs(summary["wall_ratio_at_target"] - 18.5 / 20.6) < 1e-3
+    assert "adaptive 1.11x slower" in out
+    assert "both runs kept the same 2 workers busy" in summary["verdict"]
+    # After the same 8 epochs the adaptive run was faster; that is reported apart.
+    assert abs(summary["wall_ratio_at_end"] - 30.6 / 26.2) < 1e-3
+
+    # Arriving first, with more workers busy, passes.
+    adaptive.history[4]["accuracy"] = 0.8950  # epoch 5, at 17.6 s
+    adaptive.workers_used = {8, 16}
+    fixed.workers_used = {8}
+    summary = ex.summarize([fixed, adaptive], None)
+    assert summary["exit_status"] == 0 and summary["verdict"].startswith("ok")
+
+    # Never reaching the target fails, whatever the wall times.
+    summary = ex.summarize([fixed, adaptive], 0.95)
+    assert summary["exit_status"] == 1 and "never reached" in summary["verdict"]
