@@ -7,58 +7,71 @@
 #include <string>
 #include <vector>
 
+#include "ipc/record.h"
+
 namespace shmgrad::engine {
 
+// The records of `shmgrad status`, each written once (ipc/record.h): the structs below,
+// their Python binding and shmgrad.WorkerStatus, StepSummary and EngineStatus come from
+// these lists.
+
 // One worker slot as the segment shows it.
+#define SHMGRAD_WORKER_STATUS_FIELDS(X)                                                      \
+  X(uint32_t, slot, "")                                                                      \
+  X(int32_t, pid, "0: no process in the slot")                                               \
+  X(std::string, state, "starting, ready, dead, exited or retired (ipc::kWorkerStateNames)") \
+  X(uint32_t, restarts, "replacements of this slot's process")                               \
+  X(uint32_t, busy_epoch, "the step it is working on now, 0 when idle")                      \
+  X(uint32_t, assigned_epoch, "the last step it was picked for")
 struct WorkerStatus {
-  uint32_t slot = 0;
-  int32_t pid = 0;              // 0: no process in the slot
-  std::string state;            // ipc::kWorkerStateNames: starting, ready, dead, exited, retired
-  uint32_t restarts = 0;        // replacements of this slot
-  uint32_t busy_epoch = 0;      // the step it is working on, 0 when idle
-  uint32_t assigned_epoch = 0;  // the last step it was picked for
+  SHMGRAD_WORKER_STATUS_FIELDS(SHMGRAD_DECLARE_FIELD)
 };
 
 // One finished step from the segment's ring of recent steps.
+#define SHMGRAD_STEP_SUMMARY_FIELDS(X)                                      \
+  X(uint32_t, epoch, "")                                                    \
+  X(uint32_t, workers, "")                                                  \
+  X(int64_t, examples, "")                                                  \
+  X(double, loss_sum, "")                                                   \
+  X(double, wall_seconds, "the step published to the end of its reduction") \
+  X(double, compute_seconds, "the slowest worker's forward and backward")   \
+  X(double, reduce_seconds, "the slowest worker's slice of the reduction")  \
+  X(double, wait_seconds, "wall - compute - reduce: synchronisation")
 struct StepSummary {
-  uint32_t epoch = 0;
-  uint32_t workers = 0;
-  int64_t examples = 0;
-  double loss_sum = 0;
-  double wall_seconds = 0;     // publish to the end of the reduction
-  double compute_seconds = 0;  // slowest worker's forward + backward
-  double reduce_seconds = 0;   // slowest worker's slice of the reduction
-  double wait_seconds = 0;     // wall - compute - reduce: synchronisation
+  SHMGRAD_STEP_SUMMARY_FIELDS(SHMGRAD_DECLARE_FIELD)
 };
 
 // Everything `shmgrad status` prints, as data.
+#define SHMGRAD_ENGINE_STATUS_FIELDS(X)                                                         \
+  X(std::string, name, "")                                                                      \
+  X(std::string, state, "starting, serving, stopping or failed (ipc::kEngineStateNames)")       \
+  X(int32_t, coordinator_pid, "")                                                               \
+  X(bool, coordinator_alive, "")                                                                \
+  X(std::string, segment_path, "")                                                              \
+  X(uint64_t, segment_bytes, "")                                                                \
+  X(std::string, model_path, "")                                                                \
+  X(std::string, loss, "TorchScript workers' loss (eager workers run the job's own)")           \
+  X(std::string, worker_kind, "script (TorchScript, C++) or eager (Python)")                    \
+  X(std::string, job_path, "eager: the pickled job the workers load")                           \
+  X(uint32_t, num_params, "parameter tensors")                                                  \
+  X(uint64_t, param_floats, "floats the parameters take, padding for alignment included")       \
+  X(std::string, dataset, "its description, empty without one")                                 \
+  X(int64_t, dataset_size, "")                                                                  \
+  X(int64_t, max_batch, "")                                                                     \
+  X(uint32_t, threads_per_worker, "")                                                           \
+  X(int32_t, trainer_pid, "the trainer that holds the engine, 0 when none does")                \
+  X(uint32_t, step_epoch, "the last step published")                                            \
+  X(uint64_t, steps_served, "")                                                                 \
+  X(uint64_t, steps_aborted, "steps abandoned because a worker died, then re-run")              \
+  X(uint64_t, step_retries, "")                                                                 \
+  X(uint64_t, worker_restarts, "")                                                              \
+  X(uint32_t, target_workers, "the worker count asked for (resize)")                            \
+  X(uint32_t, slots, "gradient slots: the most workers there can be")                           \
+  X(std::vector<::shmgrad::engine::WorkerStatus>, workers, "every slot that has had a process") \
+  X(std::vector<::shmgrad::engine::StepSummary>, recent_steps,                                  \
+    "oldest first, at most ipc::kStatsRing")
 struct EngineStatus {
-  std::string name;
-  std::string state;            // ipc::kEngineStateNames
-  int32_t coordinator_pid = 0;
-  bool coordinator_alive = false;
-  std::string segment_path;
-  uint64_t segment_bytes = 0;
-  std::string model_path;
-  std::string loss;             // ipc::kLossNames (TorchScript workers; eager ones run the job's)
-  std::string worker_kind;      // ipc::kWorkerKindNames: "script" or "eager"
-  std::string job_path;         // eager: the pickled job the workers load
-  uint32_t num_params = 0;
-  uint64_t param_floats = 0;
-  std::string dataset;          // description, "" without one
-  int64_t dataset_size = 0;
-  int64_t max_batch = 0;
-  uint32_t threads_per_worker = 0;
-  int32_t trainer_pid = 0;      // lease holder, 0: none
-  uint32_t step_epoch = 0;      // the last step published
-  uint64_t steps_served = 0;
-  uint64_t steps_aborted = 0;
-  uint64_t step_retries = 0;
-  uint64_t worker_restarts = 0;
-  uint32_t target_workers = 0;
-  uint32_t slots = 0;
-  std::vector<WorkerStatus> workers;     // every slot that ever had a process
-  std::vector<StepSummary> recent_steps; // oldest first, at most ipc::kStatsRing
+  SHMGRAD_ENGINE_STATUS_FIELDS(SHMGRAD_DECLARE_FIELD)
 };
 
 // Reads a running engine's status from its segment. Throws Error(kNotFound) if there is

@@ -15,12 +15,12 @@
 #include <thread>
 
 #include "engine/dataset.h"
+#include "ipc/config.h"
 #include "ipc/error.h"
 #include "ipc/futex.h"
 #include "ipc/segment.h"
 #include "ipc/step.h"
-#include "worker/buffer_views.h"
-#include "worker/replica.h"
+#include "engine/model_file.h"
 #include "worker/step_protocol.h"
 
 namespace shmgrad::engine {
@@ -31,89 +31,22 @@ using ipc::WorkerState;
 
 // Tunables of the coordinator's loop; every wait is bounded.
 constexpr auto kSuperviseSlice = std::chrono::milliseconds(100);  // reap/resize/stop checks
-constexpr auto kGrowPoll = std::chrono::milliseconds(2);     // a grow waits for a retired worker
-constexpr auto kReadyPoll = std::chrono::milliseconds(50);   // start-up: workers becoming ready
-constexpr auto kStopPoll = std::chrono::milliseconds(10);    // stop: workers exiting
-constexpr uint64_t kStopGraceNs = 5000000000ull;    // then SIGKILL
-constexpr int kExitExecFailed = 127;  // the forked child could not exec the worker
+constexpr auto kGrowPoll = std::chrono::milliseconds(2);    // a grow waits for a retired worker
+constexpr auto kReadyPoll = std::chrono::milliseconds(50);  // start-up: workers becoming ready
+constexpr auto kStopPoll = std::chrono::milliseconds(10);   // stop: workers exiting
+constexpr uint64_t kStopGraceNs = 5000000000ull;            // then SIGKILL
+constexpr int kExitExecFailed =
+    config::kExitCannotExec;                        // the forked child could not exec the worker
 constexpr uint64_t kRetireGraceNs = 5000000000ull;  // a retired, idle worker still there: SIGKILL
 
 volatile sig_atomic_t g_signal = 0;
 
 void onSignal(int sig) { g_signal = sig; }
 
-// The parameters of an eager job, as shmgrad.eager.write_params wrote them: "SHMGRADP",
-// u32 version 2, u32 count, then per parameter u32 name length, the name, u32 ndim, i64
-// dims[ndim] and the float32 values. Every size is checked before it is used.
-constexpr uint32_t kParamsFileVersion = 2;
-worker::ModelParams readParamsFile(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  SHMGRAD_CHECK(f.good(), ErrorKind::kNotFound, "parameter file ", path, " cannot be opened");
-  auto read = [&](void* out, size_t n) {
-    f.read(static_cast<char*>(out), static_cast<std::streamsize>(n));
-    SHMGRAD_CHECK(f.good(), ErrorKind::kInvalidArgument, "parameter file ", path,
-                  " is truncated; the eager launcher writes it (shmgrad.eager)");
-  };
-  char magic[8];
-  uint32_t version = 0, count = 0;
-  read(magic, sizeof(magic));
-  read(&version, sizeof(version));
-  read(&count, sizeof(count));
-  SHMGRAD_CHECK(std::memcmp(magic, "SHMGRADP", 8) == 0 && version == kParamsFileVersion,
-                ErrorKind::kInvalidArgument, "parameter file ", path,
-                " is not a shmgrad parameter file (version ", kParamsFileVersion, ")");
-  SHMGRAD_CHECK(count >= 1 && count <= ipc::kMaxParams, ErrorKind::kInvalidArgument,
-                "parameter file ", path, " holds ", count, " tensors; use 1 to ", ipc::kMaxParams);
-  // One tensor record: u32 name length, the name, [u32 dtype,] u32 ndim, i64 dims, values.
-  struct Record {
-    std::string name;
-    std::vector<int64_t> dims;
-    ipc::DType dtype = ipc::DType::kFloat32;
-    torch::Tensor values;
-  };
-  auto readRecord = [&](bool has_dtype) {
-    Record r;
-    uint32_t name_len = 0, dtype = static_cast<uint32_t>(ipc::DType::kFloat32), ndim = 0;
-    read(&name_len, sizeof(name_len));
-    SHMGRAD_CHECK(name_len >= 1 && name_len < ipc::kNameLen, ErrorKind::kInvalidArgument,
-                  "parameter file ", path, ": name of ", name_len, " bytes");
-    r.name.assign(name_len, '\0');
-    read(r.name.data(), name_len);
-    if (has_dtype) read(&dtype, sizeof(dtype));
-    SHMGRAD_CHECK(dtype == static_cast<uint32_t>(ipc::DType::kFloat32) ||
-                      dtype == static_cast<uint32_t>(ipc::DType::kInt64),
-                  ErrorKind::kInvalidArgument, "parameter file ", path, ": ", r.name,
-                  " has dtype ", dtype);
-    read(&ndim, sizeof(ndim));
-    SHMGRAD_CHECK(ndim <= ipc::kMaxDims, ErrorKind::kInvalidArgument, "parameter file ", path,
-                  ": ", r.name, " has ", ndim, " dimensions");
-    r.dims.resize(ndim);
-    if (ndim > 0) read(r.dims.data(), ndim * sizeof(int64_t));
-    const uint64_t numel = ipc::checkedNumel(ErrorKind::kInvalidArgument, r.name.c_str(),
-                                             r.dims.data(), ndim);
-    r.dtype = static_cast<ipc::DType>(dtype);
-    r.values = torch::empty(r.dims, worker::torchType(r.dtype));
-    if (numel > 0) read(r.values.data_ptr(), numel * ipc::dtypeSize(r.dtype));
-    return r;
-  };
-  worker::ModelParams out;
-  for (uint32_t i = 0; i < count; ++i) {
-    Record r = readRecord(/*has_dtype=*/false);  // parameters are float32
-    out.specs.push_back({r.name, r.dims});
-    out.values.push_back(r.values);
-  }
-  // Then the buffers to share: u32 count, then records with their dtype.
-  uint32_t buffers = 0;
-  read(&buffers, sizeof(buffers));
-  SHMGRAD_CHECK(buffers <= ipc::kMaxBuffers, ErrorKind::kInvalidArgument, "parameter file ", path,
-                " holds ", buffers, " buffers; at most ", ipc::kMaxBuffers, " are shared");
-  for (uint32_t i = 0; i < buffers; ++i) {
-    Record r = readRecord(/*has_dtype=*/true);
-    out.buffer_specs.push_back({r.name, r.dims, r.dtype});
-    out.buffer_values.push_back(r.values);
-  }
-  return out;
-}
+// `shmgrad-worker describe MODEL OUT` exits with this when the model cannot be loaded
+// (not TorchScript, a torch that cannot read it, a parameter that is not float32): its
+// message is then the error to report (tools/worker_main.cc).
+constexpr int kExitDescribeRejected = 2;
 
 class Coordinator {
  public:
@@ -158,12 +91,15 @@ class Coordinator {
     uint32_t slots = opt_.max_workers == 0 ? opt_.workers : opt_.max_workers;
     SHMGRAD_CHECK(slots >= opt_.workers && slots <= ipc::kMaxWorkers, ErrorKind::kInvalidArgument,
                   "--max-workers ", slots, " must be between --workers and ", ipc::kMaxWorkers);
-    SHMGRAD_CHECK(opt_.threads_per_worker >= 1 && opt_.threads_per_worker <= ipc::kMaxThreadsPerWorker,
-                  ErrorKind::kInvalidArgument, "--threads-per-worker must be 1 to ",
-                  ipc::kMaxThreadsPerWorker);
+    SHMGRAD_CHECK(
+        opt_.threads_per_worker >= 1 && opt_.threads_per_worker <= ipc::kMaxThreadsPerWorker,
+        ErrorKind::kInvalidArgument, "--threads-per-worker must be 1 to ",
+        ipc::kMaxThreadsPerWorker);
     ipc::checkEngineName(opt_.name);
-    worker::ModelParams model =
-        eager() ? readParamsFile(opt_.model_path) : worker::describeModel(opt_.model_path);
+    // The model's description comes from a process that loads models: the launcher wrote
+    // it for eager workers; the TorchScript worker program describes a TorchScript file.
+    const ModelDescription model =
+        eager() ? readModelFile(opt_.model_path) : describeWithWorker(opt_.model_path);
     Dataset data;
     if (!opt_.dataset.empty()) data = loadDatasetSpec(opt_.dataset);
 
@@ -174,11 +110,11 @@ class Coordinator {
     spec.loss = ipc::parseLoss(opt_.loss);
     spec.num_slots = slots;
     spec.threads_per_worker = opt_.threads_per_worker;
-    spec.params = model.specs;
-    spec.buffers = model.buffer_specs;
+    spec.params = model.params;
+    spec.buffers = model.buffers;
     spec.max_batch = opt_.max_batch;
     spec.input_bytes = opt_.input_capacity_mb << 20;
-    spec.target_bytes = std::max<uint64_t>(static_cast<uint64_t>(opt_.max_batch) * 8, 1 << 20);
+    spec.target_bytes = config::targetBytesFor(opt_.max_batch);
     if (data.count > 0) {
       spec.data_count = data.count;
       spec.data_example_shape = data.example_shape;
@@ -206,13 +142,13 @@ class Coordinator {
     seg_ = ipc::Segment::create(spec);
     // Initial parameter values and the dataset, written once before any worker runs.
     const ipc::ParamEntry* table = seg_->paramTable();
-    for (size_t i = 0; i < model.values.size(); ++i) {
-      std::memcpy(seg_->params() + table[i].offset, model.values[i].data_ptr<float>(),
+    for (size_t i = 0; i < model.param_values.size(); ++i) {
+      std::memcpy(seg_->params() + table[i].offset, model.param_values[i].data(),
                   table[i].numel * sizeof(float));
     }
     const ipc::BufferEntry* btable = seg_->bufferTable();
     for (size_t i = 0; i < model.buffer_values.size(); ++i) {
-      std::memcpy(seg_->buffers() + btable[i].offset, model.buffer_values[i].data_ptr(),
+      std::memcpy(seg_->buffers() + btable[i].offset, model.buffer_values[i].data(),
                   btable[i].nbytes);
     }
     if (data.count > 0) {
@@ -244,13 +180,78 @@ class Coordinator {
     SHMGRAD_SYSCHECK(sigaction(SIGPIPE, &ignore, nullptr), "sigaction(SIGPIPE)");
   }
 
+  // Runs `shmgrad-worker describe PATH OUT` (fork + exec, bounded by the start-up
+  // timeout) and reads what it wrote: the coordinator itself loads no model.
+  ModelDescription describeWithWorker(const std::string& path) {
+    SHMGRAD_CHECK(access(path.c_str(), R_OK) == 0, ErrorKind::kNotFound, "model file ", path,
+                  " cannot be read (", detail::errnoText(),
+                  "); save one with shmgrad.save_model(module, path)");
+    char tmpl[] = "/tmp/shmgrad-describe-XXXXXX";
+    const int fd = static_cast<int>(SHMGRAD_SYSCHECK(mkstemp(tmpl), "mkstemp"));
+    SHMGRAD_SYSCHECK(close(fd), "close");
+    const std::string out = tmpl;
+    struct Unlink {
+      std::string p;
+      ~Unlink() { unlink(p.c_str()); }
+    } remove_after{out};
+    int pipefd[2];
+    SHMGRAD_SYSCHECK(pipe2(pipefd, O_CLOEXEC), "pipe2");
+    std::string bin = workerBinary();
+    std::vector<std::string> args = {bin, "describe", path, out};
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    const pid_t pid = static_cast<pid_t>(SHMGRAD_SYSCHECK(fork(), "fork"));
+    if (pid == 0) {
+      dup2(pipefd[1], STDERR_FILENO);
+      execv(argv[0], argv.data());
+      _exit(kExitExecFailed);
+    }
+    SHMGRAD_SYSCHECK(close(pipefd[1]), "close");
+    // Its messages, until it exits (it writes little: an error, a warning).
+    std::string text;
+    const uint64_t deadline =
+        ipc::monotonicNs() + static_cast<uint64_t>(opt_.startup_timeout_s * 1e9);
+    SHMGRAD_SYSCHECK(fcntl(pipefd[0], F_SETFL, O_NONBLOCK), "fcntl(O_NONBLOCK)");
+    int status = 0;
+    bool exited = false;
+    while (!exited) {
+      char buf[4096];
+      long n;
+      while ((n = read(pipefd[0], buf, sizeof(buf))) > 0) text.append(buf, static_cast<size_t>(n));
+      exited = SHMGRAD_SYSCHECK(waitpid(pid, &status, WNOHANG), "waitpid") == pid;
+      if (!exited && ipc::monotonicNs() > deadline) {
+        SHMGRAD_SYSCHECK_OK(kill(pid, SIGKILL), "kill", ESRCH);
+        SHMGRAD_SYSCHECK_OK(waitpid(pid, nullptr, 0), "waitpid", ECHILD);
+        close(pipefd[0]);
+        raise(ErrorKind::kTimeout, "describing the model ", path, " took more than ",
+              opt_.startup_timeout_s, " s (--startup-timeout)");
+      }
+      if (!exited) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    long n;
+    char buf[4096];
+    while ((n = read(pipefd[0], buf, sizeof(buf))) > 0) text.append(buf, static_cast<size_t>(n));
+    close(pipefd[0]);
+    while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return readModelFile(out);
+    if (WIFEXITED(status) && WEXITSTATUS(status) == kExitDescribeRejected) {
+      raise(ErrorKind::kInvalidArgument, text);
+    }
+    raise(ErrorKind::kWorkerFailed, "the worker program ", bin, " could not describe ", path, " (",
+          describeExit(status), ")", text.empty() ? "" : ": ", text);
+  }
+
   std::string workerBinary() const {
     if (!opt_.worker_binary.empty()) return opt_.worker_binary;
     char buf[PATH_MAX];
     const long n = SHMGRAD_SYSCHECK(readlink("/proc/self/exe", buf, sizeof(buf) - 1),
                                     "readlink(/proc/self/exe)");
     buf[n] = '\0';
-    return buf;
+    // The TorchScript worker is its own program, next to this one: the coordinator and
+    // the CLI link no libtorch.
+    std::string self = buf;
+    return self.substr(0, self.rfind('/') + 1) + "shmgrad-worker";
   }
 
   // fork + exec: the coordinator may already run libtorch's thread pools, so the child
@@ -266,9 +267,9 @@ class Coordinator {
     std::string slot_s = std::to_string(slot), parent_s = std::to_string(getpid());
     std::string threads_s = std::to_string(h()->threads_per_worker);
     std::vector<std::string> args =
-        eager() ? std::vector<std::string>{opt_.python, "-m", "shmgrad._eager_worker", opt_.name,
-                                           slot_s, parent_s}
-                : std::vector<std::string>{bin, "__worker", opt_.name, slot_s, parent_s};
+        eager() ? std::vector<std::string>{opt_.python, "-m",   "shmgrad._eager_worker",
+                                           opt_.name,   slot_s, parent_s}
+                : std::vector<std::string>{bin, "run", opt_.name, slot_s, parent_s};
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -336,10 +337,11 @@ class Coordinator {
   static void killWorker(pid_t pid) { SHMGRAD_SYSCHECK_OK(kill(pid, SIGKILL), "kill", ESRCH); }
 
   static std::string describeExit(int status) {
-    if (WIFSIGNALED(status)) return std::string("killed by signal ") + std::to_string(WTERMSIG(status));
+    if (WIFSIGNALED(status))
+      return std::string("killed by signal ") + std::to_string(WTERMSIG(status));
     if (WIFEXITED(status)) {
       const int code = WEXITSTATUS(status);
-      const char* meaning = code == worker::kExitStartupFailed ? " (start-up failed)"
+      const char* meaning = code == worker::kExitStartupFailed     ? " (start-up failed)"
                             : code == worker::kExitCoordinatorGone ? " (coordinator gone)"
                             : code == kExitExecFailed ? " (could not exec the worker binary)"
                                                       : "";
@@ -478,7 +480,11 @@ class Coordinator {
     if (opt_.owned_dir.empty()) return;
     if (DIR* d = opendir(opt_.owned_dir.c_str())) {
       while (dirent* ent = readdir(d)) {
-        if (ent->d_type == DT_REG) unlinkat(dirfd(d), ent->d_name, 0);
+        if (ent->d_type != DT_REG) continue;
+        if (unlinkat(dirfd(d), ent->d_name, 0) != 0 && errno != ENOENT) {
+          std::fprintf(stderr, "shmgrad: could not remove %s/%s: %s\n", opt_.owned_dir.c_str(),
+                       ent->d_name, detail::errnoText().c_str());
+        }
       }
       closedir(d);
     }
@@ -492,7 +498,8 @@ class Coordinator {
   // throws before the segment is gone: a failing system call is logged and the
   // shutdown goes on.
   void shutdown() {
-    c().engine_state.store(static_cast<uint32_t>(EngineState::kStopping), std::memory_order_release);
+    c().engine_state.store(static_cast<uint32_t>(EngineState::kStopping),
+                           std::memory_order_release);
     c().stop_requested.store(1);
     ipc::futexWake(&c().step_epoch);
     ipc::futexWake(&c().compute_barrier);
@@ -525,10 +532,18 @@ std::string jsonString(const std::string& text) {
   std::string out = "\"";
   for (unsigned char ch : text) {
     switch (ch) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\t': out += "\\t"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
       default:
         if (ch < 0x20) {
           char buf[8];

@@ -6,24 +6,26 @@
 #include <string>
 #include <vector>
 
+#include "ipc/config.h"
+
 namespace shmgrad::engine {
 
 struct ServeOptions {
   std::string name;
   std::string model_path;
-  uint32_t workers = 1;            // worker processes started
-  uint32_t max_workers = 0;        // gradient slots (resize limit); 0: same as workers
+  uint32_t workers = 1;      // worker processes started
+  uint32_t max_workers = 0;  // gradient slots (resize limit); 0: same as workers
   std::string loss = "cross_entropy";
-  std::string dataset;             // "" | fashion-mnist | npy:X.npy,Y.npy
-  uint32_t threads_per_worker = 1;
-  int64_t max_batch = 65536;       // examples per step
-  uint64_t input_capacity_mb = 64; // explicit-batch inputs
-  double startup_timeout_s = 120;  // all workers ready within this
+  std::string dataset;  // "" | fashion-mnist | npy:X.npy,Y.npy
+  uint32_t threads_per_worker = config::kDefaultThreadsPerWorker;
+  int64_t max_batch = config::kDefaultMaxBatch;                  // examples per step
+  uint64_t input_capacity_mb = config::kDefaultInputCapacityMb;  // explicit-batch inputs
+  double startup_timeout_s = config::kDefaultStartupTimeoutS;    // all workers ready within this
   // The worker program and the arguments that make it a worker; the slot number,
   // engine name and parent pid are appended. Default: this executable, "__worker".
   std::string worker_binary;
   bool quiet = false;
-  int status_fd = -1;              // >= 0: write the start-up report there (writeServeReport)
+  int status_fd = -1;  // >= 0: write the start-up report there (writeServeReport)
   // Eager workers: run `python -m shmgrad._eager_worker` on this pickled job (model, loss,
   // dataset, ...) instead of the TorchScript worker; model_path then holds the
   // parameters' holder the launcher wrote. eager_dataset_size: examples of the dataset the
@@ -31,7 +33,7 @@ struct ServeOptions {
   std::string eager_job;
   std::string python;
   int64_t eager_dataset_size = 0;
-  std::string owned_dir;           // removed (its plain files, then itself) when the engine stops
+  std::string owned_dir;  // removed (its plain files, then itself) when the engine stops
 };
 
 // Runs the engine until `shmgrad stop`, SIGTERM or SIGINT. Returns the exit code.

@@ -7,6 +7,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "ipc/config.h"
 #include "ipc/error.h"
 
 namespace shmgrad::engine {
@@ -69,7 +70,8 @@ Npy readNpy(const std::string& path) {
   SHMGRAD_CHECK(f.good(), ErrorKind::kNotFound, "cannot open .npy file '", path, "'");
   std::vector<uint8_t> buf((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
   SHMGRAD_CHECK(buf.size() >= 10 && std::memcmp(buf.data(), "\x93NUMPY", 6) == 0,
-                ErrorKind::kInvalidArgument, "'", path, "' is not a .npy file (save it with numpy.save)");
+                ErrorKind::kInvalidArgument, "'", path,
+                "' is not a .npy file (save it with numpy.save)");
   uint8_t major = buf[6];
   size_t hlen, hstart;
   if (major == 1) {
@@ -124,15 +126,29 @@ void convert(const Npy& a, const std::string& path, std::vector<T>* out) {
   char kind = t[1];
   for (uint64_t i = 0; i < n; ++i, p += width) {
     double v;
-    if (kind == 'f' && width == 4) { float x; std::memcpy(&x, p, 4); v = x; }
-    else if (kind == 'f' && width == 8) { std::memcpy(&v, p, 8); }
-    else if (kind == 'i' && width == 8) { int64_t x; std::memcpy(&x, p, 8); v = static_cast<double>(x); }
-    else if (kind == 'i' && width == 4) { int32_t x; std::memcpy(&x, p, 4); v = x; }
-    else if (kind == 'u' && width == 1) { v = *p; }
-    else if (kind == 'i' && width == 1) { v = static_cast<int8_t>(*p); }
-    else if (kind == 'b' && width == 1) { v = *p; }
-    else raise(ErrorKind::kInvalidArgument, "'", path, "' has dtype ", t,
-               "; use float32, float64, int64, int32, int8 or uint8");
+    if (kind == 'f' && width == 4) {
+      float x;
+      std::memcpy(&x, p, 4);
+      v = x;
+    } else if (kind == 'f' && width == 8) {
+      std::memcpy(&v, p, 8);
+    } else if (kind == 'i' && width == 8) {
+      int64_t x;
+      std::memcpy(&x, p, 8);
+      v = static_cast<double>(x);
+    } else if (kind == 'i' && width == 4) {
+      int32_t x;
+      std::memcpy(&x, p, 4);
+      v = x;
+    } else if (kind == 'u' && width == 1) {
+      v = *p;
+    } else if (kind == 'i' && width == 1) {
+      v = static_cast<int8_t>(*p);
+    } else if (kind == 'b' && width == 1) {
+      v = *p;
+    } else
+      raise(ErrorKind::kInvalidArgument, "'", path, "' has dtype ", t,
+            "; use float32, float64, int64, int32, int8 or uint8");
     (*out)[i] = static_cast<T>(v);
   }
 }
@@ -140,7 +156,7 @@ void convert(const Npy& a, const std::string& path, std::vector<T>* out) {
 }  // namespace
 
 std::string fashionMnistDir() {
-  const char* env = std::getenv("SHMGRAD_FASHION_MNIST_DIR");
+  const char* env = config::tunable("SHMGRAD_FASHION_MNIST_DIR");
   return env != nullptr && *env != '\0' ? env : "/usr/share/datasets/fashion-mnist";
 }
 

@@ -10,8 +10,10 @@
 #include <fstream>
 #include <thread>
 
+#include "ipc/config.h"
 #include "ipc/error.h"
 #include "ipc/futex.h"
+#include "ipc/reduce.h"
 #include "ipc/segment.h"
 #include "ipc/step.h"
 #include "worker/buffer_views.h"
@@ -31,9 +33,9 @@ constexpr auto kAwaitSlice = std::chrono::milliseconds(100);  // liveness checks
 // so a long step costs a spare core for no longer than this. SHMGRAD_SPIN_US overrides it
 // (0 disables spinning).
 constexpr uint64_t kDefaultSpinNs = 1000000;
-constexpr auto kIdlePoll = std::chrono::milliseconds(1);       // stale workers after an abort
-constexpr auto kNoWorkerPoll = std::chrono::milliseconds(5);   // every worker being replaced
-constexpr auto kAttachPoll = std::chrono::milliseconds(20);    // engine not serving yet
+constexpr auto kIdlePoll = std::chrono::milliseconds(1);      // stale workers after an abort
+constexpr auto kNoWorkerPoll = std::chrono::milliseconds(5);  // every worker being replaced
+constexpr auto kAttachPoll = std::chrono::milliseconds(20);   // engine not serving yet
 
 // Physical cores among the CPUs this process may run on: SMT siblings (hyperthreads)
 // count once, since a waiter spinning on a sibling slows the worker on the same core.
@@ -94,9 +96,8 @@ std::unique_ptr<Trainer> Trainer::attach(const std::string& name, const AttachOp
         break;
       }
       // Starting, or left by a dead coordinator (a new `serve` may be replacing it).
-      SHMGRAD_CHECK(alive || ipc::monotonicNs() < deadline, ErrorKind::kNotFound, "engine '",
-                    name, "' is not running: its coordinator (pid ",
-                    seg->header()->coordinator_pid,
+      SHMGRAD_CHECK(alive || ipc::monotonicNs() < deadline, ErrorKind::kNotFound, "engine '", name,
+                    "' is not running: its coordinator (pid ", seg->header()->coordinator_pid,
                     ") is gone; start it again with shmgrad serve (the stale segment is "
                     "removed then)");
       seg.reset();
@@ -131,7 +132,7 @@ Trainer::Trainer(std::string name, std::shared_ptr<ipc::Segment> seg, bool lease
   cores_ = physicalCores();
   spin_ns_ = kDefaultSpinNs;
   await_spin_ = std::make_unique<ipc::AdaptiveSpin>();
-  if (const char* env = std::getenv("SHMGRAD_SPIN_US")) {
+  if (const char* env = config::tunable("SHMGRAD_SPIN_US")) {
     char* end = nullptr;
     const double us = std::strtod(env, &end);
     SHMGRAD_CHECK(end != env && *end == '\0' && us >= 0 && us * 1000 <= ipc::kMaxSpinNs,
@@ -191,8 +192,9 @@ std::vector<torch::Tensor> Trainer::gradientViews() const {
 torch::Tensor Trainer::parameterBuffer() const {
   checkUsable();
   auto keep = seg_;
-  return torch::from_blob(seg_->params(), {static_cast<int64_t>(seg_->header()->param_floats)},
-                          [keep](void*) {}, torch::kFloat32);
+  return torch::from_blob(
+      seg_->params(), {static_cast<int64_t>(seg_->header()->param_floats)}, [keep](void*) {},
+      torch::kFloat32);
 }
 
 std::vector<std::pair<std::string, torch::Tensor>> Trainer::bufferViews() const {
@@ -204,8 +206,9 @@ std::vector<std::pair<std::string, torch::Tensor>> Trainer::bufferViews() const 
 torch::Tensor Trainer::gradientBuffer() const {
   checkUsable();
   auto keep = seg_;
-  return torch::from_blob(seg_->reduced(), {static_cast<int64_t>(seg_->header()->param_floats)},
-                          [keep](void*) {}, torch::kFloat32);
+  return torch::from_blob(
+      seg_->reduced(), {static_cast<int64_t>(seg_->header()->param_floats)}, [keep](void*) {},
+      torch::kFloat32);
 }
 
 int64_t Trainer::datasetSize() const { return segment().header()->data_count; }
@@ -274,7 +277,8 @@ GradientStats Trainer::gradient(const torch::Tensor& inputs, const torch::Tensor
   };
   SHMGRAD_CHECK(inputs.is_floating_point() || integral(inputs), ErrorKind::kInvalidArgument,
                 "inputs must be floating-point (sent as float32) or integer (sent as int64, e.g. "
-                "token ids), got ", inputs.scalar_type());
+                "token ids), got ",
+                inputs.scalar_type());
   SHMGRAD_CHECK(B <= h->max_batch, ErrorKind::kInvalidArgument, "batch of ", B,
                 " examples exceeds the engine's --max-batch ", h->max_batch);
   // Inputs keep their kind: float32 for floating point, int64 for integers.
@@ -300,8 +304,8 @@ GradientStats Trainer::gradient(const torch::Tensor& inputs, const torch::Tensor
   }
   const uint64_t in_bytes = static_cast<uint64_t>(x.numel()) * x.element_size();
   const uint64_t tg_bytes = static_cast<uint64_t>(y.numel()) * y.element_size();
-  SHMGRAD_CHECK(in_bytes <= h->req_inputs.size, ErrorKind::kInvalidArgument, "inputs of ",
-                in_bytes, " bytes exceed the engine's input capacity of ", h->req_inputs.size,
+  SHMGRAD_CHECK(in_bytes <= h->req_inputs.size, ErrorKind::kInvalidArgument, "inputs of ", in_bytes,
+                " bytes exceed the engine's input capacity of ", h->req_inputs.size,
                 " bytes; split the batch or restart with a larger --input-capacity-mb");
   SHMGRAD_CHECK(tg_bytes <= h->req_targets.size, ErrorKind::kInvalidArgument, "targets of ",
                 tg_bytes, " bytes exceed the engine's target capacity of ", h->req_targets.size);
@@ -403,13 +407,13 @@ uint32_t Trainer::publish(int64_t B, const GradientOptions& o, uint32_t kind,
   ipc::ControlBlock& c = h->control;
   ipc::StepRequest& r = h->request;
   uint32_t e = c.step_epoch.load() + 1;
-  if ((e & 0xffffu) == 0) ++e;  // keep barrier tags and "idle" (0) apart
+  if (ipc::barrierTagIsIdle(e)) ++e;  // keep barrier tags and "idle" (0) apart
   r.epoch = e;
   r.kind = kind;
   r.num_examples = B;
   r.num_participants = p.n;
   r.reduction_scale_is_mean = o.mean ? 1 : 0;
-  r.scale = o.mean ? static_cast<float>(1.0 / static_cast<double>(B)) : 1.0f;
+  r.scale = o.mean ? ipc::meanScale(B) : 1.0f;
   r.max_examples_per_pass = o.max_examples_per_pass;
   r.seed = o.seed;
   r.train_mode = o.train ? 1 : 0;
@@ -425,7 +429,8 @@ uint32_t Trainer::publish(int64_t B, const GradientOptions& o, uint32_t kind,
   // spinning waiter would take a core from a worker, and the trainer sleeps. At the
   // barriers it is the participants' threads alone, as the trainer then either spins
   // (every process fits) or sleeps.
-  const uint64_t threads = static_cast<uint64_t>(p.n) * std::max<uint32_t>(1, h->threads_per_worker);
+  const uint64_t threads =
+      static_cast<uint64_t>(p.n) * std::max<uint32_t>(1, h->threads_per_worker);
   r.spin_ns = threads + 1 <= cores_ ? spin_ns_ : 0;
   r.barrier_spin_ns = threads <= cores_ ? spin_ns_ : 0;
   r.publish_ns = ipc::monotonicNs();
@@ -486,8 +491,8 @@ void Trainer::collect(uint32_t e, const Participants& p, int64_t B, const Gradie
       std::string type(w.error_type, strnlen(w.error_type, ipc::kErrorTypeLen));
       std::string text(w.error_text, strnlen(w.error_text, ipc::kErrorLen));
       std::ostringstream os;
-      os << "worker " << int(p.slots[k]) << " could not compute its shard: "
-         << (type.empty() ? "" : type + ": ") << text;
+      os << "worker " << int(p.slots[k])
+         << " could not compute its shard: " << (type.empty() ? "" : type + ": ") << text;
       throw Error(ErrorKind::kWorkerFailed, os.str(), p.slots[k], type);
     }
     WorkerStepStats ws;

@@ -20,12 +20,15 @@
 #include <string>
 #include <vector>
 
+#include "ipc/layout.h"
+#include "ipc/record.h"
+
 namespace shmgrad {
 
 namespace ipc {
 class Segment;
 class AdaptiveSpin;
-}
+}  // namespace ipc
 
 struct AttachOptions {
   double timeout_seconds = 30;  // wait this long for the engine to exist and serve
@@ -33,44 +36,52 @@ struct AttachOptions {
 };
 
 struct GradientOptions {
-  bool mean = false;                   // reduced gradient of the mean instead of the sum
-  double timeout_seconds = 600;        // the whole call, retries included
-  int max_retries = 3;                 // re-runs of a step that lost a worker
-  int64_t min_examples_per_worker = 1; // fewer workers take part in a small batch
-  int64_t max_examples_per_pass = 0;   // >0: workers process their shard in passes
-  bool raise_on_nonfinite = false;     // NaN/inf loss or gradient raises NonFinite
+  bool mean = false;                    // reduced gradient of the mean instead of the sum
+  double timeout_seconds = 600;         // the whole call, retries included
+  int max_retries = 3;                  // re-runs of a step that lost a worker
+  int64_t min_examples_per_worker = 1;  // fewer workers take part in a small batch
+  int64_t max_examples_per_pass = 0;    // >0: workers process their shard in passes
+  bool raise_on_nonfinite = false;      // NaN/inf loss or gradient raises NonFinite
   // Eager workers: the step's seed (each example i is drawn after seeding with
   // example_seed(seed, i)) and whether the model runs in train mode.
   uint64_t seed = 0;
   bool train = true;
 };
 
+// A gradient call's statistics, each record written once (ipc/record.h): the structs,
+// their Python binding and shmgrad.GradientStats come from these lists.
+
+// One participant of a step.
+#define SHMGRAD_WORKER_STEP_STATS_FIELDS(X)                              \
+  X(int, slot, "")                                                       \
+  X(int64_t, examples, "")                                               \
+  X(double, loss_sum, "")                                                \
+  X(double, compute_seconds, "forward + backward")                       \
+  X(double, reduce_seconds, "its slice of the reduction")                \
+  X(double, wait_seconds, "waiting for the other workers after compute") \
+  X(bool, nonfinite_loss, "")                                            \
+  X(bool, nonfinite_grad, "")
 struct WorkerStepStats {
-  int slot = 0;
-  int64_t examples = 0;
-  double loss_sum = 0;
-  double compute_seconds = 0;  // forward + backward
-  double reduce_seconds = 0;   // its slice of the reduction
-  double wait_seconds = 0;     // waiting for the other workers after compute
-  bool nonfinite_loss = false;
-  bool nonfinite_grad = false;
+  SHMGRAD_WORKER_STEP_STATS_FIELDS(SHMGRAD_DECLARE_FIELD)
 };
 
+// Where the wall time went, for accounting the fixed cost of a step (CLOCK_MONOTONIC,
+// comparable across processes): wall = prepare + step + finish.
+#define SHMGRAD_GRADIENT_STATS_FIELDS(X)                                                \
+  X(int64_t, num_examples, "")                                                          \
+  X(double, loss_sum, "")                                                               \
+  X(double, loss, "loss_sum, or loss_sum / num_examples with mean")                     \
+  X(double, wall_seconds, "this call, entry to return")                                 \
+  X(double, prepare_seconds, "entry to publish: checks, batch copy, stale workers")     \
+  X(double, step_seconds, "publish to the last reducer's done")                         \
+  X(double, wake_seconds, "publish to the last participant starting (wake-up latency)") \
+  X(double, finish_seconds, "done to return: the trainer's wake-up and collect")        \
+  X(double, reduce_seconds, "the slowest worker's slice of the reduction")              \
+  X(int, retries, "re-runs after a worker died")                                        \
+  X(bool, nonfinite, "NaN or infinity somewhere (see workers)")                         \
+  X(std::vector<::shmgrad::WorkerStepStats>, workers, "the workers that took part, in rank order")
 struct GradientStats {
-  int64_t num_examples = 0;
-  double loss_sum = 0;
-  double loss = 0;             // loss_sum, or loss_sum / num_examples with mean
-  double wall_seconds = 0;     // this call, entry to return
-  // Where the wall time went, for accounting the fixed cost of a step (CLOCK_MONOTONIC,
-  // comparable across processes): wall = prepare + step + finish.
-  double prepare_seconds = 0;  // entry to publish: checks, batch copy, stale workers
-  double step_seconds = 0;     // publish to the last reducer's done
-  double wake_seconds = 0;     // publish to the last participant starting (wake-up latency)
-  double finish_seconds = 0;   // done to return: the trainer's wake-up and collect
-  double reduce_seconds = 0;   // slowest worker's slice of the reduction
-  int retries = 0;             // re-runs after a worker died
-  bool nonfinite = false;      // NaN or infinity somewhere (see workers)
-  std::vector<WorkerStepStats> workers;  // the workers that took part, in rank order
+  SHMGRAD_GRADIENT_STATS_FIELDS(SHMGRAD_DECLARE_FIELD)
 };
 
 struct ParamInfo {
@@ -84,7 +95,8 @@ class Trainer {
   // Attaches to engine `name`, waiting up to options.timeout_seconds for it to serve.
   // Throws Error(kNotFound) if it never appears, Error(kBusy) naming the holder's pid
   // if another live trainer holds it.
-  static std::unique_ptr<Trainer> attach(const std::string& name, const AttachOptions& options = {});
+  static std::unique_ptr<Trainer> attach(const std::string& name,
+                                         const AttachOptions& options = {});
   ~Trainer();
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;
@@ -134,8 +146,8 @@ class Trainer {
   // participants, publishes, awaits, and collects, or aborts (ipc::abortStep) and retries.
   struct Participants {
     uint32_t n = 0;
-    uint8_t slots[64];   // ipc::kMaxWorkers, rank order
-    int32_t pids[64];    // their pids when picked: a change means the worker was lost
+    uint8_t slots[ipc::kMaxWorkers];  // rank order
+    int32_t pids[ipc::kMaxWorkers];   // their pids when picked: a change means the worker was lost
   };
   enum class Outcome { kDone, kLostWorker, kTimedOut, kEngineGone };
   GradientStats run(int64_t batch, const GradientOptions& options, uint32_t kind, uint64_t start,
@@ -157,9 +169,9 @@ class Trainer {
   std::string name_;
   std::shared_ptr<ipc::Segment> seg_;
   bool lease_;
-  bool dirty_ = true;  // a previous step may have left stale workers running
-  uint32_t cores_ = 1;     // CPUs this process may run on (sched_getaffinity)
-  uint64_t spin_ns_ = 0;   // spin budget for steps whose processes all have a core
+  bool dirty_ = true;     // a previous step may have left stale workers running
+  uint32_t cores_ = 1;    // CPUs this process may run on (sched_getaffinity)
+  uint64_t spin_ns_ = 0;  // spin budget for steps whose processes all have a core
   std::unique_ptr<ipc::AdaptiveSpin> await_spin_;  // how long spinning for a step's end pays
   std::vector<ParamInfo> params_;
 };

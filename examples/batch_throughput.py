@@ -26,24 +26,40 @@ from fashion_mnist import FashionCNN  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--batch-sizes", default="128,256,512,1024")
-    ap.add_argument("--passes", default="32,128,0",
-                    help="max_examples_per_pass values to try (0: one pass per shard)")
+    ap.add_argument(
+        "--passes",
+        default="32,128,0",
+        help="max_examples_per_pass values to try (0: one pass per shard)",
+    )
     ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--examples", type=int, default=4096, help="examples per configuration per round")
+    ap.add_argument(
+        "--examples", type=int, default=4096, help="examples per configuration per round"
+    )
     args = ap.parse_args()
 
-    configs = [(b, p) for b in map(int, args.batch_sizes.split(","))
-               for p in map(int, args.passes.split(",")) if p == 0 or p < b]
+    configs = [
+        (b, p)
+        for b in map(int, args.batch_sizes.split(","))
+        for p in map(int, args.passes.split(","))
+        if p == 0 or p < b
+    ]
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = FashionCNN()
     rates = {c: [] for c in configs}
     parts = {c: {"compute": [], "engine": [], "trainer": [], "step": []} for c in configs}
-    with shmgrad.Engine(model=model, workers=args.workers, loss="cross_entropy",
-                        dataset="fashion-mnist", min_examples_per_worker=4) as engine:
+    with shmgrad.Engine(
+        model=model,
+        workers=args.workers,
+        loss="cross_entropy",
+        dataset="fashion-mnist",
+        min_examples_per_worker=4,
+    ) as engine:
         engine.bind(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         n = engine.dataset_size
@@ -57,8 +73,9 @@ def main():
                     if pos + bs > n:
                         pos = 0
                     t_call = time.perf_counter()
-                    st = engine.gradient(perm[pos:pos + bs], reduction="mean",
-                                         max_examples_per_pass=per_pass)
+                    st = engine.gradient(
+                        perm[pos : pos + bs], reduction="mean", max_examples_per_pass=per_pass
+                    )
                     t_step = time.perf_counter()
                     opt.step()
                     t_end = time.perf_counter()
@@ -71,12 +88,19 @@ def main():
                     pos += bs
                     done += bs
                 rates[(bs, per_pass)].append(done / (time.perf_counter() - t0))
-    print(f"Fashion-MNIST CNN, {args.workers} workers, {args.rounds} rounds of {args.examples} examples:")
+    print(
+        f"Fashion-MNIST CNN, {args.workers} workers, {args.rounds} rounds of "
+        f"{args.examples} examples:"
+    )
     for (bs, per_pass), v in rates.items():
-        print(f"  batch {bs:5d}, max_examples_per_pass {per_pass or 'off':>4}: median "
-              f"{statistics.median(v):7.0f} examples/s (min {min(v):.0f}, max {max(v):.0f}); "
-              + ", ".join(f"{k} {statistics.median(t) * 1e3:.3f}" for k, t in parts[(bs, per_pass)].items())
-              + " ms a step")
+        print(
+            f"  batch {bs:5d}, max_examples_per_pass {per_pass or 'off':>4}: median "
+            f"{statistics.median(v):7.0f} examples/s (min {min(v):.0f}, max {max(v):.0f}); "
+            + ", ".join(
+                f"{k} {statistics.median(t) * 1e3:.3f}" for k, t in parts[(bs, per_pass)].items()
+            )
+            + " ms a step"
+        )
 
 
 if __name__ == "__main__":

@@ -19,12 +19,12 @@ namespace shmgrad::ipc {
 inline uint32_t arriveBarrier(std::atomic<uint32_t>& barrier, uint32_t epoch) {
   uint32_t v = barrier.load(std::memory_order_acquire);
   for (;;) {
-    if ((v & 0xffff0000u) != barrierTag(epoch)) return 0;
+    if ((v & kBarrierTagMask) != barrierTag(epoch)) return 0;
     // acq_rel: this participant's writes (its slot, its slice) happen before the
     // reads of whoever sees the completed count.
     if (barrier.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel,
                                       std::memory_order_acquire)) {
-      return (v & 0xffffu) + 1;
+      return (v & kBarrierCountMask) + 1;
     }
   }
 }
@@ -44,15 +44,16 @@ bool barrierWait(std::atomic<uint32_t>& barrier, uint32_t epoch, uint32_t n,
   }
   auto complete = [&] {
     uint32_t v = barrier.load(std::memory_order_acquire);
-    return (v & 0xffff0000u) == barrierTag(epoch) && (v & 0xffffu) >= n;
+    return (v & kBarrierTagMask) == barrierTag(epoch) && (v & kBarrierCountMask) >= n;
   };
   auto aborted = [&] {
     uint32_t v = barrier.load(std::memory_order_acquire);
-    return (v & 0xffff0000u) != barrierTag(epoch) ||
+    return (v & kBarrierTagMask) != barrierTag(epoch) ||
            abort_epoch.load(std::memory_order_acquire) == epoch;
   };
-  waitUntil(&barrier, [&] { return complete() || aborted(); }, poll, deadline_ns,
-            std::chrono::milliseconds(200), spin_ns, adapt);
+  waitUntil(
+      &barrier, [&] { return complete() || aborted(); }, poll, deadline_ns,
+      std::chrono::milliseconds(200), spin_ns, adapt);
   return complete() && abort_epoch.load(std::memory_order_acquire) != epoch;
 }
 

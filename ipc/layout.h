@@ -31,28 +31,28 @@ namespace shmgrad::ipc {
 
 constexpr uint64_t kMagic = 0x31444152474d4853ull;  // "SHMGRAD1", little endian
 constexpr uint32_t kLayoutVersion = 6;
-constexpr uint64_t kAlign = 64;            // every region and tensor starts on a cache line
+constexpr uint64_t kAlign = 64;  // every region and tensor starts on a cache line
 constexpr uint32_t kAlignFloats = kAlign / sizeof(float);
-constexpr uint32_t kMaxWorkers = 64;       // gradient slots in one segment, at most
+constexpr uint32_t kMaxWorkers = 64;            // gradient slots in one segment, at most
 constexpr uint32_t kMaxThreadsPerWorker = 256;  // intra-op threads of one worker, at most
-constexpr uint32_t kMaxParams = 1024;      // parameter tensors in one model, at most
-constexpr uint32_t kMaxBuffers = 1024;     // shared buffer tensors (BatchNorm statistics), at most
-constexpr uint32_t kMaxDims = 8;           // dimensions of a tensor, at most
-constexpr uint32_t kNameLen = 128;         // parameter name, NUL-terminated
-constexpr uint32_t kErrorLen = 8192;       // a worker's error message (with traceback), NUL-terminated
-constexpr uint32_t kErrorTypeLen = 128;    // the error's type name ("TypeError"), NUL-terminated
-constexpr uint32_t kPathLen = 512;         // model path, NUL-terminated
-constexpr uint32_t kStatsRing = 16;        // last steps kept for `shmgrad status`
-constexpr uint32_t kDeviceReserved = 8192; // bytes kept for CUDA IPC handles
+constexpr uint32_t kMaxParams = 1024;           // parameter tensors in one model, at most
+constexpr uint32_t kMaxBuffers = 1024;  // shared buffer tensors (BatchNorm statistics), at most
+constexpr uint32_t kMaxDims = 8;        // dimensions of a tensor, at most
+constexpr uint32_t kNameLen = 128;      // parameter name, NUL-terminated
+constexpr uint32_t kErrorLen = 8192;    // a worker's error message (with traceback), NUL-terminated
+constexpr uint32_t kErrorTypeLen = 128;     // the error's type name ("TypeError"), NUL-terminated
+constexpr uint32_t kPathLen = 512;          // model path, NUL-terminated
+constexpr uint32_t kStatsRing = 16;         // last steps kept for `shmgrad status`
+constexpr uint32_t kDeviceReserved = 8192;  // bytes kept for CUDA IPC handles
 
 // Limits on what a header, a spec or a step request may say. One definition each:
 // creation (segment.cc), validation (validateHeader) and the worker's per-step checks
 // (worker/step_protocol.cc) all use these.
-constexpr int64_t kMaxBatch = int64_t{1} << 36;      // examples in one step / in a dataset
-constexpr int64_t kMaxDimSize = int64_t{1} << 40;    // one dimension of a shape
-constexpr uint64_t kMaxNumel = uint64_t{1} << 40;    // elements of one tensor or example
+constexpr int64_t kMaxBatch = int64_t{1} << 36;          // examples in one step / in a dataset
+constexpr int64_t kMaxDimSize = int64_t{1} << 40;        // one dimension of a shape
+constexpr uint64_t kMaxNumel = uint64_t{1} << 40;        // elements of one tensor or example
 constexpr uint64_t kMaxParamFloats = uint64_t{1} << 40;  // floats in the parameter buffer
-constexpr uint64_t kMaxSpinNs = 10000000;            // a request's spin_ns, at most (10 ms)
+constexpr uint64_t kMaxSpinNs = 10000000;                // a request's spin_ns, at most (10 ms)
 
 // Enumerations stored in the segment, each with its names right below it. A value read
 // from shared memory is checked with the *Valid() helper before it is used as an index.
@@ -65,10 +65,16 @@ enum class DType : uint32_t { kNone = 0, kFloat32 = 1, kInt64 = 2 };
 enum class EngineState : uint32_t { kStarting = 0, kServing = 1, kStopping = 2, kFailed = 3 };
 constexpr const char* kEngineStateNames[] = {"starting", "serving", "stopping", "failed"};
 
-enum class WorkerState : uint32_t { kEmpty = 0, kStarting = 1, kReady = 2, kDead = 3, kExited = 4, kRetired = 5 };
-constexpr const char* kWorkerStateNames[] = {"empty", "starting", "ready", "dead", "exited", "retired"};
-
-
+enum class WorkerState : uint32_t {
+  kEmpty = 0,
+  kStarting = 1,
+  kReady = 2,
+  kDead = 3,
+  kExited = 4,
+  kRetired = 5
+};
+constexpr const char* kWorkerStateNames[] = {"empty", "starting", "ready",
+                                             "dead",  "exited",   "retired"};
 
 template <typename T, size_t N>
 constexpr const char* enumName(const char* const (&names)[N], T v) {
@@ -81,7 +87,9 @@ inline const char* workerStateName(WorkerState v) { return enumName(kWorkerState
 inline bool lossKindValid(uint32_t v) { return v >= 1 && v <= kNumLossKinds; }
 // Bytes per element of a dtype read from shared memory; 0 for one no region may hold.
 inline uint64_t dtypeSize(uint32_t v) {
-  return v == static_cast<uint32_t>(DType::kFloat32) ? 4 : v == static_cast<uint32_t>(DType::kInt64) ? 8 : 0;
+  return v == static_cast<uint32_t>(DType::kFloat32) ? 4
+         : v == static_cast<uint32_t>(DType::kInt64) ? 8
+                                                     : 0;
 }
 inline uint64_t dtypeSize(DType v) { return dtypeSize(static_cast<uint32_t>(v)); }
 
@@ -109,10 +117,10 @@ struct Shape {
 
 // One parameter tensor of the model, in the order of named_parameters().
 struct ParamEntry {
-  char name[kNameLen];   // dotted path ("fc1.weight"), NUL-terminated
-  Shape shape;           // shape; numel = product of dims
-  uint64_t offset;       // in floats from the start of params/slot/reduced; multiple of kAlignFloats
-  uint64_t numel;        // offset + numel <= header.param_floats
+  char name[kNameLen];  // dotted path ("fc1.weight"), NUL-terminated
+  Shape shape;          // shape; numel = product of dims
+  uint64_t offset;      // in floats from the start of params/slot/reduced; multiple of kAlignFloats
+  uint64_t numel;       // offset + numel <= header.param_floats
 };
 
 // One buffer tensor of the model (BatchNorm's running statistics, ...), shared so that
@@ -121,61 +129,66 @@ struct ParamEntry {
 // own into the region after the compute barrier; every participant loads them into its
 // module before computing).
 struct BufferEntry {
-  char name[kNameLen];   // dotted path ("bn1.running_mean"), NUL-terminated
+  char name[kNameLen];  // dotted path ("bn1.running_mean"), NUL-terminated
   Shape shape;
-  uint32_t dtype;        // DType: kFloat32 or kInt64
+  uint32_t dtype;  // DType: kFloat32 or kInt64
   uint32_t reserved;
-  uint64_t offset;       // in bytes from the start of the buffers region; multiple of kAlign
-  uint64_t nbytes;       // numel * element size; offset + nbytes <= buffers.size
+  uint64_t offset;  // in bytes from the start of the buffers region; multiple of kAlign
+  uint64_t nbytes;  // numel * element size; offset + nbytes <= buffers.size
 };
 
 // Epoch-tagged barrier word: the high 16 bits carry the low 16 bits of the step
 // epoch, the low 16 bits count arrivals. The trainer resets it to tag(epoch) when it
 // publishes a step, so an arrival from a stale (aborted) step never counts.
-inline uint32_t barrierTag(uint32_t epoch) { return (epoch & 0xffffu) << 16; }
+constexpr uint32_t kBarrierCountMask = 0xffffu;           // the arrivals
+constexpr uint32_t kBarrierTagMask = ~kBarrierCountMask;  // the epoch's tag
+inline uint32_t barrierTag(uint32_t epoch) { return (epoch & kBarrierCountMask) << 16; }
+// An epoch whose tag would be 0, the "idle" barrier word: the trainer skips it.
+inline bool barrierTagIsIdle(uint32_t epoch) { return (epoch & kBarrierCountMask) == 0; }
 
 // Per-worker record: written by that worker (results, state) and by the coordinator
 // (pid, state on death). Padded to whole cache lines.
 struct alignas(64) WorkerRecord {
-  std::atomic<int32_t> pid;           // process id, 0 when the slot has no process
-  std::atomic<uint32_t> state;        // WorkerState
+  std::atomic<int32_t> pid;              // process id, 0 when the slot has no process
+  std::atomic<uint32_t> state;           // WorkerState
   std::atomic<uint32_t> assigned_epoch;  // trainer: epoch this worker takes part in
   std::atomic<uint32_t> assigned_rank;   // trainer: its rank among the participants
-  std::atomic<uint32_t> busy_epoch;   // worker: epoch it is working on, 0 when idle
-  std::atomic<uint32_t> restarts;     // coordinator: replacements of this slot
-  std::atomic<uint64_t> heartbeat_ns; // worker: CLOCK_MONOTONIC at its last loop turn
+  std::atomic<uint32_t> busy_epoch;      // worker: epoch it is working on, 0 when idle
+  std::atomic<uint32_t> restarts;        // coordinator: replacements of this slot
+  std::atomic<uint64_t> heartbeat_ns;    // worker: CLOCK_MONOTONIC at its last loop turn
   // Result of the step in result_epoch, written by the worker before it arrives at
   // the compute barrier (compute part) and at the reduce barrier (reduce_ns).
   uint32_t result_epoch;
-  uint32_t error;                     // 1: error_type and error_text say why this shard failed
-  uint64_t start_ns;                  // CLOCK_MONOTONIC when it saw the step (wake-up latency)
-  int64_t examples;                   // examples in this worker's shard
-  double loss_sum;                    // sum of the loss over the shard
-  uint64_t compute_ns;                // forward + backward
-  uint64_t reduce_ns;                 // its slice of the reduction
-  uint64_t barrier_wait_ns;           // time spent waiting for the others
-  uint32_t nonfinite_loss;            // 1 when loss_sum is NaN or infinite
-  std::atomic<uint32_t> nonfinite_grad;  // 1 when its slot holds a NaN or infinity (set by reducers)
-  char error_type[kErrorTypeLen];     // the exception's type ("TypeError"), "" if none
-  char error_text[kErrorLen];         // its message and, from Python, the traceback's last frames
+  uint32_t error;            // 1: error_type and error_text say why this shard failed
+  uint64_t start_ns;         // CLOCK_MONOTONIC when it saw the step (wake-up latency)
+  int64_t examples;          // examples in this worker's shard
+  double loss_sum;           // sum of the loss over the shard
+  uint64_t compute_ns;       // forward + backward
+  uint64_t reduce_ns;        // its slice of the reduction
+  uint64_t barrier_wait_ns;  // time spent waiting for the others
+  uint32_t nonfinite_loss;   // 1 when loss_sum is NaN or infinite
+  std::atomic<uint32_t>
+      nonfinite_grad;              // 1 when its slot holds a NaN or infinity (set by reducers)
+  char error_type[kErrorTypeLen];  // the exception's type ("TypeError"), "" if none
+  char error_text[kErrorLen];      // its message and, from Python, the traceback's last frames
 };
 
 // The step request. Written only by the lease-holding trainer, and only while no
 // worker takes part in a step (after done or abort of the previous one).
 struct StepRequest {
-  uint32_t epoch;             // the epoch this request belongs to
-  uint32_t kind;              // BatchKind
-  int64_t num_examples;       // batch size B >= 1
-  uint32_t num_participants;  // workers taking part, 1..num_slots
+  uint32_t epoch;                    // the epoch this request belongs to
+  uint32_t kind;                     // BatchKind
+  int64_t num_examples;              // batch size B >= 1
+  uint32_t num_participants;         // workers taking part, 1..num_slots
   uint32_t reduction_scale_is_mean;  // 1: reduced = sum / B
-  float scale;                // factor applied while reducing (1 or 1/B)
-  uint32_t input_dtype;       // explicit: DType of inputs (float32; int64 for eager workers)
-  Shape example_shape;        // explicit: shape of one input example
-  uint32_t target_dtype;      // explicit: DType of targets
+  float scale;                       // factor applied while reducing (1 or 1/B)
+  uint32_t input_dtype;              // explicit: DType of inputs (float32; int64 for eager workers)
+  Shape example_shape;               // explicit: shape of one input example
+  uint32_t target_dtype;             // explicit: DType of targets
   uint32_t reserved0;
-  Shape target_shape;         // explicit: shape of one target (ndim 0 for class labels)
+  Shape target_shape;             // explicit: shape of one target (ndim 0 for class labels)
   int64_t max_examples_per_pass;  // >0: a worker splits its shard into passes
-  uint64_t publish_ns;        // CLOCK_MONOTONIC when published (for wall time)
+  uint64_t publish_ns;            // CLOCK_MONOTONIC when published (for wall time)
   // How long a participant may spin (pause loop, no system call) before it sleeps on a
   // futex, after this step, waiting for the next one. The trainer sets it only when
   // every process of the step has a core of its own (participants x threads + the
@@ -209,18 +222,18 @@ struct StepRecord {
 
 struct alignas(64) ControlBlock {
   // Futex words each get a cache line: they are hammered by different processes.
-  alignas(64) std::atomic<uint32_t> step_epoch;      // trainer publishes a step; workers wait
-  alignas(64) std::atomic<uint32_t> compute_barrier; // tag | arrivals after backward
-  alignas(64) std::atomic<uint32_t> reduce_barrier;  // tag | arrivals after the reduction
-  alignas(64) std::atomic<uint32_t> trainer_wake;    // bumped on done/abort; trainer waits
-  std::atomic<uint32_t> done_epoch;                  // last reducer: step finished
-  uint64_t done_ns;                                  // CLOCK_MONOTONIC of the last done_epoch store
-  std::atomic<uint32_t> abort_epoch;                 // coordinator: step lost a worker
+  alignas(64) std::atomic<uint32_t> step_epoch;       // trainer publishes a step; workers wait
+  alignas(64) std::atomic<uint32_t> compute_barrier;  // tag | arrivals after backward
+  alignas(64) std::atomic<uint32_t> reduce_barrier;   // tag | arrivals after the reduction
+  alignas(64) std::atomic<uint32_t> trainer_wake;     // bumped on done/abort; trainer waits
+  std::atomic<uint32_t> done_epoch;                   // last reducer: step finished
+  uint64_t done_ns;                   // CLOCK_MONOTONIC of the last done_epoch store
+  std::atomic<uint32_t> abort_epoch;  // coordinator: step lost a worker
   alignas(64) std::atomic<uint32_t> coordinator_wake;  // bumped on stop/resize requests
   std::atomic<uint32_t> stop_requested;
-  std::atomic<uint32_t> engine_state;                // EngineState
-  std::atomic<uint32_t> target_workers;              // resize request (issue: adaptive)
-  alignas(64) std::atomic<int32_t> trainer_pid;      // the lease: 0 free, else holder
+  std::atomic<uint32_t> engine_state;            // EngineState
+  std::atomic<uint32_t> target_workers;          // resize request (issue: adaptive)
+  alignas(64) std::atomic<int32_t> trainer_pid;  // the lease: 0 free, else holder
   std::atomic<uint64_t> steps_served;
   std::atomic<uint64_t> steps_aborted;
   std::atomic<uint64_t> worker_restarts;
@@ -229,43 +242,43 @@ struct alignas(64) ControlBlock {
 
 struct alignas(64) SegmentHeader {
   // Identity, checked first on attach.
-  uint64_t magic;            // kMagic
-  uint32_t layout_version;   // kLayoutVersion
-  uint32_t header_size;      // sizeof(SegmentHeader)
-  uint64_t total_size;       // bytes of the whole segment == mapped size
-  uint32_t owner_uid;        // uid of the coordinator
+  uint64_t magic;           // kMagic
+  uint32_t layout_version;  // kLayoutVersion
+  uint32_t header_size;     // sizeof(SegmentHeader)
+  uint64_t total_size;      // bytes of the whole segment == mapped size
+  uint32_t owner_uid;       // uid of the coordinator
   int32_t coordinator_pid;
-  uint64_t created_ns;       // CLOCK_REALTIME at creation
+  uint64_t created_ns;        // CLOCK_REALTIME at creation
   char model_path[kPathLen];  // TorchScript model (script), or its parameters' holder (eager)
-  char job_path[kPathLen];    // eager: the pickled job (model, loss, dataset, ...), else 
-  uint32_t loss;             // LossKind
-  uint32_t num_slots;        // gradient slots = most workers, <= kMaxWorkers
-  uint32_t num_params;       // <= kMaxParams
+  char job_path[kPathLen];    // eager: the pickled job (model, loss, dataset, ...), else
+  uint32_t loss;              // LossKind
+  uint32_t num_slots;         // gradient slots = most workers, <= kMaxWorkers
+  uint32_t num_params;        // <= kMaxParams
   uint32_t threads_per_worker;
-  uint64_t param_floats;     // floats in params, in each slot and in reduced (padded)
-  int64_t max_batch;         // capacity of req_indices, in examples
+  uint64_t param_floats;  // floats in params, in each slot and in reduced (padded)
+  int64_t max_batch;      // capacity of req_indices, in examples
   // Regions (offsets and sizes in bytes).
-  Region params_table;       // ParamEntry[num_params]
-  uint32_t num_buffers;      // <= kMaxBuffers (0: the model has none)
+  Region params_table;   // ParamEntry[num_params]
+  uint32_t num_buffers;  // <= kMaxBuffers (0: the model has none)
   uint32_t reserved3;
-  Region buffers_table;      // BufferEntry[num_buffers]
-  Region buffers;            // the shared buffers' bytes
-  Region params;             // param_floats floats
-  Region slots;              // num_slots * slot_stride bytes
-  uint64_t slot_stride;      // bytes between slots, >= param_floats*4, multiple of kAlign
-  Region reduced;            // param_floats floats
-  Region req_indices;        // int64[max_batch]
-  Region req_inputs;         // inputs of an explicit batch (input_dtype)
-  Region req_targets;        // targets of an explicit batch
-  Region data_inputs;        // dataset inputs (float32), size 0 without dataset
-  Region data_targets;       // dataset targets (DType data_target_dtype)
-  Region device;             // kDeviceReserved bytes for CUDA IPC handles
+  Region buffers_table;  // BufferEntry[num_buffers]
+  Region buffers;        // the shared buffers' bytes
+  Region params;         // param_floats floats
+  Region slots;          // num_slots * slot_stride bytes
+  uint64_t slot_stride;  // bytes between slots, >= param_floats*4, multiple of kAlign
+  Region reduced;        // param_floats floats
+  Region req_indices;    // int64[max_batch]
+  Region req_inputs;     // inputs of an explicit batch (input_dtype)
+  Region req_targets;    // targets of an explicit batch
+  Region data_inputs;    // dataset inputs (float32), size 0 without dataset
+  Region data_targets;   // dataset targets (DType data_target_dtype)
+  Region device;         // kDeviceReserved bytes for CUDA IPC handles
   // Dataset description (valid when data_count > 0).
-  int64_t data_count;        // examples
-  Shape data_example_shape;  // shape of one input
+  int64_t data_count;          // examples
+  Shape data_example_shape;    // shape of one input
   uint32_t data_target_dtype;  // DType
-  uint32_t worker_kind;      // WorkerKind
-  Shape data_target_shape;   // shape of one target (ndim 0: a class label)
+  uint32_t worker_kind;        // WorkerKind
+  Shape data_target_shape;     // shape of one target (ndim 0: a class label)
   char data_description[128];
   ControlBlock control;
   StepRequest request;

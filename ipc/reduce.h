@@ -1,4 +1,5 @@
-// The in-place reduction of gradient slots: each worker sums one slice of every
+// How a step's work is split: the shards of a batch, and the in-place reduction of the
+// gradient slots, in which each worker sums one slice of every
 // participating slot into the reduced buffer.
 #pragma once
 
@@ -10,6 +11,21 @@ namespace shmgrad::ipc {
 // Slice edges are multiples of 16 floats (one cache line), so no two workers write
 // the same line of the reduced buffer.
 void sliceBounds(uint64_t total, uint32_t parts, uint32_t rank, uint64_t* begin, uint64_t* end);
+
+// The shard [begin, end) of a batch of `total` examples that rank `rank` of `parts`
+// computes: contiguous, sizes differing by at most one. Workers split a step's batch by
+// it, and nodes their global batch (shmgrad.multinode.shard).
+inline void shardBounds(int64_t total, uint32_t parts, uint32_t rank, int64_t* begin,
+                        int64_t* end) {
+  *begin = total * rank / parts;
+  *end = total * (rank + 1) / parts;
+}
+
+// The factor that turns a sum over `count` examples into their mean, as the gradient
+// (float32) is scaled: by the workers on one node, by the trainer across nodes.
+inline float meanScale(int64_t count) {
+  return static_cast<float>(1.0 / static_cast<double>(count));
+}
 
 // out[i] = scale * (in[0][i] + ... + in[n-1][i]) for i in [begin, end). n >= 1.
 // Allocates nothing; vectorised (AVX2 where the CPU has it, chosen at load time).

@@ -56,11 +56,11 @@ std::string describe(const Region& r) {
 void checkRegion(const char* what, const Region& r, uint64_t total, uint64_t min_size) {
   SHMGRAD_CHECK(r.offset >= alignUp(sizeof(SegmentHeader), kAlign), ErrorKind::kCorrupt,
                 "segment header: region ", what, " ", describe(r), " overlaps the header");
-  SHMGRAD_CHECK(r.offset % kAlign == 0, ErrorKind::kCorrupt, "segment header: region ", what,
-                " ", describe(r), " is not ", kAlign, "-byte aligned");
+  SHMGRAD_CHECK(r.offset % kAlign == 0, ErrorKind::kCorrupt, "segment header: region ", what, " ",
+                describe(r), " is not ", kAlign, "-byte aligned");
   SHMGRAD_CHECK(r.offset <= total && r.size <= total - r.offset, ErrorKind::kCorrupt,
-                "segment header: region ", what, " ", describe(r),
-                " lies outside the segment of ", total, " bytes");
+                "segment header: region ", what, " ", describe(r), " lies outside the segment of ",
+                total, " bytes");
   SHMGRAD_CHECK(r.size >= min_size, ErrorKind::kCorrupt, "segment header: region ", what, " ",
                 describe(r), " is smaller than the ", min_size, " bytes its header implies");
 }
@@ -81,8 +81,7 @@ uint64_t checkedNumel(ErrorKind kind, const char* what, const int64_t* dims, uin
   for (uint64_t i = 0; i < ndim; ++i) {
     const int64_t d = dims[i];
     SHMGRAD_CHECK(d >= 0 && d < kMaxDimSize, kind, what, " has dimension ", d);
-    SHMGRAD_CHECK(d == 0 || n <= kMaxNumel / static_cast<uint64_t>(d), kind, what,
-                  " is too large");
+    SHMGRAD_CHECK(d == 0 || n <= kMaxNumel / static_cast<uint64_t>(d), kind, what, " is too large");
     n *= static_cast<uint64_t>(d);
   }
   return n;
@@ -104,7 +103,8 @@ LossKind parseLoss(const std::string& name) {
   }
   if (name == "ce") return LossKind::kCrossEntropy;  // accepted short form
   std::string choices;
-  for (uint32_t k = 1; k <= kNumLossKinds; ++k) choices += (k > 1 ? ", " : "") + std::string(kLossNames[k]);
+  for (uint32_t k = 1; k <= kNumLossKinds; ++k)
+    choices += (k > 1 ? ", " : "") + std::string(kLossNames[k]);
   raise(ErrorKind::kInvalidArgument, "unknown loss '", name, "': use one of ", choices,
         " (each summed over the batch)");
 }
@@ -126,18 +126,17 @@ bool processAlive(int pid) {
 }
 
 Layout computeLayout(const SegmentSpec& spec) {
-  SHMGRAD_CHECK(spec.num_slots >= 1 && spec.num_slots <= kMaxWorkers,
-                ErrorKind::kInvalidArgument, "--workers ", spec.num_slots,
-                " is out of range: use 1 to ", kMaxWorkers);
+  SHMGRAD_CHECK(spec.num_slots >= 1 && spec.num_slots <= kMaxWorkers, ErrorKind::kInvalidArgument,
+                "--workers ", spec.num_slots, " is out of range: use 1 to ", kMaxWorkers);
   SHMGRAD_CHECK(!spec.params.empty(), ErrorKind::kInvalidArgument,
                 "the model has no parameters: nothing to compute a gradient of");
   SHMGRAD_CHECK(spec.params.size() <= kMaxParams, ErrorKind::kInvalidArgument, "the model has ",
                 spec.params.size(), " parameter tensors; shmgrad supports at most ", kMaxParams);
-  SHMGRAD_CHECK(spec.max_batch >= 1 && spec.max_batch < kMaxBatch,
-                ErrorKind::kInvalidArgument, "--max-batch ", spec.max_batch,
-                " is out of range: use 1 to ", kMaxBatch - 1);
-  SHMGRAD_CHECK(spec.input_bytes < (uint64_t{1} << 44) && spec.target_bytes < (uint64_t{1} << 44),
-                ErrorKind::kInvalidArgument, "explicit-batch capacity is too large");
+  SHMGRAD_CHECK(spec.max_batch >= 1 && spec.max_batch < kMaxBatch, ErrorKind::kInvalidArgument,
+                "--max-batch ", spec.max_batch, " is out of range: use 1 to ", kMaxBatch - 1);
+  SHMGRAD_CHECK(
+      spec.input_bytes < config::kMaxCapacityBytes && spec.target_bytes < config::kMaxCapacityBytes,
+      ErrorKind::kInvalidArgument, "explicit-batch capacity is too large");
   auto checkSpecShape = [](const std::string& what, const std::vector<int64_t>& shape) {
     checkedNumel(ErrorKind::kInvalidArgument, what.c_str(), shape.data(), shape.size());
   };
@@ -149,20 +148,21 @@ Layout computeLayout(const SegmentSpec& spec) {
     SHMGRAD_CHECK(b.name.size() < kNameLen, ErrorKind::kInvalidArgument, "buffer name '", b.name,
                   "' is longer than ", kNameLen - 1, " characters");
     SHMGRAD_CHECK(b.dtype == DType::kFloat32 || b.dtype == DType::kInt64,
-                  ErrorKind::kInvalidArgument, "buffer ", b.name, ": only float32 and int64 "
+                  ErrorKind::kInvalidArgument, "buffer ", b.name,
+                  ": only float32 and int64 "
                   "buffers are shared");
   }
   if (spec.data_count > 0) {
-    SHMGRAD_CHECK(spec.data_count < kMaxBatch, ErrorKind::kInvalidArgument,
-                  "dataset of ", spec.data_count, " examples is too large");
+    SHMGRAD_CHECK(spec.data_count < kMaxBatch, ErrorKind::kInvalidArgument, "dataset of ",
+                  spec.data_count, " examples is too large");
     checkSpecShape("dataset example shape", spec.data_example_shape);
     checkSpecShape("dataset target shape", spec.data_target_shape);
   }
   Layout l;
   uint64_t off = 0;
   for (const auto& p : spec.params) {
-    SHMGRAD_CHECK(p.name.size() < kNameLen, ErrorKind::kInvalidArgument, "parameter name '",
-                  p.name, "' is longer than ", kNameLen - 1, " characters");
+    SHMGRAD_CHECK(p.name.size() < kNameLen, ErrorKind::kInvalidArgument, "parameter name '", p.name,
+                  "' is longer than ", kNameLen - 1, " characters");
     SHMGRAD_CHECK(p.shape.size() <= kMaxDims, ErrorKind::kInvalidArgument, "parameter ", p.name,
                   " has more than ", kMaxDims, " dimensions");
     l.param_offsets.push_back(off);
@@ -214,8 +214,8 @@ void validateHeader(const SegmentHeader* h, uint64_t size) {
   SHMGRAD_CHECK(h->header_size == sizeof(SegmentHeader), ErrorKind::kCorrupt,
                 "segment header size ", h->header_size, " differs from this build's ",
                 sizeof(SegmentHeader));
-  SHMGRAD_CHECK(h->total_size == size, ErrorKind::kCorrupt, "segment header says ",
-                h->total_size, " bytes but the segment has ", size);
+  SHMGRAD_CHECK(h->total_size == size, ErrorKind::kCorrupt, "segment header says ", h->total_size,
+                " bytes but the segment has ", size);
   SHMGRAD_CHECK(h->num_slots >= 1 && h->num_slots <= kMaxWorkers, ErrorKind::kCorrupt,
                 "segment header: num_slots ", h->num_slots);
   SHMGRAD_CHECK(h->num_params >= 1 && h->num_params <= kMaxParams, ErrorKind::kCorrupt,
@@ -237,8 +237,7 @@ void validateHeader(const SegmentHeader* h, uint64_t size) {
   checkRegion("buffers_table", h->buffers_table, size, sizeof(BufferEntry) * h->num_buffers);
   checkRegion("buffers", h->buffers, size, 0);
   checkRegion("params", h->params, size, pbytes);
-  SHMGRAD_CHECK(h->slot_stride >= pbytes && h->slot_stride % kAlign == 0 &&
-                    h->slot_stride <= size,
+  SHMGRAD_CHECK(h->slot_stride >= pbytes && h->slot_stride % kAlign == 0 && h->slot_stride <= size,
                 ErrorKind::kCorrupt, "segment header: slot_stride ", h->slot_stride);
   checkRegion("slots", h->slots, size, h->slot_stride * h->num_slots);
   checkRegion("reduced", h->reduced, size, pbytes);
@@ -248,9 +247,9 @@ void validateHeader(const SegmentHeader* h, uint64_t size) {
   checkRegion("device", h->device, size, 0);
   {
     // No two regions may overlap: a worker writing its slot must never touch another.
-    Region all[] = {h->params_table, h->params,      h->slots,       h->reduced,
-                    h->req_indices,  h->req_inputs,  h->req_targets, h->data_inputs,
-                    h->data_targets, h->device,      h->buffers_table, h->buffers};
+    Region all[] = {h->params_table, h->params,     h->slots,         h->reduced,
+                    h->req_indices,  h->req_inputs, h->req_targets,   h->data_inputs,
+                    h->data_targets, h->device,     h->buffers_table, h->buffers};
     const size_t n = sizeof(all) / sizeof(all[0]);
     for (size_t i = 0; i < n; ++i) {
       for (size_t j = i + 1; j < n; ++j) {
@@ -281,21 +280,21 @@ void validateHeader(const SegmentHeader* h, uint64_t size) {
     checkRegion("data_targets", h->data_targets, size, n * tg * tsize);
   }
   // Every parameter inside the parameter buffer, aligned, with a sane shape.
-  const auto* table = reinterpret_cast<const ParamEntry*>(
-      reinterpret_cast<const uint8_t*>(h) + h->params_table.offset);
+  const auto* table = reinterpret_cast<const ParamEntry*>(reinterpret_cast<const uint8_t*>(h) +
+                                                          h->params_table.offset);
   for (uint32_t i = 0; i < h->num_params; ++i) {
     const ParamEntry& p = table[i];
-    SHMGRAD_CHECK(terminated(p.name, kNameLen), ErrorKind::kCorrupt,
-                  "segment header: parameter ", i, " has an unterminated name");
+    SHMGRAD_CHECK(terminated(p.name, kNameLen), ErrorKind::kCorrupt, "segment header: parameter ",
+                  i, " has an unterminated name");
     uint64_t n = checkShape("parameter shape", p.shape);
-    SHMGRAD_CHECK(n == p.numel && p.offset % kAlignFloats == 0 &&
-                      p.offset <= h->param_floats && p.numel <= h->param_floats - p.offset,
+    SHMGRAD_CHECK(n == p.numel && p.offset % kAlignFloats == 0 && p.offset <= h->param_floats &&
+                      p.numel <= h->param_floats - p.offset,
                   ErrorKind::kCorrupt, "segment header: parameter ", p.name,
                   " lies outside the parameter buffer");
   }
   // Every buffer inside the buffers region, with a sane shape and dtype.
-  const auto* buffers = reinterpret_cast<const BufferEntry*>(
-      reinterpret_cast<const uint8_t*>(h) + h->buffers_table.offset);
+  const auto* buffers = reinterpret_cast<const BufferEntry*>(reinterpret_cast<const uint8_t*>(h) +
+                                                             h->buffers_table.offset);
   for (uint32_t i = 0; i < h->num_buffers; ++i) {
     const BufferEntry& b = buffers[i];
     SHMGRAD_CHECK(terminated(b.name, kNameLen), ErrorKind::kCorrupt, "segment header: buffer ", i,
@@ -312,7 +311,9 @@ void validateHeader(const SegmentHeader* h, uint64_t size) {
 }
 
 Segment::Segment(std::string name, uint8_t* base, uint64_t size)
-    : name_(std::move(name)), base_(base), size_(size),
+    : name_(std::move(name)),
+      base_(base),
+      size_(size),
       header_(reinterpret_cast<SegmentHeader*>(base)) {}
 
 Segment::~Segment() {
@@ -331,8 +332,8 @@ std::unique_ptr<Segment> Segment::create(const SegmentSpec& spec) {
   removeIfStale(spec.name);
 
   uint64_t free_bytes = shmFreeBytes();
-  SHMGRAD_CHECK(free_bytes >= l.total_size, ErrorKind::kNoSpace, "engine '", spec.name,
-                "' needs ", l.total_size, " bytes of shared memory but /dev/shm has ", free_bytes,
+  SHMGRAD_CHECK(free_bytes >= l.total_size, ErrorKind::kNoSpace, "engine '", spec.name, "' needs ",
+                l.total_size, " bytes of shared memory but /dev/shm has ", free_bytes,
                 " free; free space in /dev/shm, enlarge it (mount -o remount,size=...), or ask "
                 "for less (fewer --workers, smaller --max-batch/--input-capacity-mb, no dataset)");
 
@@ -487,8 +488,7 @@ std::unique_ptr<Segment> Segment::open(const std::string& engine_name) {
   }
   void* base = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   ::close(fd);
-  SHMGRAD_CHECK(base != MAP_FAILED, ErrorKind::kSystem, "mmap ", path, ": ",
-                detail::errnoText());
+  SHMGRAD_CHECK(base != MAP_FAILED, ErrorKind::kSystem, "mmap ", path, ": ", detail::errnoText());
   auto seg = std::unique_ptr<Segment>(new Segment(engine_name, static_cast<uint8_t*>(base), size));
   validateHeader(seg->header(), size);
   return seg;

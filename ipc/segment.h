@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "ipc/config.h"
 #include "ipc/error.h"
 #include "ipc/layout.h"
 
@@ -26,18 +27,18 @@ struct BufferSpec {
 
 // Everything that fixes the size of a segment.
 struct SegmentSpec {
-  std::string name;                 // engine name, [A-Za-z0-9_.-]{1,64}
+  std::string name;  // engine name, [A-Za-z0-9_.-]{1,64}
   std::string model_path;
   WorkerKind worker_kind = WorkerKind::kScript;
-  std::string job_path;             // eager workers' pickled job
+  std::string job_path;  // eager workers' pickled job
   LossKind loss = LossKind::kCrossEntropy;
-  uint32_t num_slots = 1;           // gradient slots (most workers at once)
+  uint32_t num_slots = 1;  // gradient slots (most workers at once)
   uint32_t threads_per_worker = 1;
   std::vector<ParamSpec> params;
   std::vector<BufferSpec> buffers;  // shared buffers (BatchNorm statistics), may be empty
-  int64_t max_batch = 65536;        // examples per step, at most
-  uint64_t input_bytes = 64ull << 20;   // explicit-batch input capacity
-  uint64_t target_bytes = 8ull << 20;   // explicit-batch target capacity
+  int64_t max_batch = config::kDefaultMaxBatch;                  // examples per step
+  uint64_t input_bytes = config::kDefaultInputCapacityMb << 20;  // explicit-batch inputs
+  uint64_t target_bytes = config::targetBytesFor(config::kDefaultMaxBatch);  // and targets
   // Optional dataset (count 0: none).
   int64_t data_count = 0;
   std::vector<int64_t> data_example_shape;
@@ -67,10 +68,10 @@ std::string segmentPath(const std::string& engine_name);
 struct Layout {
   uint64_t total_size = 0;
   uint64_t param_floats = 0;
-  std::vector<uint64_t> param_offsets;  // in floats
-  std::vector<uint64_t> buffer_offsets; // in bytes from the buffers region
-  Region params_table, buffers_table, buffers, params, slots, reduced, req_indices, req_inputs, req_targets,
-      data_inputs, data_targets, device;
+  std::vector<uint64_t> param_offsets;   // in floats
+  std::vector<uint64_t> buffer_offsets;  // in bytes from the buffers region
+  Region params_table, buffers_table, buffers, params, slots, reduced, req_indices, req_inputs,
+      req_targets, data_inputs, data_targets, device;
   uint64_t slot_stride = 0;
 };
 Layout computeLayout(const SegmentSpec& spec);

@@ -5,11 +5,15 @@
 
 #include <optional>
 #include <string>
+#include <type_traits>
+#include <vector>
 
 #include "engine/control.h"
+#include "engine/model_file.h"
 #include "engine/trainer.h"
 #include "ipc/error.h"
 #include "ipc/layout.h"
+#include "ipc/reduce.h"
 #include "ipc/segment.h"
 
 namespace py = pybind11;
@@ -18,59 +22,68 @@ namespace {
 
 // engine::EngineStatus as a dict: keys are the struct's field names, `workers` and
 // `recent_steps` lists of dicts keyed by WorkerStatus's and StepSummary's field names.
-py::dict statusToDict(const shmgrad::engine::EngineStatus& s) {
-  py::list workers;
-  for (const auto& w : s.workers) {
-    py::dict wd;
-    wd["slot"] = w.slot;
-    wd["pid"] = w.pid;
-    wd["state"] = w.state;
-    wd["restarts"] = w.restarts;
-    wd["busy_epoch"] = w.busy_epoch;
-    wd["assigned_epoch"] = w.assigned_epoch;
-    workers.append(wd);
-  }
-  py::list steps;
-  for (const auto& r : s.recent_steps) {
-    py::dict rd;
-    rd["epoch"] = r.epoch;
-    rd["workers"] = r.workers;
-    rd["examples"] = r.examples;
-    rd["loss_sum"] = r.loss_sum;
-    rd["wall_seconds"] = r.wall_seconds;
-    rd["compute_seconds"] = r.compute_seconds;
-    rd["reduce_seconds"] = r.reduce_seconds;
-    rd["wait_seconds"] = r.wait_seconds;
-    steps.append(rd);
-  }
+// Records to Python, from their field lists (ipc/record.h): a status record becomes a
+// dict keyed by field name; _C.RECORDS describes every record for the Python classes.
+template <typename T>
+py::object toPython(const T& v) {
+  return py::cast(v);
+}
+py::dict toPython(const shmgrad::engine::WorkerStatus& s);
+py::dict toPython(const shmgrad::engine::StepSummary& s);
+template <typename T>
+py::object toPython(const std::vector<T>& v) {
+  py::list out;
+  for (const auto& x : v) out.append(toPython(x));
+  return out;
+}
+#define SHMGRAD_FIELD_TO_DICT(type, name, comment) d[#name] = toPython(s.name);
+py::dict toPython(const shmgrad::engine::WorkerStatus& s) {
   py::dict d;
-  d["name"] = s.name;
-  d["state"] = s.state;
-  d["coordinator_pid"] = s.coordinator_pid;
-  d["coordinator_alive"] = s.coordinator_alive;
-  d["segment_path"] = s.segment_path;
-  d["segment_bytes"] = s.segment_bytes;
-  d["model_path"] = s.model_path;
-  d["loss"] = s.loss;
-  d["worker_kind"] = s.worker_kind;
-  d["job_path"] = s.job_path;
-  d["num_params"] = s.num_params;
-  d["param_floats"] = s.param_floats;
-  d["dataset"] = s.dataset;
-  d["dataset_size"] = s.dataset_size;
-  d["max_batch"] = s.max_batch;
-  d["threads_per_worker"] = s.threads_per_worker;
-  d["trainer_pid"] = s.trainer_pid;
-  d["step_epoch"] = s.step_epoch;
-  d["steps_served"] = s.steps_served;
-  d["steps_aborted"] = s.steps_aborted;
-  d["step_retries"] = s.step_retries;
-  d["worker_restarts"] = s.worker_restarts;
-  d["target_workers"] = s.target_workers;
-  d["slots"] = s.slots;
-  d["workers"] = workers;
-  d["recent_steps"] = steps;
+  SHMGRAD_WORKER_STATUS_FIELDS(SHMGRAD_FIELD_TO_DICT)
   return d;
+}
+py::dict toPython(const shmgrad::engine::StepSummary& s) {
+  py::dict d;
+  SHMGRAD_STEP_SUMMARY_FIELDS(SHMGRAD_FIELD_TO_DICT)
+  return d;
+}
+py::dict statusToDict(const shmgrad::engine::EngineStatus& s) {
+  py::dict d;
+  SHMGRAD_ENGINE_STATUS_FIELDS(SHMGRAD_FIELD_TO_DICT)
+  return d;
+}
+
+// A field's Python type, by name: int, float, bool, str, or list of a record.
+template <typename T>
+const char* pyTypeName() {
+  if constexpr (std::is_same_v<T, bool>) return "bool";
+  if constexpr (std::is_integral_v<T>) return "int";
+  if constexpr (std::is_floating_point_v<T>) return "float";
+  if constexpr (std::is_same_v<T, std::string>) return "str";
+  if constexpr (std::is_same_v<T, std::vector<shmgrad::engine::WorkerStatus>>)
+    return "list:WorkerStatus";
+  if constexpr (std::is_same_v<T, std::vector<shmgrad::engine::StepSummary>>)
+    return "list:StepSummary";
+  if constexpr (std::is_same_v<T, std::vector<shmgrad::WorkerStepStats>>)
+    return "list:WorkerStepStats";
+  return "object";
+}
+#define SHMGRAD_FIELD_DESCRIPTION(type, name, comment) \
+  fields.append(py::make_tuple(#name, pyTypeName<type>(), comment));
+#define SHMGRAD_DESCRIBE_RECORD(record, FIELDS) \
+  {                                             \
+    py::list fields;                            \
+    FIELDS(SHMGRAD_FIELD_DESCRIPTION)           \
+    records[record] = fields;                   \
+  }
+py::dict recordDescriptions() {
+  py::dict records;
+  SHMGRAD_DESCRIBE_RECORD("WorkerStatus", SHMGRAD_WORKER_STATUS_FIELDS)
+  SHMGRAD_DESCRIBE_RECORD("StepSummary", SHMGRAD_STEP_SUMMARY_FIELDS)
+  SHMGRAD_DESCRIBE_RECORD("EngineStatus", SHMGRAD_ENGINE_STATUS_FIELDS)
+  SHMGRAD_DESCRIBE_RECORD("WorkerStepStats", SHMGRAD_WORKER_STEP_STATS_FIELDS)
+  SHMGRAD_DESCRIBE_RECORD("GradientStats", SHMGRAD_GRADIENT_STATS_FIELDS)
+  return records;
 }
 
 // The loss names the engine accepts (ipc::kLossNames, whose index 0 is no loss).
@@ -128,7 +141,8 @@ PYBIND11_MODULE(_C, m) {
       py::object exc = cls(py::str(e.what()));
       // A worker's failure says which worker and the type of what it raised.
       exc.attr("worker") = e.worker() >= 0 ? py::object(py::int_(e.worker())) : py::none();
-      exc.attr("error_type") = e.errorType().empty() ? py::none() : py::object(py::str(e.errorType()));
+      exc.attr("error_type") =
+          e.errorType().empty() ? py::none() : py::object(py::str(e.errorType()));
       PyErr_SetObject(cls.ptr(), exc.ptr());
     }
   });
@@ -136,29 +150,20 @@ PYBIND11_MODULE(_C, m) {
   // One gradient call's statistics, moved out of the call as they are: nothing is
   // converted until Python reads a field (shmgrad.GradientStats is the public view).
   using Stats = shmgrad::GradientStats;
-  py::class_<Stats>(m, "NativeStats")
-      .def_readonly("num_examples", &Stats::num_examples)
-      .def_readonly("loss_sum", &Stats::loss_sum)
-      .def_readonly("loss", &Stats::loss)
-      .def_readonly("wall_seconds", &Stats::wall_seconds)
-      .def_readonly("reduce_seconds", &Stats::reduce_seconds)
-      .def_readonly("retries", &Stats::retries)
-      .def_readonly("nonfinite", &Stats::nonfinite)
-      .def_readonly("prepare_seconds", &Stats::prepare_seconds)
-      .def_readonly("step_seconds", &Stats::step_seconds)
-      .def_readonly("wake_seconds", &Stats::wake_seconds)
-      .def_readonly("finish_seconds", &Stats::finish_seconds)
-      // (slot, examples, loss_sum, compute_s, reduce_s, wait_s, nonfinite_loss,
-      //  nonfinite_grad) per participant, in rank order.
-      .def_property_readonly("workers", [](const Stats& s) {
-        py::list out;
-        for (const auto& w : s.workers) {
-          out.append(py::make_tuple(w.slot, w.examples, w.loss_sum, w.compute_seconds,
-                                    w.reduce_seconds, w.wait_seconds, w.nonfinite_loss,
-                                    w.nonfinite_grad));
-        }
-        return out;
-      });
+  using WorkerStats = shmgrad::WorkerStepStats;
+#define SHMGRAD_DEF_READONLY(type, name, comment) .def_readonly(#name, &Record::name)
+  {
+    using Record = WorkerStats;
+    py::class_<Record>(m, "NativeWorkerStats")
+        SHMGRAD_WORKER_STEP_STATS_FIELDS(SHMGRAD_DEF_READONLY);
+  }
+  {
+    using Record = Stats;
+    // Default-constructed: the statistics of no step (a node whose share was empty).
+    py::class_<Record>(m, "NativeStats")
+        .def(py::init<>()) SHMGRAD_GRADIENT_STATS_FIELDS(SHMGRAD_DEF_READONLY);
+  }
+  m.attr("RECORDS") = recordDescriptions();
 
   py::class_<shmgrad::Trainer>(m, "Trainer")
       .def_static(
@@ -233,6 +238,61 @@ PYBIND11_MODULE(_C, m) {
       py::arg("name"), py::arg("timeout") = shmgrad::engine::kDefaultStopTimeoutS);
   m.def("request_resize", &shmgrad::engine::requestResize, py::arg("name"), py::arg("workers"));
   m.def("loss_names", &lossNames);
+  m.def(
+      "shard_bounds",
+      [](int64_t total, uint32_t parts, uint32_t rank) {
+        int64_t begin = 0, end = 0;
+        shmgrad::ipc::shardBounds(total, parts, rank, &begin, &end);
+        return py::make_tuple(begin, end);
+      },
+      py::arg("total"), py::arg("parts"), py::arg("rank"));
+  m.def("mean_scale", &shmgrad::ipc::meanScale, py::arg("count"));
+  // A model's description for the coordinator (engine/model_file.h): parameters are
+  // float32, shared buffers float32 or int64; every tensor contiguous on the CPU.
+  m.def(
+      "write_model_file",
+      [](const std::string& path, const std::vector<std::pair<std::string, torch::Tensor>>& params,
+         const std::vector<std::pair<std::string, torch::Tensor>>& buffers) {
+        shmgrad::engine::ModelDescription d;
+        for (const auto& [name, t] : params) {
+          SHMGRAD_CHECK(
+              t.scalar_type() == torch::kFloat32 && t.device().is_cpu() && t.is_contiguous(),
+              shmgrad::ErrorKind::kInvalidArgument, "parameter ", name,
+              " must be a contiguous float32 CPU tensor");
+          d.params.push_back({name, t.sizes().vec()});
+          const float* p = t.data_ptr<float>();
+          d.param_values.emplace_back(p, p + t.numel());
+        }
+        for (const auto& [name, t] : buffers) {
+          const bool i64 = t.scalar_type() == torch::kInt64;
+          SHMGRAD_CHECK((i64 || t.scalar_type() == torch::kFloat32) && t.device().is_cpu() &&
+                            t.is_contiguous(),
+                        shmgrad::ErrorKind::kInvalidArgument, "buffer ", name,
+                        " must be a contiguous float32 or int64 CPU tensor");
+          d.buffers.push_back({name, t.sizes().vec(),
+                               i64 ? shmgrad::ipc::DType::kInt64 : shmgrad::ipc::DType::kFloat32});
+          const auto* p = static_cast<const uint8_t*>(t.data_ptr());
+          d.buffer_values.emplace_back(p, p + t.numel() * t.element_size());
+        }
+        shmgrad::engine::writeModelFile(path, d);
+      },
+      py::arg("path"), py::arg("params"), py::arg("buffers"));
+  // ipc/config.h, for the Python API's defaults and its environment reads.
+  {
+    namespace config = shmgrad::config;
+    py::dict d;
+    d["max_batch"] = config::kDefaultMaxBatch;
+    d["input_capacity_mb"] = config::kDefaultInputCapacityMb;
+    d["startup_timeout"] = config::kDefaultStartupTimeoutS;
+    d["threads_per_worker"] = config::kDefaultThreadsPerWorker;
+    d["resize_timeout"] = config::kDefaultResizeTimeoutS;
+    m.attr("DEFAULTS") = d;
+    py::list tunables;
+    for (const config::Tunable& t : config::kTunables) {
+      tunables.append(py::make_tuple(t.name, t.default_value, t.meaning));
+    }
+    m.attr("TUNABLES") = tunables;
+  }
   shmgrad::bindEagerWorker(m);
   m.def("segment_path", &shmgrad::ipc::segmentPath, py::arg("name"));
   m.def("segment_exists", &shmgrad::ipc::Segment::exists, py::arg("name"));

@@ -12,6 +12,7 @@
 #include "ipc/layout.h"
 #include "ipc/segment.h"
 #include "worker/buffer_views.h"
+#include "worker/process.h"
 #include "worker/step_protocol.h"
 
 namespace py = pybind11;
@@ -29,16 +30,19 @@ struct PyShard {
   bool grads_in_reduced = false;  // this worker is alone: .grad must view the reduced buffer
   uint64_t seed = 0;
   bool train = true;
-  std::string kind;               // "indices" or "explicit"
+  std::string kind;  // "indices" or "explicit"
   torch::Tensor indices, inputs, targets;
 };
 
-// Calls the Python compute function. It returns the shard's loss sum (a float), or a
-// (type, text) pair describing an exception it caught (text: message and traceback).
+// Calls the Python compute functions: begin(shard) once per shard, then
+// compute_pass(shard, begin, end) per pass (the protocol makes the passes). A pass returns
+// its loss sum (a float), or a (type, text) pair describing an exception it caught (text:
+// message and traceback); begin returns None or such a pair.
 class PyShardComputer : public worker::ShardComputer {
  public:
-  PyShardComputer(py::function fn, py::function publish, const ipc::Segment& seg)
-      : fn_(std::move(fn)), publish_(std::move(publish)), seg_(seg) {}
+  PyShardComputer(py::function begin, py::function pass, py::function publish,
+                  const ipc::Segment& seg)
+      : begin_(std::move(begin)), pass_(std::move(pass)), publish_(std::move(publish)), seg_(seg) {}
 
   void publishBuffers() override {
     py::gil_scoped_acquire gil;
@@ -49,43 +53,57 @@ class PyShardComputer : public worker::ShardComputer {
     }
   }
 
-  double compute(const worker::Shard& s) override {
-    PyShard shard;
-    shard.begin = s.begin;
-    shard.end = s.end;
-    shard.epoch = s.epoch;
-    shard.rank = s.rank;
-    shard.participants = s.participants;
-    shard.max_examples_per_pass = s.max_examples_per_pass;
-    shard.grad_scale = s.grad_scale;
-    shard.grads_in_reduced = s.grads == seg_.reduced();
-    shard.seed = s.seed;
-    shard.train = s.train;
+  void beginShard(const worker::Shard& s) override {
+    shard_ = PyShard();
+    shard_.begin = s.begin;
+    shard_.end = s.end;
+    shard_.epoch = s.epoch;
+    shard_.rank = s.rank;
+    shard_.participants = s.participants;
+    shard_.max_examples_per_pass = s.max_examples_per_pass;
+    shard_.grad_scale = s.grad_scale;
+    shard_.grads_in_reduced = s.grads == seg_.reduced();
+    shard_.seed = s.seed;
+    shard_.train = s.train;
     if (s.kind == ipc::BatchKind::kIndices) {
-      shard.kind = "indices";
-      shard.indices = torch::from_blob(const_cast<int64_t*>(s.indices), {s.size()}, torch::kInt64);
+      shard_.kind = "indices";
+      shard_.indices = torch::from_blob(const_cast<int64_t*>(s.indices), {s.size()}, torch::kInt64);
     } else {
-      shard.kind = "explicit";
-      shard.inputs = worker::examplesView(s.inputs, s.size(), *s.example_shape, s.input_dtype);
-      shard.targets = worker::examplesView(s.targets, s.size(), *s.target_shape, s.target_dtype);
+      shard_.kind = "explicit";
+      shard_.inputs = worker::examplesView(s.inputs, s.size(), *s.example_shape, s.input_dtype);
+      shard_.targets = worker::examplesView(s.targets, s.size(), *s.target_shape, s.target_dtype);
     }
     py::gil_scoped_acquire gil;
+    call(begin_, py::cast(&shard_, py::return_value_policy::reference));
+  }
+
+  double computePass(const worker::Shard&, int64_t begin, int64_t end) override {
+    py::gil_scoped_acquire gil;
+    return call(pass_, py::cast(&shard_, py::return_value_policy::reference), begin, end)
+        .cast<double>();
+  }
+
+ private:
+  // Calls fn; a returned (type, text) pair or a raised exception becomes a ShardError.
+  template <typename... Args>
+  static py::object call(const py::function& fn, Args&&... args) {
     try {
-      py::object out = fn_(py::cast(&shard, py::return_value_policy::reference));
+      py::object out = fn(std::forward<Args>(args)...);
       if (py::isinstance<py::tuple>(out)) {
         auto t = out.cast<py::tuple>();
-        throw worker::ShardError(py::str(t[0]).cast<std::string>(), py::str(t[1]).cast<std::string>());
+        throw worker::ShardError(py::str(t[0]).cast<std::string>(),
+                                 py::str(t[1]).cast<std::string>());
       }
-      return out.cast<double>();
+      return out;
     } catch (py::error_already_set& e) {
       // Raised past the worker's own handler (it formats the ordinary ones).
       throw worker::ShardError(py::str(e.type().attr("__name__")).cast<std::string>(), e.what());
     }
   }
 
- private:
-  py::function fn_, publish_;
+  py::function begin_, pass_, publish_;
   const ipc::Segment& seg_;
+  PyShard shard_;  // the current shard, as Python sees it
 };
 
 // One eager worker's handle on its engine: the mapping, its slot's participant, and
@@ -111,8 +129,9 @@ class EagerParticipant {
     return out;
   }
 
-  int serve(py::function compute, py::function publish_buffers) {
-    PyShardComputer computer(std::move(compute), std::move(publish_buffers), *seg_);
+  int serve(py::function begin, py::function compute_pass, py::function publish_buffers) {
+    PyShardComputer computer(std::move(begin), std::move(compute_pass), std::move(publish_buffers),
+                             *seg_);
     py::gil_scoped_release nogil;
     return participant_->serve(computer);
   }
@@ -128,6 +147,16 @@ void bindEagerWorker(py::module_& m) {
   m.attr("EXIT_STOPPED") = worker::kExitStopped;
   m.attr("EXIT_COORDINATOR_GONE") = worker::kExitCoordinatorGone;
   m.attr("EXIT_STARTUP_FAILED") = worker::kExitStartupFailed;
+  // worker/process.h: the process set-up every kind of worker shares.
+  m.def("die_with_parent", &worker::dieWithParent, py::arg("parent_pid"),
+        "SIGKILL when the coordinator exits; False if it is gone already");
+  m.def("keep_freed_memory", &worker::keepFreedMemory,
+        "glibc keeps freed memory in the heap (mallopt; see HEAP_ENVIRONMENT)");
+  m.def("configure_threads", &worker::configureThreads, py::arg("threads"),
+        "threads intra-op threads and one inter-op thread, as every worker runs");
+  py::dict heap;
+  for (const worker::HeapSetting& s : worker::kHeapSettings) heap[s.env] = std::to_string(s.value);
+  m.attr("HEAP_ENVIRONMENT") = heap;
   py::class_<PyShard>(m, "Shard")
       .def_readonly("begin", &PyShard::begin)
       .def_readonly("end", &PyShard::end)
@@ -147,10 +176,12 @@ void bindEagerWorker(py::module_& m) {
   py::class_<EagerParticipant>(m, "StepParticipant")
       .def(py::init<const std::string&, uint32_t, int>(), py::arg("name"), py::arg("slot"),
            py::arg("parent_pid"))
-      .def_property_readonly("job_path",
-                             [](const EagerParticipant& p) { return std::string(p.seg_->header()->job_path); })
-      .def_property_readonly("threads_per_worker",
-                             [](const EagerParticipant& p) { return p.seg_->header()->threads_per_worker; })
+      .def_property_readonly(
+          "job_path",
+          [](const EagerParticipant& p) { return std::string(p.seg_->header()->job_path); })
+      .def_property_readonly(
+          "threads_per_worker",
+          [](const EagerParticipant& p) { return p.seg_->header()->threads_per_worker; })
       .def_property_readonly("dataset_size",
                              [](const EagerParticipant& p) { return p.seg_->header()->data_count; })
       .def("parameter_names", &EagerParticipant::parameterNames)
@@ -158,17 +189,31 @@ void bindEagerWorker(py::module_& m) {
       .def("slot_views", [](const EagerParticipant& p) { return p.views(p.seg_->slot(p.slot_)); })
       .def("reduced_views", [](const EagerParticipant& p) { return p.views(p.seg_->reduced()); })
       .def("report_startup_failure",
-           [](EagerParticipant& p, const std::string& text) { p.participant_->reportStartupFailure(text); })
+           [](EagerParticipant& p, const std::string& text) {
+             p.participant_->reportStartupFailure(text);
+           })
       .def("become_ready", [](EagerParticipant& p) { return p.participant_->becomeReady(); })
+      .def(
+          "dataset_views",
+          [](const EagerParticipant& p) -> py::object {
+            auto keep = p.seg_;
+            auto [inputs, targets] = worker::datasetViews(*p.seg_, [keep](void*) {});
+            if (!inputs.defined()) return py::none();
+            return py::make_tuple(inputs, targets);
+          },
+          "(inputs, targets) over the dataset the coordinator loaded into the segment "
+          "(dataset='fashion-mnist', ...), or None")
       .def("buffer_views",
            [](const EagerParticipant& p) {
              auto keep = p.seg_;
              return worker::sharedBufferViews(*p.seg_, [keep](void*) {});
            })
-      .def("serve", &EagerParticipant::serve, py::arg("compute"), py::arg("publish_buffers"),
+      .def("serve", &EagerParticipant::serve, py::arg("begin"), py::arg("compute_pass"),
+           py::arg("publish_buffers"),
            "Serves steps until the engine stops, the slot is retired or the coordinator dies; "
-           "returns the exit code. compute(shard) and publish_buffers() (the step's first "
-           "participant, after the compute barrier) run with the GIL held.");
+           "returns the exit code. begin(shard) once per shard, compute_pass(shard, begin, "
+           "end) per pass of the shard (the protocol makes the passes) and publish_buffers() "
+           "(the step's first participant, after the compute barrier) run with the GIL held.");
 }
 
 }  // namespace shmgrad

@@ -41,11 +41,12 @@ std::string uniqueName() {
 class FakeComputer : public ShardComputer {
  public:
   FakeComputer(const Segment& seg, std::atomic<int>* calls) : seg_(seg), calls_(calls) {}
-  double compute(const Shard& s) override {
-    calls_->fetch_add(1);
+  void beginShard(const Shard&) override { calls_->fetch_add(1); }
+  double computePass(const Shard& s, int64_t begin, int64_t end) override {
+    passes.fetch_add(1);
     const uint64_t floats = seg_.header()->param_floats;
     double loss = 0;
-    for (int64_t k = 0; k < s.size(); ++k) {
+    for (int64_t k = begin; k < end; ++k) {
       int64_t i;
       if (s.kind == ipc::BatchKind::kIndices) {
         i = s.indices[k];
@@ -63,6 +64,7 @@ class FakeComputer : public ShardComputer {
   }
   int64_t fail_on = -1;
   float* last_grads = nullptr;
+  std::atomic<int> passes{0};
 
  private:
   const Segment& seg_;
@@ -94,7 +96,8 @@ class Engine {
       if (!participants_[i]->becomeReady()) throw std::runtime_error("slot not starting");
     }
     for (uint32_t i = 0; i < workers; ++i) {
-      threads_.emplace_back([this, i] { exit_codes_[i] = participants_[i]->serve(*computers_[i]); });
+      threads_.emplace_back(
+          [this, i] { exit_codes_[i] = participants_[i]->serve(*computers_[i]); });
     }
     seg_->header()->control.engine_state.store(static_cast<uint32_t>(ipc::EngineState::kServing));
     AttachOptions o;
@@ -128,7 +131,8 @@ class Engine {
     const float* got = seg_->reduced();
     double worst = 0;
     for (uint64_t j = 0; j < want.size(); ++j) {
-      worst = std::max<double>(worst, std::abs(got[j] - want[j]) / std::max(1.0f, std::abs(want[j])));
+      worst =
+          std::max<double>(worst, std::abs(got[j] - want[j]) / std::max(1.0f, std::abs(want[j])));
     }
     return worst;
   }
@@ -202,6 +206,22 @@ TEST(StepProtocolAloneTest, TheOnlyParticipantWritesTheReducedBufferDirectly) {
     EXPECT_EQ(engine.computer(w.slot).last_grads, engine.segment().slot(w.slot));
   }
   EXPECT_LT(engine.maxRelError(engine.expected(ids, true)), 1e-6);
+}
+
+TEST(StepProtocolPassTest, TheProtocolSplitsEachShardIntoPassesForEveryKindOfWorker) {
+  // max_examples_per_pass is applied by the shared protocol, not by each kind of worker:
+  // a shard of 20 examples in passes of 6 is 4 passes (6, 6, 6, 2), with the exact sum.
+  Engine engine(2);
+  GradientOptions o;
+  o.timeout_seconds = 20;
+  o.max_examples_per_pass = 6;
+  std::vector<int64_t> ids;
+  for (int64_t k = 0; k < 40; ++k) ids.push_back(k % kDataCount);
+  const GradientStats s = engine.trainer().gradient(indexTensor(ids), o);
+  ASSERT_EQ(s.workers.size(), 2u);
+  EXPECT_EQ(engine.computer(0).passes.load() + engine.computer(1).passes.load(), 8);
+  EXPECT_EQ(engine.calls(), 2);  // one beginShard per shard
+  EXPECT_LT(engine.maxRelError(engine.expected(ids, false)), 1e-6);
 }
 
 TEST(StepProtocolErrorTest, ComputeErrorReachesTheTrainerAndTheEngineKeepsServing) {

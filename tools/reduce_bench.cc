@@ -29,26 +29,23 @@
 #include <string>
 #include <vector>
 
+#include <CLI/CLI.hpp>
+
 #include "ipc/error.h"
 #include "ipc/reduce.h"
 
 namespace {
 
-const char* kUsage =
-    "usage: reduce_bench [--workers N] [--floats P] [--repeats R] [--warmup W] [--timeout S]\n"
-    "\n"
-    "Measures shmgrad's shared-memory slot reduction (ipc::reduceSlice over\n"
-    "ipc::sliceBounds slices, one forked process per slice) and memcpy with the same\n"
-    "processes and the same mapping; prints JSON with median, min and max GB/s.\n"
-    "\n"
-    "  --workers N   processes, and slots reduced (1-64, default 2)\n"
-    "  --floats P    floats per slot (default 16777216: 64 MiB, larger than most L3s)\n"
-    "  --repeats R   timed repetitions of each (1-100000, default 20)\n"
-    "  --warmup W    untimed repetitions first (default 3)\n"
-    "  --timeout S   every process is killed after S seconds (SIGALRM, default 300)\n";
-
 constexpr uint32_t kMaxProcs = 64;
 constexpr uint32_t kMaxRepeats = 100000;
+
+// pthread calls return their error number instead of setting errno: as a system call's
+// result for SHMGRAD_SYSCHECK (-1 with errno set, or 0).
+long pthreadResult(int rc) {
+  if (rc == 0 || rc == PTHREAD_BARRIER_SERIAL_THREAD) return 0;
+  errno = rc;
+  return -1;
+}
 
 uint64_t nowNs() {
   timespec ts;
@@ -71,10 +68,10 @@ struct Bench {
   Control* control = nullptr;
   uint64_t* start_ns = nullptr;  // [2][repeats][n]: reduce, then memcpy
   uint64_t* end_ns = nullptr;
-  float* slots = nullptr;        // n * p (each slot padded to a multiple of 16 floats)
-  float* reduced = nullptr;      // p
-  float* copy = nullptr;         // p
-  uint64_t stride = 0;           // floats between slots
+  float* slots = nullptr;    // n * p (each slot padded to a multiple of 16 floats)
+  float* reduced = nullptr;  // p
+  float* copy = nullptr;     // p
+  uint64_t stride = 0;       // floats between slots
 };
 
 uint64_t alignUp(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
@@ -92,7 +89,8 @@ void runRank(const Bench& b, uint32_t rank) {
   }
   for (int kind = 0; kind < 2; ++kind) {
     for (uint32_t i = 0; i < b.warmup + b.repeats; ++i) {
-      pthread_barrier_wait(&b.control->barrier);
+      SHMGRAD_SYSCHECK(pthreadResult(pthread_barrier_wait(&b.control->barrier)),
+                       "pthread_barrier_wait");
       const uint64_t t0 = nowNs();
       if (kind == 0) {
         shmgrad::ipc::reduceSlice(b.reduced, ins, b.n, lo, hi, 1.0f);
@@ -107,22 +105,14 @@ void runRank(const Bench& b, uint32_t rank) {
       }
     }
   }
-  pthread_barrier_wait(&b.control->barrier);
+  SHMGRAD_SYSCHECK(pthreadResult(pthread_barrier_wait(&b.control->barrier)),
+                   "pthread_barrier_wait");
 }
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   const size_t m = v.size() / 2;
   return v.size() % 2 ? v[m] : 0.5 * (v[m - 1] + v[m]);
-}
-
-bool parseU64(const char* s, uint64_t lo, uint64_t hi, uint64_t* out) {
-  char* end = nullptr;
-  errno = 0;
-  unsigned long long v = std::strtoull(s, &end, 10);
-  if (errno != 0 || end == s || *end != '\0' || s[0] == '-' || v < lo || v > hi) return false;
-  *out = v;
-  return true;
 }
 
 }  // namespace
@@ -140,32 +130,31 @@ int main(int argc, char** argv) {
 
 int runBench(int argc, char** argv) {
   Bench b;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--help" || a == "-h") {
-      std::fputs(kUsage, stdout);
-      return 0;
-    }
-    if (i + 1 >= argc) {
-      std::fprintf(stderr, "reduce_bench: %s needs a value\n\n%s", a.c_str(), kUsage);
-      return 2;
-    }
-    const char* v = argv[++i];
-    uint64_t x = 0;
-    bool ok = false;
-    if (a == "--workers") { ok = parseU64(v, 1, kMaxProcs, &x); b.n = static_cast<uint32_t>(x); }
-    else if (a == "--floats") { ok = parseU64(v, 16, 1ull << 32, &x); b.p = x; }
-    else if (a == "--repeats") { ok = parseU64(v, 1, kMaxRepeats, &x); b.repeats = static_cast<uint32_t>(x); }
-    else if (a == "--warmup") { ok = parseU64(v, 0, 1000, &x); b.warmup = static_cast<uint32_t>(x); }
-    else if (a == "--timeout") { ok = parseU64(v, 1, 86400, &x); b.timeout_s = static_cast<uint32_t>(x); }
-    else {
-      std::fprintf(stderr, "reduce_bench: unknown option %s\n\n%s", a.c_str(), kUsage);
-      return 2;
-    }
-    if (!ok) {
-      std::fprintf(stderr, "reduce_bench: bad value '%s' for %s\n\n%s", v, a.c_str(), kUsage);
-      return 2;
-    }
+  CLI::App app{
+      "Measures shmgrad's shared-memory slot reduction (ipc::reduceSlice over "
+      "ipc::sliceBounds slices, one forked process per slice) and memcpy with the same "
+      "processes and the same mapping; prints JSON with median, min and max GB/s.",
+      "reduce_bench"};
+  app.add_option("--workers", b.n, "processes, and slots reduced")
+      ->check(CLI::Range(1u, kMaxProcs))
+      ->capture_default_str();
+  app.add_option("--floats", b.p, "floats per slot (64 MiB by default, larger than most L3s)")
+      ->check(CLI::Range(uint64_t{16}, uint64_t{1} << 32))
+      ->capture_default_str();
+  app.add_option("--repeats", b.repeats, "timed repetitions of each")
+      ->check(CLI::Range(1u, kMaxRepeats))
+      ->capture_default_str();
+  app.add_option("--warmup", b.warmup, "untimed repetitions first")
+      ->check(CLI::Range(0u, 1000u))
+      ->capture_default_str();
+  app.add_option("--timeout", b.timeout_s, "every process is killed after this many seconds")
+      ->check(CLI::Range(1u, 86400u))
+      ->capture_default_str();
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int code = app.exit(e);  // prints the help, or the error and the usage
+    return code == 0 ? 0 : 2;
   }
 
   // Layout: control | times | slots | reduced | copy, each part 4 KiB-aligned.
@@ -192,16 +181,18 @@ int runBench(int argc, char** argv) {
   b.copy = reinterpret_cast<float*>(c + off_copy);
 
   pthread_barrierattr_t attr;
-  pthread_barrierattr_init(&attr);
-  pthread_barrierattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
-  if (pthread_barrier_init(&b.control->barrier, &attr, b.n) != 0) {
-    std::fprintf(stderr, "reduce_bench: pthread_barrier_init failed\n");
-    return 1;
-  }
+  SHMGRAD_SYSCHECK(pthreadResult(pthread_barrierattr_init(&attr)), "pthread_barrierattr_init");
+  SHMGRAD_SYSCHECK(pthreadResult(pthread_barrierattr_setpshared(&attr, PTHREAD_PROCESS_SHARED)),
+                   "pthread_barrierattr_setpshared");
+  SHMGRAD_SYSCHECK(pthreadResult(pthread_barrier_init(&b.control->barrier, &attr, b.n)),
+                   "pthread_barrier_init");
+  SHMGRAD_SYSCHECK(pthreadResult(pthread_barrierattr_destroy(&attr)),
+                   "pthread_barrierattr_destroy");
   // Gradient-like values in every slot (this also faults their pages in).
   for (uint32_t k = 0; k < b.n; ++k) {
     float* s = b.slots + k * b.stride;
-    for (uint64_t i = 0; i < b.p; ++i) s[i] = static_cast<float>((i * 2654435761u + k) % 1000) * 1e-3f - 0.5f;
+    for (uint64_t i = 0; i < b.p; ++i)
+      s[i] = static_cast<float>((i * 2654435761u + k) % 1000) * 1e-3f - 0.5f;
   }
 
   alarm(b.timeout_s);  // bounded: a stuck barrier ends the run
@@ -242,8 +233,8 @@ int runBench(int argc, char** argv) {
     for (uint32_t k = 0; k < b.n; ++k) want += b.slots[k * b.stride + i];
     max_err = std::max(max_err, std::abs(want - static_cast<double>(b.reduced[i])));
   }
-  const bool correct = max_err < 1e-4 * b.n &&
-                       std::memcmp(b.copy, b.slots, b.p * sizeof(float)) == 0;
+  const bool correct =
+      max_err < 1e-4 * b.n && std::memcmp(b.copy, b.slots, b.p * sizeof(float)) == 0;
 
   const double reduce_bytes = static_cast<double>(b.n + 1) * b.p * sizeof(float);
   const double copy_bytes = 2.0 * b.p * sizeof(float);
@@ -261,8 +252,9 @@ int runBench(int argc, char** argv) {
       gbps[kind].push_back((kind == 0 ? reduce_bytes : copy_bytes) / s / 1e9);
     }
   }
-  pthread_barrier_destroy(&b.control->barrier);
-  munmap(base, total);
+  SHMGRAD_SYSCHECK(pthreadResult(pthread_barrier_destroy(&b.control->barrier)),
+                   "pthread_barrier_destroy");
+  SHMGRAD_SYSCHECK(munmap(base, total), "munmap");
 
   auto mm = [](const std::vector<double>& v, bool lo) {
     return lo ? *std::min_element(v.begin(), v.end()) : *std::max_element(v.begin(), v.end());

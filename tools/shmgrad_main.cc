@@ -1,7 +1,8 @@
-// The shmgrad command line: serve, stop, status, resize, stress and bench (and the
-// hidden __worker entry point the coordinator execs for each worker process), parsed
-// with CLI11. Each command's options are declared in its add*() function and run by its
-// run*() function; main() parses, dispatches, and turns errors into exit codes.
+// The shmgrad command line: serve, stop, status, resize, stress and bench, parsed with
+// CLI11. It links no libtorch: the TorchScript workers are the program shmgrad-worker
+// (tools/worker_main.cc), and eager workers are Python. Each command's options are declared in its
+// add*() function and run by its run*() function; main() parses, dispatches, and turns errors into
+// exit codes.
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -18,9 +19,9 @@
 
 #include "engine/control.h"
 #include "engine/coordinator.h"
+#include "ipc/config.h"
 #include "ipc/error.h"
 #include "ipc/layout.h"
-#include "worker/worker_loop.h"
 
 namespace {
 
@@ -31,7 +32,7 @@ namespace engine = shmgrad::engine;
 constexpr int kExitOk = 0;
 constexpr int kExitFailure = 1;
 constexpr int kExitUsage = 2;
-constexpr int kExitCannotExec = 127;  // as a shell reports a command it cannot run
+constexpr int kExitCannotExec = shmgrad::config::kExitCannotExec;
 
 // Limits the command line checks itself; the coordinator checks them again.
 // segment.cc keeps an explicit batch's input capacity under 2^44 bytes.
@@ -172,19 +173,22 @@ Command addServe(CLI::App& app, engine::ServeOptions* o) {
                   "fashion-mnist:test, or npy:INPUTS.npy,TARGETS.npy")
       ->type_name("SPEC");
   integerIn(cmd->add_option("--threads-per-worker", o->threads_per_worker,
-                            "intra-op threads of each worker (default 1)")
+                            "intra-op threads of each worker")
+                ->default_val(shmgrad::config::kDefaultThreadsPerWorker)
                 ->type_name("T"),
             uint32_t{1}, shmgrad::ipc::kMaxThreadsPerWorker);
-  integerIn(
-      cmd->add_option("--max-batch", o->max_batch, "most examples in one step (default 65536)")
-          ->type_name("N"),
-      int64_t{1}, shmgrad::ipc::kMaxBatch - 1);
+  integerIn(cmd->add_option("--max-batch", o->max_batch, "most examples in one step")
+                ->default_val(shmgrad::config::kDefaultMaxBatch)
+                ->type_name("N"),
+            int64_t{1}, shmgrad::ipc::kMaxBatch - 1);
   integerIn(cmd->add_option("--input-capacity-mb", o->input_capacity_mb,
-                            "room for an explicit batch's inputs (default 64)")
+                            "room for an explicit batch's inputs")
+                ->default_val(shmgrad::config::kDefaultInputCapacityMb)
                 ->type_name("M"),
             uint64_t{0}, kMaxInputCapacityMb);
   cmd->add_option("--startup-timeout", o->startup_timeout_s,
-                  "seconds for all workers to load the model (default 120)")
+                  "seconds for all workers to load the model")
+      ->default_val(shmgrad::config::kDefaultStartupTimeoutS)
       ->type_name("S")
       ->check(CLI::Range(kMinStartupTimeoutS, kMaxStartupTimeoutS));
   cmd->add_option("--status-fd", o->status_fd,
@@ -195,7 +199,8 @@ Command addServe(CLI::App& app, engine::ServeOptions* o) {
       ->check(kOpenDescriptor);
   cmd->add_flag("--quiet", o->quiet, "print nothing but errors");
   // Tests run workers from another binary; not for users.
-  cmd->add_option("--worker-binary", o->worker_binary, "worker program (default: this one)")
+  cmd->add_option("--worker-binary", o->worker_binary,
+                  "the TorchScript worker program (default: shmgrad-worker next to this one)")
       ->group("");
   return {cmd, [o] { return runServe(*o); }};
 }
@@ -262,27 +267,12 @@ Command addResize(CLI::App& app, ResizeArgs* a) {
 }
 
 // ---------------------------------------------------------------------------------
-// __worker (hidden): what the coordinator execs for each worker process
-
-Command addWorker(CLI::App& app, shmgrad::worker::WorkerOptions* o) {
-  CLI::App* cmd =
-      app.add_subcommand("__worker", "a worker process: started by `shmgrad serve`, not by hand");
-  cmd->group("");  // hidden from --help
-  cmd->add_option("NAME", o->engine_name, "engine name")->required();
-  integerIn(cmd->add_option("SLOT", o->slot, "gradient slot")->required(), uint32_t{0},
-            shmgrad::ipc::kMaxWorkers - 1);
-  integerIn(cmd->add_option("PPID", o->parent_pid, "the coordinator's pid")->required(), 1,
-            std::numeric_limits<int>::max());
-  return {cmd, [o] { return shmgrad::worker::runWorker(*o); }};
-}
-
-// ---------------------------------------------------------------------------------
 // stress, bench: the Python package's tools (they drive trainers and compare against
 // PyTorch). Every argument after the command, --help included, goes to Python as is.
 
 int execPython(const char* module, const std::vector<std::string>& rest) {
   std::vector<std::string> args = {kDefaultPython, "-m", module};
-  const char* py = std::getenv(kPythonEnv);
+  const char* py = shmgrad::config::tunable(kPythonEnv);
   if (py != nullptr && *py != '\0') args[0] = py;
   args.insert(args.end(), rest.begin(), rest.end());
   std::vector<char*> argv;
@@ -313,7 +303,6 @@ int main(int argc, char** argv) {
   StopArgs stop_args;
   std::string status_name;
   ResizeArgs resize_args;
-  shmgrad::worker::WorkerOptions worker_options;
   const std::vector<Command> commands = {
       addServe(app, &serve_options),
       addStop(app, &stop_args),
@@ -321,9 +310,8 @@ int main(int argc, char** argv) {
       addResize(app, &resize_args),
       addPythonTool(app, "stress",
                     "run the node-local stress test against an engine (Python package)",
-                    "shmgrad.stress"),
-      addPythonTool(app, "bench", "run the benchmarks (Python package)", "shmgrad.bench"),
-      addWorker(app, &worker_options),
+                    "shmgrad_tools.stress"),
+      addPythonTool(app, "bench", "run the benchmarks (Python package)", "shmgrad_tools.bench"),
   };
   // After the commands: a subcommand inherits its parent's footer when it is added.
   app.footer("`shmgrad <command> --help` documents each command's options.");

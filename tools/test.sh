@@ -14,6 +14,8 @@ OLDEST_VENV="$ROOT/.venv-2.11"
 
 stamp "set-up (tools/setup.sh)"
 tools/setup.sh
+stamp "house style (tools/lint.sh)"
+tools/lint.sh
 if [ -z "${SHMGRAD_SKIP_OLDEST:-}" ]; then
   # The oldest torch's packages download while the C++ tests build and run (the network,
   # not the cores, is what that costs); tools/setup.sh then finds them installed.
@@ -42,7 +44,8 @@ bazel shutdown  # frees its memory for the Python suites
 
 TORCH="$(.venv/bin/python -c 'import torch; print(torch.__version__)')"
 stamp "Python tests against torch $TORCH: pytest tests/python"
-(cd tests/python && "$ROOT/.venv/bin/python" -m pytest -q -p no:cacheprovider .)
+# An unclosed file or socket is an error (-W error::ResourceWarning).
+(cd tests/python && "$ROOT/.venv/bin/python" -m pytest -q -p no:cacheprovider -W error::ResourceWarning .)
 
 if [ -z "${SHMGRAD_SKIP_OLDEST:-}" ]; then
   # The oldest supported torch: its own environment, the pip build against it, and the

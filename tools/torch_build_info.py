@@ -21,11 +21,14 @@ def info() -> dict:
         import torch
         from torch.utils import cpp_extension
     except ImportError as exc:
-        raise SystemExit(f"torch is not installed in {sys.executable} ({exc}): pip install torch")
+        raise SystemExit(
+            f"torch is not installed in {sys.executable} ({exc}): pip install torch"
+        ) from exc
     if torch.__version__ < MIN_TORCH:  # a TorchVersion: compares with tuples
         raise SystemExit(
             f"torch {torch.__version__} in {sys.executable} is older than shmgrad supports "
-            f"(>= {'.'.join(map(str, MIN_TORCH))}): pip install --upgrade torch")
+            f"(>= {'.'.join(map(str, MIN_TORCH))}): pip install --upgrade torch"
+        )
     root = os.path.dirname(torch.__file__)
     pybind = []
     # torch releases that record pybind11's ABI settings export them; an extension that
@@ -47,8 +50,9 @@ def info() -> dict:
 
 
 def main():
-    argparse.ArgumentParser(description=__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_args()
     for key, value in info().items():
         print(f"{key}={value}")
 

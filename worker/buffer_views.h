@@ -1,6 +1,6 @@
 // Tensors over a segment's memory, nothing copied: parameter-shaped buffers, batches of
-// examples, and the shared model buffers, for every process that maps them (TorchScript worker, eager worker, trainer). Header
-// only: each user already links libtorch.
+// examples, and the shared model buffers, for every process that maps them (TorchScript worker,
+// eager worker, trainer). Header only: each user already links libtorch.
 #pragma once
 
 #include <torch/types.h>
@@ -27,6 +27,25 @@ inline torch::Tensor examplesView(const void* data, int64_t n, const ipc::Shape&
   for (uint32_t d = 0; d < example.ndim; ++d) dims[d + 1] = example.dims[d];
   return torch::from_blob(const_cast<void*>(data), c10::IntArrayRef(dims, example.ndim + 1),
                           torchType(dtype));
+}
+
+// The dataset the coordinator loaded into the segment: inputs [count, *example] (float32)
+// and targets [count, *target] (their dtype) over the segment, nothing copied. Undefined
+// tensors when the segment holds none (no dataset, or one that eager workers hold).
+// `keep` as below.
+inline std::pair<torch::Tensor, torch::Tensor> datasetViews(
+    const ipc::Segment& segment, std::function<void(void*)> keep = [](void*) {}) {
+  const ipc::SegmentHeader* h = segment.header();
+  if (h->data_count <= 0 || h->data_inputs.size == 0) return {};
+  auto view = [&](void* data, const ipc::Shape& example, ipc::DType dtype) {
+    int64_t dims[ipc::kMaxDims + 1];
+    dims[0] = h->data_count;
+    for (uint32_t d = 0; d < example.ndim; ++d) dims[d + 1] = example.dims[d];
+    return torch::from_blob(data, c10::IntArrayRef(dims, example.ndim + 1), keep, torchType(dtype));
+  };
+  return {view(segment.region<float>(h->data_inputs), h->data_example_shape, ipc::DType::kFloat32),
+          view(segment.region<uint8_t>(h->data_targets), h->data_target_shape,
+               static_cast<ipc::DType>(h->data_target_dtype))};
 }
 
 // One float32 tensor per parameter, laid out over `base` (the parameters, a slot or the

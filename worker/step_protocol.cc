@@ -183,8 +183,7 @@ bool StepParticipant::prepareShard(uint32_t e, Shard* s) {
   s->epoch = e;
   s->rank = rank;
   s->participants = n;
-  s->begin = B * rank / n;
-  s->end = B * (rank + 1) / n;
+  ipc::shardBounds(B, n, rank, &s->begin, &s->end);
   s->max_examples_per_pass = r.max_examples_per_pass;
   s->kind = static_cast<ipc::BatchKind>(r.kind);
   // Alone, this worker's gradient is the result: backward writes into the reduced
@@ -209,8 +208,9 @@ void resolveBatch(const ipc::Segment& seg, Shard* s) {
   const ipc::StepRequest& r = h->request;
   const int64_t n = s->size();
   if (s->kind == ipc::BatchKind::kIndices) {
-    SHMGRAD_CHECK(h->data_count > 0, ErrorKind::kInvalidArgument,
-                  "this engine has no dataset: pass inputs and targets, or start it with --dataset");
+    SHMGRAD_CHECK(
+        h->data_count > 0, ErrorKind::kInvalidArgument,
+        "this engine has no dataset: pass inputs and targets, or start it with --dataset");
     const int64_t* idx = seg.region<int64_t>(h->req_indices) + s->begin;
     for (int64_t i = 0; i < n; ++i) {
       SHMGRAD_CHECK(idx[i] >= 0 && idx[i] < h->data_count, ErrorKind::kInvalidArgument, "index ",
@@ -235,8 +235,10 @@ void resolveBatch(const ipc::Segment& seg, Shard* s) {
   s->target_dtype = static_cast<ipc::DType>(r.target_dtype);
   s->example_shape = &r.example_shape;
   s->target_shape = &r.target_shape;
-  s->inputs = seg.region<uint8_t>(h->req_inputs) + static_cast<uint64_t>(s->begin) * in_numel * in_size;
-  s->targets = seg.region<uint8_t>(h->req_targets) + static_cast<uint64_t>(s->begin) * tg_numel * tg_size;
+  s->inputs =
+      seg.region<uint8_t>(h->req_inputs) + static_cast<uint64_t>(s->begin) * in_numel * in_size;
+  s->targets =
+      seg.region<uint8_t>(h->req_targets) + static_cast<uint64_t>(s->begin) * tg_numel * tg_size;
 }
 
 }  // namespace
@@ -249,7 +251,13 @@ void StepParticipant::computePhase(const Shard& shard, ShardComputer& computer) 
   try {
     Shard s = shard;
     resolveBatch(seg_, &s);
-    const double loss = computer.compute(s);
+    // The passes, for every kind of worker: they bound the activation memory of a large
+    // shard, and the gradient of the sum accumulates in the slot across them.
+    computer.beginShard(s);
+    const int64_t n = s.size();
+    const int64_t pass = s.max_examples_per_pass > 0 ? s.max_examples_per_pass : n;
+    double loss = 0;
+    for (int64_t b = 0; b < n; b += pass) loss += computer.computePass(s, b, std::min(n, b + pass));
     me_.loss_sum = loss;
     me_.nonfinite_loss = std::isfinite(loss) ? 0 : 1;
   } catch (const ShardError& ex) {
@@ -264,7 +272,8 @@ void StepParticipant::computePhase(const Shard& shard, ShardComputer& computer) 
 // wait early.
 bool StepParticipant::barrier(std::atomic<uint32_t>& word, uint32_t e, uint32_t n) {
   const uint64_t deadline =
-      ipc::monotonicNs() + std::chrono::duration_cast<std::chrono::nanoseconds>(kBarrierTimeout).count();
+      ipc::monotonicNs() +
+      std::chrono::duration_cast<std::chrono::nanoseconds>(kBarrierTimeout).count();
   return ipc::barrierWait(
       word, e, n, c_.abort_epoch, deadline,
       [&] { return c_.stop_requested.load(std::memory_order_acquire) == 0 && !coordinatorGone(); },

@@ -35,9 +35,9 @@ inline constexpr std::chrono::seconds kBarrierTimeout{3600};
 // phase sees it. Pointers point into the segment; nothing is copied.
 struct Shard {
   uint32_t epoch = 0;
-  uint32_t rank = 0;           // among the step's participants
+  uint32_t rank = 0;  // among the step's participants
   uint32_t participants = 0;
-  int64_t begin = 0, end = 0;  // examples [begin, end) of the step's batch
+  int64_t begin = 0, end = 0;         // examples [begin, end) of the step's batch
   int64_t max_examples_per_pass = 0;  // > 0: compute in passes of at most this many
   // Multiply the summed loss by this before backward: 1, or 1/B for a mean when this
   // worker is the only participant (its gradient is then the result, see `grads`).
@@ -83,12 +83,16 @@ class ShardError : public std::runtime_error {
 class ShardComputer {
  public:
   virtual ~ShardComputer() = default;
-  // Load the shared buffers (BatchNorm statistics) into the model, then forward and
-  // backward over the shard, gradients accumulated into shard.grads (its
-  // parameters' .grad must view that buffer: rebind when it changes). Returns the loss
-  // summed over the shard's examples, before grad_scale. Throws std::exception when the
-  // model rejects the input; what() reaches the trainer as a WorkerError.
-  virtual double compute(const Shard& shard) = 0;
+  // Before the shard's passes: point the parameters' .grad at shard.grads (rebind when
+  // it changes), load the shared buffers (BatchNorm statistics) into the model and set
+  // its train/eval mode as shard.train says.
+  virtual void beginShard(const Shard& shard) = 0;
+  // Forward and backward over the shard's examples [begin, end) (relative to the shard),
+  // the loss times shard.grad_scale, gradients accumulated into shard.grads. Returns the
+  // loss summed over those examples, before grad_scale. The protocol calls it once per
+  // pass of at most max_examples_per_pass examples. Throws std::exception when the model
+  // rejects the input; what() reaches the trainer as a WorkerError.
+  virtual double computePass(const Shard& shard, int64_t begin, int64_t end) = 0;
   // The step's first participant, after the compute barrier (every participant has
   // loaded the shared buffers by then): store this worker's buffers into the shared
   // ones. Nothing to do for a model without buffers.

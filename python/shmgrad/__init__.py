@@ -1,11 +1,11 @@
 """shmgrad: data-parallel gradients on one machine through shared memory.
 
-An engine (``shmgrad serve``, or :class:`Engine` from Python) runs worker processes that
-each keep their own copy of the model (eager Python workers running the module as it is,
-or C++ workers running a TorchScript file). The model's parameters live in one shared-memory
-buffer; every worker's ``.grad`` tensors are views of its own gradient slot, so backward
-writes gradients straight into shared memory, and the workers then sum the slots in
-place, each a slice. Nothing is pickled or copied per step.
+An engine (``shmgrad serve``, :func:`serve`, or :class:`Engine` from Python) runs worker
+processes that each keep their own copy of the model: eager Python workers running the
+module as it is, or C++ workers running a TorchScript file. The model's parameters live
+in one shared-memory buffer; every worker's ``.grad`` tensors are views of its own
+gradient slot, so backward writes gradients straight into shared memory, and the workers
+then sum the slots in place, each a slice. Nothing is pickled or copied per step.
 
 Typical use::
 
@@ -18,51 +18,90 @@ Typical use::
         for idx in batches:
             stats = engine.gradient(idx, reduction="mean")   # fills model's .grad
             opt.step()                                       # seen by every worker
+
+Public modules: ``shmgrad.errors``, ``shmgrad.schedules`` (adaptive batch sizes),
+``shmgrad.multinode`` (engines on several nodes), ``shmgrad.dask`` (on a Dask cluster,
+imported by its users) and ``shmgrad.testing``. Modules whose names start with ``_`` are
+internal. The benchmarks and the stress test (``shmgrad bench``, ``shmgrad stress``) are
+the separate package ``shmgrad_tools``, which uses only this public API.
 """
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-from .errors import (  # noqa: F401
+from . import errors, multinode, schedules, testing
+from ._client import Client, GradientStats, attach
+from ._eager import example_batch, example_seed, seed_everything, step_seed
+from ._engine import Engine, Server, save_model, serve
+from ._launcher import installed_binary as _installed_binary
+from ._native import _C, build_info
+from ._status import EngineStatus, StepSummary, WorkerStatus, read_status
+from .errors import (
     BusyError,
     ConsistencyError,
     CorruptSegmentError,
     EngineNotFoundError,
+    EngineOSError,
+    EngineTimeoutError,
     Error,
     InvalidArgumentError,
     NodeError,
-    NoSpaceError,
     NonFiniteError,
-    TimeoutError,
+    NoSpaceError,
     WorkerError,
 )
-from ._native import build_info  # noqa: F401
-from .client import Client, GradientStats, attach  # noqa: F401
-from .engine import Engine, save_model  # noqa: F401
-from .eager import example_seed  # noqa: F401
-from .status import EngineStatus, StepSummary, WorkerStatus, read_status  # noqa: F401
-from . import distributed, schedules  # noqa: F401
 
-# The benchmarks (shmgrad.bench) and the stress test (shmgrad.stress) are tools beside the
-# library: importing shmgrad loads neither. shmgrad.dask (engines on a Dask cluster) is
-# imported by its users, and imports Dask's distributed only when it runs.
+
+def heap_environment() -> dict:
+    """glibc's heap settings that shmgrad's workers use (freed memory stays in the heap,
+    so that a step's activations are not handed back to the kernel and faulted in again),
+    as the ``MALLOC_*_`` environment variables that give any process the same settings
+    when it starts: ``subprocess.run(cmd, env={**os.environ, **shmgrad.heap_environment()})``."""
+    return dict(_C.HEAP_ENVIRONMENT)
+
+
+def program(name: str) -> str:
+    """The path of one of the programs that ship in the package: ``"shmgrad"`` (serve,
+    stop, status, ...) or ``"reduce_bench"`` (the reduction benchmark)."""
+    env = {"shmgrad": "SHMGRAD_BINARY", "reduce_bench": "SHMGRAD_REDUCE_BENCH"}
+    if name not in env:
+        raise InvalidArgumentError(f"unknown program {name!r}: use one of {', '.join(env)}")
+    return _installed_binary(name, env[name])
+
 
 __all__ = [
+    # engines
     "Engine",
     "Client",
+    "Server",
+    "serve",
+    "attach",
+    "save_model",
     "GradientStats",
     "EngineStatus",
     "WorkerStatus",
     "StepSummary",
-    "attach",
-    "build_info",
     "read_status",
-    "save_model",
+    # eager workers' data and seeds
+    "example_batch",
     "example_seed",
+    "seed_everything",
+    "step_seed",
+    # the package
+    "build_info",
+    "heap_environment",
+    "program",
+    # modules
+    "errors",
+    "multinode",
+    "schedules",
+    "testing",
+    # errors
     "Error",
     "InvalidArgumentError",
     "EngineNotFoundError",
     "BusyError",
-    "TimeoutError",
+    "EngineTimeoutError",
+    "EngineOSError",
     "WorkerError",
     "CorruptSegmentError",
     "NoSpaceError",

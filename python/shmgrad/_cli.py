@@ -6,7 +6,7 @@ environment has torch and shmgrad."""
 import os
 import sys
 
-from .launcher import installed_binary
+from ._launcher import installed_binary
 
 PYTHON_ENV = "SHMGRAD_PYTHON"  # read by the native program (tools/shmgrad_main.cc)
 

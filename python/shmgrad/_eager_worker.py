@@ -5,19 +5,17 @@ that the launcher pickled once (model, loss, dataset, collate_fn, forward), make
 model's parameters views of the shared parameters and their ``.grad`` views of its slot,
 then hands the step protocol to the native ``StepParticipant`` (the same C++ code as the
 TorchScript worker: wait, barriers, in-place reduction of its slice, with the GIL
-released). Python runs only the compute phase, :meth:`ShardRunner.compute`.
+released), and which also splits each shard into passes. Python runs only the compute:
+:meth:`ShardRunner.begin` once per shard and :meth:`ShardRunner.compute_pass` per pass.
 """
 
-import ctypes
-import os
 import signal
 import sys
 import traceback
 
-from . import _heap
-
 TRACEBACK_FRAMES = 8  # frames of a failing shard's traceback sent to the trainer
-PR_SET_PDEATHSIG = 1
+
+
 def describe(exc: BaseException) -> str:
     """The exception's message and its traceback's last frames, as the trainer shows them."""
     frames = traceback.extract_tb(exc.__traceback__)[-TRACEBACK_FRAMES:]
@@ -33,17 +31,20 @@ class ShardRunner:
 
     def __init__(self, participant, job):
         import torch
-        from . import eager
+        from . import _eager as eager
 
         self._torch = torch
         self._eager = eager
         self.model = job["model"]
         self.loss = eager.resolve_loss(job["loss"])
         self.dataset = job["dataset"]
+        # A dataset spec string (dataset="fashion-mnist"): tensors over the segment.
+        self.segment_data = participant.dataset_views()
         self.forward = job["forward"]
         collate = job["collate_fn"]
         if collate is None:
             from torch.utils.data import default_collate
+
             collate = default_collate
         self.collate = collate
         names = participant.parameter_names()
@@ -51,7 +52,8 @@ class ShardRunner:
         if [n for n, _ in named] != names:
             raise RuntimeError(
                 f"the job's model has parameters {[n for n, _ in named][:5]}... but the engine "
-                f"has {names[:5]}...: the job file does not match this engine")
+                f"has {names[:5]}...: the job file does not match this engine"
+            )
         self.params = [p for _, p in named]
         self.slot_grads = participant.slot_views()
         self.reduced_grads = participant.reduced_views()
@@ -65,8 +67,10 @@ class ShardRunner:
         own = dict(eager.shared_buffers(self.model))
         shared = participant.buffer_views()
         if [n for n, _ in shared] != list(own):
-            raise RuntimeError(f"the job's model has buffers {list(own)[:5]}... but the engine "
-                               f"has {[n for n, _ in shared][:5]}...")
+            raise RuntimeError(
+                f"the job's model has buffers {list(own)[:5]}... but the engine "
+                f"has {[n for n, _ in shared][:5]}..."
+            )
         self.buffers = [(own[n], view) for n, view in shared]
         self.model.train()
         # torch.compile'd in this worker: the compiled module runs the same parameters
@@ -82,10 +86,24 @@ class ShardRunner:
             p.grad = g
         self.grads_in_reduced = in_reduced
 
-    def compute(self, shard):
-        """The shard's summed loss, or (type name, message with traceback) on an error."""
+    def begin(self, shard):
+        """Before the shard's passes; None, or (type name, message with traceback)."""
         try:
-            return self._compute(shard)
+            self._bind_grads(shard.grads_in_reduced)
+            with self._torch.no_grad():
+                for own, shared in self.buffers:
+                    own.copy_(shared)
+            if self.model.training != shard.train:
+                self.model.train(shard.train)
+            return None
+        except Exception as exc:  # any error of the user's code goes to the trainer
+            return (type(exc).__name__, describe(exc))
+
+    def compute_pass(self, shard, start, stop):
+        """One pass over the shard's examples [start, stop): its summed loss, or (type
+        name, message with traceback) on an error. The protocol makes the passes."""
+        try:
+            return self._compute_pass(shard, start, stop)
         except Exception as exc:  # any error of the user's code goes to the trainer
             return (type(exc).__name__, describe(exc))
 
@@ -94,42 +112,42 @@ class ShardRunner:
             for own, shared in self.buffers:
                 shared.copy_(own)
 
-    def _compute(self, shard):
+    def _compute_pass(self, shard, start, stop):
         torch = self._torch
-        self._bind_grads(shard.grads_in_reduced)
-        with torch.no_grad():
-            for own, shared in self.buffers:
-                own.copy_(shared)
-        if self.model.training != shard.train:
-            self.model.train(shard.train)
-        n = shard.end - shard.begin
-        per_pass = shard.max_examples_per_pass if shard.max_examples_per_pass > 0 else n
-        total = 0.0
-        for start in range(0, n, per_pass):
-            stop = min(n, start + per_pass)
-            batch = self._batch(shard, start, stop)
-            if self.forward is not None:
-                loss = self.forward(self.run_model, batch)
-            else:
-                loss = self.loss(self.run_model(batch[0]), batch[1])
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise TypeError(
-                    "the loss must be one number, the sum over the batch; got "
-                    + (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
-                       else type(loss).__name__)
-                    + " (use reduction='sum')")
-            (loss * shard.grad_scale if shard.grad_scale != 1.0 else loss).backward()
-            total += float(loss.detach())
-        return total
+        batch = self._batch(shard, start, stop)
+        if self.forward is not None:
+            loss = self.forward(self.run_model, batch)
+        else:
+            loss = self.loss(self.run_model(batch[0]), batch[1])
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise TypeError(
+                "the loss must be one number, the sum over the batch; got "
+                + (
+                    f"a tensor of shape {tuple(loss.shape)}"
+                    if isinstance(loss, torch.Tensor)
+                    else type(loss).__name__
+                )
+                + " (use reduction='sum')"
+            )
+        (loss * shard.grad_scale if shard.grad_scale != 1.0 else loss).backward()
+        return float(loss.detach())
 
     def _batch(self, shard, start, stop):
         if shard.kind == "explicit":
             return (shard.inputs[start:stop], shard.targets[start:stop])
+        if self.dataset is None and self.segment_data is not None:
+            idx = shard.indices[start:stop]
+            return (
+                self.segment_data[0].index_select(0, idx),
+                self.segment_data[1].index_select(0, idx),
+            )
         if self.dataset is None:
-            raise ValueError("this engine has no dataset: pass inputs= and targets=, or start "
-                             "it with dataset=")
-        return self._eager.example_batch(self.dataset, shard.indices[start:stop].tolist(),
-                                         shard.seed, self.collate)
+            raise ValueError(
+                "this engine has no dataset: pass inputs= and targets=, or start it with dataset="
+            )
+        return self._eager.example_batch(
+            self.dataset, shard.indices[start:stop].tolist(), shard.seed, self.collate
+        )
 
 
 def main(argv) -> int:
@@ -137,13 +155,12 @@ def main(argv) -> int:
         print("shmgrad._eager_worker is started by `shmgrad serve`, not by hand", file=sys.stderr)
         return 2
     name, slot, ppid = argv[1], int(argv[2]), int(argv[3])
-    # Die with the coordinator; the check after it covers the race where it died first.
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    _heap.keep_freed_memory(libc)  # as the TorchScript worker does
     from ._native import _C
-    if os.getppid() != ppid:
+
+    # The process set-up every kind of worker shares (worker/process.h).
+    if not _C.die_with_parent(ppid):
         return _C.EXIT_COORDINATOR_GONE
+    _C.keep_freed_memory()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C goes to serve, which stops us
     try:
         participant = _C.StepParticipant(name, slot, ppid)
@@ -151,10 +168,9 @@ def main(argv) -> int:
         print(f"shmgrad eager worker {slot}: cannot map the engine: {exc}", file=sys.stderr)
         return _C.EXIT_STARTUP_FAILED
     try:
-        import torch
-        torch.set_num_threads(max(1, participant.threads_per_worker))
-        torch.set_num_interop_threads(1)  # as the TorchScript worker
-        from .eager import load_job
+        _C.configure_threads(participant.threads_per_worker)
+        from ._eager import load_job
+
         runner = ShardRunner(participant, load_job(participant.job_path))
     except Exception as exc:
         text = f"eager worker start-up failed: {type(exc).__name__}: {describe(exc)}"
@@ -163,7 +179,7 @@ def main(argv) -> int:
         return _C.EXIT_STARTUP_FAILED
     if not participant.become_ready():
         return _C.EXIT_STOPPED  # retired while starting
-    return participant.serve(runner.compute, runner.publish_buffers)
+    return participant.serve(runner.begin, runner.compute_pass, runner.publish_buffers)
 
 
 if __name__ == "__main__":

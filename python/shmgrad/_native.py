@@ -23,7 +23,23 @@ if _release(_built["torch"]) != _release(torch.__version__):  # pragma: no cover
         f"shmgrad was built against torch {_built['torch']} but this Python imports torch "
         f"{torch.__version__}: C++ extensions only load into the torch they were built "
         "against. Reinstall shmgrad here: pip install --no-build-isolation --force-reinstall "
-        "--no-deps .")
+        "--no-deps ."
+    )
+
+
+# The engine's defaults and environment tunables, declared once in ipc/config.h.
+DEFAULTS = dict(_C.DEFAULTS)
+TUNABLES = {name: (default, meaning) for name, default, meaning in _C.TUNABLES}
+
+
+def tunable(name: str):
+    """The value of a declared environment tunable, or None when it is unset. Reading one
+    that ipc/config.h's kTunables does not declare is a bug."""
+    import os
+
+    if name not in TUNABLES:
+        raise KeyError(f"{name} is not declared in ipc/config.h's kTunables: declare it there")
+    return os.environ.get(name) or None
 
 
 def build_info() -> dict:

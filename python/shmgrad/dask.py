@@ -13,17 +13,23 @@ import time
 import uuid
 from typing import Callable, List
 
-from . import distributed as nodes
+from . import multinode as nodes
 from . import errors
 
-POLL_S = 0.2                 # how often run() looks at its tasks and the cluster's workers
-ABANDON_MARGIN_S = 30.0      # after a rank failed, the others get the group's timeout + this
-SETUP_TIMEOUT_S = 60.0       # the small set-up calls (worker pids, the free port)
+POLL_S = 0.2  # how often run() looks at its tasks and the cluster's workers
+ABANDON_MARGIN_S = 30.0  # after a rank failed, the others get the group's timeout + this
+SETUP_TIMEOUT_S = 60.0  # the small set-up calls (worker pids, the free port)
 RANK_KEY_PREFIX = "shmgrad-rank"
 
 
-def run(client, fn: Callable, *args, per_host: bool = False,
-        timeout: float = nodes.DEFAULT_TIMEOUT_S, **kwargs) -> List:
+def run(
+    client,
+    fn: Callable,
+    *args,
+    per_host: bool = False,
+    timeout: float = nodes.DEFAULT_TIMEOUT_S,
+    **kwargs,
+) -> List:
     """Runs ``fn(*args, **kwargs)`` once per Dask worker of ``client``'s cluster (once per
     host with ``per_host=True``: on the first worker of each host, by address), each call
     with ``torch.distributed`` initialised: backend gloo, rank = the worker's place in
@@ -47,7 +53,8 @@ def run(client, fn: Callable, *args, per_host: bool = False,
 
     if not isinstance(client, distributed.Client):
         raise errors.InvalidArgumentError(
-            f"run needs a distributed.Client, got {type(client).__name__}")
+            f"run needs a distributed.Client, got {type(client).__name__}"
+        )
     if not callable(fn):
         raise errors.InvalidArgumentError(f"run needs a callable, got {type(fn).__name__}")
     if not timeout > 0:
@@ -57,14 +64,29 @@ def run(client, fn: Callable, *args, per_host: bool = False,
     world = len(workers)
     master = workers[0][1]
     loopback = all(_is_loopback(host) for _, host in workers)
-    port = client.submit(_free_port, master, workers=[workers[0][0]], allow_other_workers=False,
-                         pure=False).result(timeout=SETUP_TIMEOUT_S)
+    port = client.submit(
+        _free_port, master, workers=[workers[0][0]], allow_other_workers=False, pure=False
+    ).result(timeout=SETUP_TIMEOUT_S)
     tag = uuid.uuid4().hex[:12]
     futures = [
-        client.submit(_rank_main, fn, rank, world, master, port, timeout, loopback, args,
-                      kwargs, workers=[address], allow_other_workers=False, pure=False,
-                      key=f"{RANK_KEY_PREFIX}-{tag}-{rank}")
-        for rank, (address, _) in enumerate(workers)]
+        client.submit(
+            _rank_main,
+            fn,
+            rank,
+            world,
+            master,
+            port,
+            timeout,
+            loopback,
+            args,
+            kwargs,
+            workers=[address],
+            allow_other_workers=False,
+            pure=False,
+            key=f"{RANK_KEY_PREFIX}-{tag}-{rank}",
+        )
+        for rank, (address, _) in enumerate(workers)
+    ]
     try:
         _wait(client, futures, [a for a, _ in workers], timeout + ABANDON_MARGIN_S)
     except BaseException:
@@ -75,15 +97,26 @@ def run(client, fn: Callable, *args, per_host: bool = False,
         if f.status == "error":
             failures.append((rank, f.exception(), f.traceback()))
         elif f.status != "finished":
-            failures.append((rank, errors.NodeError(
-                f"shmgrad.dask.run: rank {rank} (worker {workers[rank][0]}) never finished: "
-                "its worker left the cluster", rank=rank), None))
+            failures.append(
+                (
+                    rank,
+                    errors.NodeError(
+                        f"shmgrad.dask.run: rank {rank} (worker {workers[rank][0]}) "
+                        "never finished: "
+                        "its worker left the cluster",
+                        rank=rank,
+                    ),
+                    None,
+                )
+            )
     if failures:
         client.cancel(futures)
         rank, exc, tb = _root_cause(failures)
         if hasattr(exc, "add_note"):
-            exc.add_note(f"(raised by shmgrad.dask.run's rank {rank} of {world}, on worker "
-                         f"{workers[rank][0]})")
+            exc.add_note(
+                f"(raised by shmgrad.dask.run's rank {rank} of {world}, on worker "
+                f"{workers[rank][0]})"
+            )
         raise exc.with_traceback(tb)
     return client.gather(futures)
 
@@ -113,7 +146,8 @@ def _check_separate_processes(client, workers):
         raise errors.InvalidArgumentError(
             f"shmgrad.dask.run: workers {shared[0]} are one process, and torch.distributed has "
             "one default group per process: start the cluster with processes=True (or use "
-            "per_host=True)")
+            "per_host=True)"
+        )
 
 
 def _wait(client, futures, addresses, grace):
@@ -148,12 +182,17 @@ def _rank_main(fn, rank, world, master, port, timeout, loopback, args, kwargs):
     if dist.is_initialized():
         raise errors.InvalidArgumentError(
             f"rank {rank}: torch.distributed is already initialised in this Dask worker "
-            "(another shmgrad.dask.run, or a task of its own, is running here)")
+            "(another shmgrad.dask.run, or a task of its own, is running here)"
+        )
     if loopback:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank on this machine
-    dist.init_process_group("gloo", init_method=f"tcp://{_url_host(master)}:{port}",
-                            rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{_url_host(master)}:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout),
+    )
     try:
         return fn(*args, **kwargs)
     finally:

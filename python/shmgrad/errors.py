@@ -14,11 +14,13 @@ class EngineNotFoundError(Error, LookupError):
 
 
 class BusyError(Error):
-    """Another trainer holds the engine (the message names its pid), or it belongs to another user."""
+    """Another trainer holds the engine (the message names its pid), or it belongs to
+    another user."""
 
 
-class TimeoutError(Error, TimeoutError):  # noqa: A001 - deliberately shadows the builtin in this module
-    """A wait ran past its timeout. The engine keeps serving."""
+class EngineTimeoutError(Error, TimeoutError):
+    """A wait ran past its timeout. The engine keeps serving. A subclass of Python's
+    ``TimeoutError``, so ``except TimeoutError`` catches it too."""
 
 
 class WorkerError(Error, RuntimeError):
@@ -31,7 +33,8 @@ class CorruptSegmentError(Error):
 
 
 class NoSpaceError(Error, MemoryError):
-    """/dev/shm cannot hold the engine's segment; the message says how much was asked and is free."""
+    """/dev/shm cannot hold the engine's segment; the message says how much was asked
+    and is free."""
 
 
 class NonFiniteError(Error, ArithmeticError):
@@ -59,20 +62,20 @@ class ConsistencyError(Error):
         self.rank = rank
 
 
-class SystemError(Error, OSError):  # noqa: A001
-    """An operating-system call failed."""
+class EngineOSError(Error, OSError):
+    """An operating-system call failed (a subclass of ``OSError``)."""
 
 
 _BY_KIND = {
     "InvalidArgument": InvalidArgumentError,
     "NotFound": EngineNotFoundError,
     "Busy": BusyError,
-    "Timeout": TimeoutError,
+    "Timeout": EngineTimeoutError,
     "WorkerFailed": WorkerError,
     "Corrupt": CorruptSegmentError,
     "NoSpace": NoSpaceError,
     "NonFinite": NonFiniteError,
-    "System": SystemError,
+    "System": EngineOSError,
 }
 
 

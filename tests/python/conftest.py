@@ -10,12 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-import shmgrad
 
 # The `shmgrad` command of the environment under test (its bin/, as an activated virtual
 # environment would put it on the PATH).
 os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-from shmgrad._numerics import relative_error  # noqa: F401  (the tests' one comparison)
+from shmgrad.testing import relative_error  # noqa: F401  (the tests' one comparison)
 
 
 class Mlp(torch.nn.Module):
@@ -48,9 +47,11 @@ def reference_gradient(model, loss, inputs, targets, reduction="sum"):
     m = copy.deepcopy(model)
     m.zero_grad()
     out = m(inputs)
-    fn = {"cross_entropy": torch.nn.functional.cross_entropy,
-          "nll": torch.nn.functional.nll_loss,
-          "mse": torch.nn.functional.mse_loss}[loss]
+    fn = {
+        "cross_entropy": torch.nn.functional.cross_entropy,
+        "nll": torch.nn.functional.nll_loss,
+        "mse": torch.nn.functional.mse_loss,
+    }[loss]
     fn(out, targets, reduction=reduction).backward()
     return [p.grad.clone() for p in m.parameters()]
 
@@ -64,7 +65,7 @@ def proc_stat(pid):
     """The fields of /proc/PID/stat after the command name: [0] state, [7] minor faults."""
     with open(f"/proc/{pid}/stat") as f:
         stat = f.read()
-    return stat[stat.rindex(")") + 2:].split()
+    return stat[stat.rindex(")") + 2 :].split()
 
 
 def segments():
@@ -73,8 +74,16 @@ def segments():
 
 # Engines the tests create: unnamed ones are "py<pid>-<n>" (pid of this process), named
 # ones use these names. (Other processes' engines on the machine are not ours to judge.)
-TEST_ENGINE_NAMES = ("side-a", "side-b", "cli-engine", "trainer-kill", "coord-kill", "stranger",
-                     "corrupt-test", "stress-test")
+TEST_ENGINE_NAMES = (
+    "side-a",
+    "side-b",
+    "cli-engine",
+    "trainer-kill",
+    "coord-kill",
+    "stranger",
+    "corrupt-test",
+    "stress-test",
+)
 
 
 def ours(path):
@@ -103,5 +112,7 @@ def npy_dataset(tmp_path):
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "newest_torch_only: run against the newest torch only (tools/test.sh "
-        "leaves these out for the oldest supported one: the wheel build, long benchmarks)")
+        "markers",
+        "newest_torch_only: run against the newest torch only (tools/test.sh "
+        "leaves these out for the oldest supported one: the wheel build, long benchmarks)",
+    )

@@ -18,8 +18,12 @@ def _finite_positive(x):
 def test_quick_tiny_bench(tmp_path):
     out = tmp_path / "bench"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "shmgrad.bench", "--quick", "--tiny", "--out", str(out)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(tmp_path))
+        [sys.executable, "-m", "shmgrad_tools.bench", "--quick", "--tiny", "--out", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=str(tmp_path),
+    )
     try:
         log, _ = proc.communicate(timeout=240)
     finally:
@@ -41,7 +45,9 @@ def test_quick_tiny_bench(tmp_path):
     records = result["results"]
     assert not [r for r in records if "error" in r], log
     for workers in (1, 2):
-        got = {r["system"] for r in records if r["workers"] == workers or r["system"] == "single-1t"}
+        got = {
+            r["system"] for r in records if r["workers"] == workers or r["system"] == "single-1t"
+        }
         assert EXPECTED_SYSTEMS <= got, (workers, got)
     for r in records:
         assert r["model"] == "tiny" and r["batch"] == 128
@@ -65,19 +71,41 @@ def test_quick_tiny_bench(tmp_path):
     for r in reductions:
         assert "error" not in r, r
         assert r["correct"] is True
-        assert _finite_positive(r["reduce_gbps_median"]) and _finite_positive(r["memcpy_gbps_median"])
+        assert _finite_positive(r["reduce_gbps_median"]) and _finite_positive(
+            r["memcpy_gbps_median"]
+        )
 
     assert result["targets"], "the issue's targets were not evaluated"
 
 
 def test_help_documents_every_option():
-    p = subprocess.run([sys.executable, "-m", "shmgrad.bench", "--help"], capture_output=True,
-                       text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "shmgrad_tools.bench", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 0, p.stderr
-    for opt in ("--models", "--batch-sizes", "--workers", "--repeats", "--warmup", "--budget",
-                "--systems", "--reduce-floats", "--reduce-repeats", "--timeout", "--seed",
-                "--quick", "--tiny", "--out", "--nodes", "--paired", "--pin",
-                "--bucket-cap-mb"):
+    for opt in (
+        "--models",
+        "--batch-sizes",
+        "--workers",
+        "--repeats",
+        "--warmup",
+        "--budget",
+        "--systems",
+        "--reduce-floats",
+        "--reduce-repeats",
+        "--timeout",
+        "--seed",
+        "--quick",
+        "--tiny",
+        "--out",
+        "--nodes",
+        "--paired",
+        "--pin",
+        "--bucket-cap-mb",
+    ):
         assert opt in p.stdout, opt
 
 
@@ -85,39 +113,89 @@ def test_node_options_without_nodes_are_refused(tmp_path):
     """--paired, --pin and --bucket-cap-mb mean nothing on one node: refused, naming the
     fix, before anything runs (no output directory)."""
     out = tmp_path / "never"
-    p = subprocess.run([sys.executable, "-m", "shmgrad.bench", "--tiny", "--paired", "--pin",
-                        "--out", str(out)], capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shmgrad_tools.bench",
+            "--tiny",
+            "--paired",
+            "--pin",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode != 0
     assert "--paired, --pin" in p.stderr and "add --nodes K" in p.stderr, p.stderr
     assert not out.exists()
 
 
 def test_feed_breakdown_tiny():
-    """`python3 -m shmgrad.bench.feed` (the step breakdown behind BENCHMARKS.md's MLP b512
+    """`python3 -m shmgrad_tools.bench.feed` (the step breakdown behind BENCHMARKS.md's MLP b512
     N=1 analysis) runs, times every kind of step and finds the three gradients equal."""
     proc = subprocess.run(
-        [sys.executable, "-m", "shmgrad.bench.feed", "--model", "tiny", "--batch", "64",
-         "--steps", "5", "--warmup", "2", "--batches", "3"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "shmgrad_tools.bench.feed",
+            "--model",
+            "tiny",
+            "--batch",
+            "64",
+            "--steps",
+            "5",
+            "--warmup",
+            "2",
+            "--batches",
+            "3",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout
     lines = proc.stdout.splitlines()
     for label in ("eager, 1 thread", "shmgrad inputs=", "shmgrad indices=", "copying the batch"):
-        line = next((l for l in lines if l.strip().startswith(label)), None)
+        line = next((ln for ln in lines if ln.strip().startswith(label)), None)
         assert line is not None, (label, proc.stdout)
         assert _finite_positive(float(line.split(label)[1].split()[0])), line
     assert "inputs= " in lines[-1] and "indices= " in lines[-1], proc.stdout
 
 
 def test_augment_tiny(tmp_path):
-    """`python3 -m shmgrad.bench.augment` (BENCHMARKS.md's augmentation numbers) runs both
+    """`python3 -m shmgrad_tools.bench.augment` (BENCHMARKS.md's augmentation numbers) runs both
     loops on examples/train_augmented.py's pipeline, finds their gradients equal and
     reports a ratio."""
     out = tmp_path / "augment.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "shmgrad.bench.augment", "--models", "cnn", "--batch-size", "16",
-         "--steps", "2", "--warmup", "1", "--train-examples", "200", "--json", str(out),
-         "--examples", os.path.join(os.path.dirname(__file__), "..", "..", "examples")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
+        [
+            sys.executable,
+            "-m",
+            "shmgrad_tools.bench.augment",
+            "--models",
+            "cnn",
+            "--batch-size",
+            "16",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--train-examples",
+            "200",
+            "--json",
+            str(out),
+            "--examples",
+            os.path.join(os.path.dirname(__file__), "..", "..", "examples"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout
     assert "transforms in the workers" in proc.stdout and "target >= 1.6x" in proc.stdout
     assert "parallel speedup of the transforms" in proc.stdout, proc.stdout
@@ -128,7 +206,10 @@ def test_augment_tiny(tmp_path):
     # The bound (T + C) / (T / S + C) lies in (1, S] for any positive T and C.
     assert 0 < r["parallel_speedup"] < 8, r
     assert 1 < r["ratio_bound_ideal"] <= 2 + 1e-9, r
-    assert min(1.0, r["parallel_speedup"]) - 1e-9 <= r["ratio_bound"] <= max(
-        1.0, r["parallel_speedup"]) + 1e-9, r
+    assert (
+        min(1.0, r["parallel_speedup"]) - 1e-9
+        <= r["ratio_bound"]
+        <= max(1.0, r["parallel_speedup"]) + 1e-9
+    ), r
     for loop in ("workers", "trainer"):
         assert _finite_positive(r["examples_per_s"][loop]), r

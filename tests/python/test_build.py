@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import shmgrad
-from shmgrad import eager
+from shmgrad import _eager as eager
 
 from conftest import Mlp, reference_gradient, relative_error
 
@@ -41,15 +41,20 @@ def _cmake_sources():
 
 
 def _tree_sources():
-    return {f"{pkg}/{name}" for pkg in PRODUCT_PACKAGES
-            for name in os.listdir(os.path.join(ROOT, pkg)) if name.endswith(".cc")}
+    return {
+        f"{pkg}/{name}"
+        for pkg in PRODUCT_PACKAGES
+        for name in os.listdir(os.path.join(ROOT, pkg))
+        if name.endswith(".cc")
+    }
 
 
 def test_bazel_and_cmake_compile_the_same_sources():
     bazel, cmake, tree = _bazel_sources(), _cmake_sources(), _tree_sources()
     assert bazel, "no sources found in the BUILD files: the parser is broken"
-    assert bazel == cmake, (f"only in Bazel: {sorted(bazel - cmake)}; "
-                            f"only in CMakeLists.txt: {sorted(cmake - bazel)}")
+    assert bazel == cmake, (
+        f"only in Bazel: {sorted(bazel - cmake)}; only in CMakeLists.txt: {sorted(cmake - bazel)}"
+    )
     assert tree == bazel, f"built by neither: {sorted(tree - bazel)}"
 
 
@@ -73,8 +78,15 @@ def test_auto_mode_follows_the_torchscript_deprecation():
         # shmgrad's own code must not trigger TorchScript's deprecation warnings.
         warnings.simplefilter("error", FutureWarning)
         warnings.simplefilter("error", DeprecationWarning)
-        mode, why = eager.choose_mode("auto", model=Mlp(), loss="cross_entropy", dataset=None,
-                                      collate_fn=None, forward=None, loss_names=["cross_entropy"])
+        mode, why = eager.choose_mode(
+            "auto",
+            model=Mlp(),
+            loss="cross_entropy",
+            dataset=None,
+            collate_fn=None,
+            forward=None,
+            loss_names=["cross_entropy"],
+        )
     if eager.torchscript_deprecated():
         assert mode == "eager" and "deprecates TorchScript" in why and torch.__version__ in why
     else:
@@ -113,7 +125,10 @@ def test_script_mode_still_works_when_asked(tmp_path):
         warnings.simplefilter("ignore", FutureWarning)
         path = shmgrad.save_model(model, tmp_path / "m.pt")
     with shmgrad.Engine(model=str(path), workers=2, loss="cross_entropy") as engine:
-        assert engine.mode == "script" and engine.mode_reason == "auto: the model is a TorchScript file"
+        assert (
+            engine.mode == "script"
+            and engine.mode_reason == "auto: the model is a TorchScript file"
+        )
         engine.bind(model)
         engine.gradient(inputs=x, targets=y)
         assert relative_error([p.grad for p in model.parameters()], expected) < 1e-6
@@ -141,7 +156,7 @@ def test_default_zero_grad_sets_none_and_the_next_gradient_relinks(mode):
         engine = shmgrad.Engine(model=model, workers=2, loss="cross_entropy", mode=mode)
     with engine:
         engine.bind(model)
-        for step in range(3):
+        for _ in range(3):
             x, y = torch.randn(16, 20), torch.randint(0, 5, (16,))
             opt.zero_grad()
             assert all(p.grad is None for p in model.parameters())
@@ -158,14 +173,31 @@ def test_wheel_installs_outside_the_checkout_and_works_from_anywhere(tmp_path):
     py = sys.executable
     wheels = tmp_path / "wheels"
     build_dir = os.path.join(ROOT, "build", f"torch-{torch.__version__}")  # setup.sh's: incremental
-    subprocess.run([py, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps",
-                    f"--config-settings=build-dir={build_dir}", "-w", str(wheels), ROOT],
-                   check=True, timeout=900)
+    subprocess.run(
+        [
+            py,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-build-isolation",
+            "--no-deps",
+            f"--config-settings=build-dir={build_dir}",
+            "-w",
+            str(wheels),
+            ROOT,
+        ],
+        check=True,
+        timeout=900,
+    )
     [wheel] = list(wheels.glob("shmgrad-*.whl"))
     site = tmp_path / "site"
-    subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site),
-                    str(wheel)], check=True, timeout=300)
-    for f in ("shmgrad/bin/shmgrad", "shmgrad/bin/reduce_bench"):
+    subprocess.run(
+        [py, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
+        check=True,
+        timeout=300,
+    )
+    for f in ("shmgrad/bin/shmgrad", "shmgrad/bin/shmgrad-worker", "shmgrad/bin/reduce_bench"):
         assert os.access(site / f, os.X_OK), f"{f} is not in the wheel"
     assert list((site / "shmgrad").glob("_C*.so")), "the extension is not in the wheel"
     elsewhere = tmp_path / "elsewhere"
@@ -188,12 +220,14 @@ for mode in ("eager", "script"):
     with e:
         e.bind(m)
         e.gradient(inputs=x, targets=y)
-        err = max(float((p.grad - r.grad).abs().max()) for p, r in zip(m.parameters(), ref.parameters()))
+        pairs = zip(m.parameters(), ref.parameters())
+        err = max(float((p.grad - r.grad).abs().max()) for p, r in pairs)
         assert err < 1e-5, (mode, err)
         print("exact", mode, e.status().worker_kind)
 """
-    out = subprocess.run([py, "-c", script], cwd=elsewhere, env=env, capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run(
+        [py, "-c", script], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "exact eager eager" in out.stdout and "exact script script" in out.stdout
     # The command: serve, status, stop, with the TorchScript model saved here.
@@ -203,28 +237,58 @@ for mode in ("eager", "script"):
         warnings.simplefilter("ignore", FutureWarning)
         shmgrad.save_model(Mlp(), model_path)
     name = f"wheel-{os.getpid()}"
-    serve = subprocess.Popen([py, cli, "serve", "--name", name, "--model", str(model_path),
-                              "--workers", "2", "--loss", "cross_entropy"], cwd=elsewhere,
-                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    serve = subprocess.Popen(
+        [
+            py,
+            cli,
+            "serve",
+            "--name",
+            name,
+            "--model",
+            str(model_path),
+            "--workers",
+            "2",
+            "--loss",
+            "cross_entropy",
+        ],
+        cwd=elsewhere,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         status = ""
         for _ in range(300):
-            st = subprocess.run([py, cli, "status", name], cwd=elsewhere, env=env,
-                                capture_output=True, text=True, timeout=60)
+            st = subprocess.run(
+                [py, cli, "status", name],
+                cwd=elsewhere,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             status = st.stdout
             if st.returncode == 0 and "serving" in status:
                 break
             assert serve.poll() is None, serve.stdout.read()
             time.sleep(0.2)
         assert "serving" in status, status
-        stop = subprocess.run([py, cli, "stop", name], cwd=elsewhere, env=env,
-                              capture_output=True, text=True, timeout=60)
+        stop = subprocess.run(
+            [py, cli, "stop", name],
+            cwd=elsewhere,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert stop.returncode == 0, stop.stdout + stop.stderr
-        assert serve.wait(timeout=60) == 0
+        serve.communicate(timeout=60)  # waits, and closes its output pipe
+        assert serve.returncode == 0
     finally:
         if serve.poll() is None:
             serve.kill()
-            serve.wait()
+        serve.communicate()
 
 
 def test_torch_compile_in_eager_workers_gives_exact_gradients():
@@ -246,8 +310,12 @@ def test_torch_compile_in_eager_workers_gives_exact_gradients():
             engine.gradient(inputs=x, targets=y, reduction="mean")
             ref_opt.zero_grad()
             torch.nn.functional.cross_entropy(ref(x), y).backward()
-            assert relative_error([p.grad for p in model.parameters()],
-                                  [p.grad for p in ref.parameters()]) < 1e-5
+            assert (
+                relative_error(
+                    [p.grad for p in model.parameters()], [p.grad for p in ref.parameters()]
+                )
+                < 1e-5
+            )
             opt.step()
             ref_opt.step()
     with pytest.raises(shmgrad.InvalidArgumentError, match="mode='eager'"):
@@ -265,22 +333,94 @@ def test_device_check_prepares_and_dry_runs(tmp_path):
     assert prep.returncode == 0, prep.stdout + prep.stderr
     assert 'carry: [".device"]' in prep.stdout and "tools/device-check --run" in prep.stdout
     device = os.path.join(ROOT, ".device")
-    assert os.path.exists(os.path.join(device, "include", "boost", "interprocess",
-                                       "shared_memory_object.hpp"))
+    assert os.path.exists(
+        os.path.join(device, "include", "boost", "interprocess", "shared_memory_object.hpp")
+    )
     assert os.path.exists(os.path.join(device, "include", "CLI", "CLI.hpp"))
     assert any(w.startswith("distributed-") for w in os.listdir(os.path.join(device, "wheels")))
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(device) for f in fs)
     assert size < 64 << 20
     out = tmp_path / "out"
-    run = subprocess.run([script, "--run", "--dry-run", "--out", str(out)], capture_output=True,
-                         text=True, timeout=900)
+    run = subprocess.run(
+        [script, "--run", "--dry-run", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     with open(out / "report.json") as f:
         report = json.load(f)
-    assert report["steps"] == {"build": 0, "tests": 0, "bench": 0}
+    assert report["steps"] == {"build": 0, "tests": 0, "bench": 0, "adaptive": 0}
+    # The adaptive example ran shortened and compared arrival with arrival.
+    adaptive = report["adaptive"]
+    assert adaptive["exit"] in (0, 1) and adaptive["summary"]["exit_status"] == adaptive["exit"]
+    assert "like for like, to the same target" in adaptive["summary_text"]
+    assert adaptive["summary"]["fixed_at_end"]["epoch"] == 2
     with open(out / "bench" / "results.json") as f:
         systems = {r["system"] for r in json.load(f)["results"]}
     assert {"single", "shmgrad", "ddp"} <= systems
-    assert "Process settings: alike" in (out / "report.md").read_text()
+    report_md = (out / "report.md").read_text()
+    assert "Process settings: alike" in report_md
+    assert "## Adaptive batches, like for like" in report_md
     gpu = subprocess.run([script, "--gpu"], capture_output=True, text=True, timeout=60)
     assert gpu.returncode != 0 and "CUDA path is not built" in gpu.stderr
+
+
+def test_defaults_and_tunables_are_declared_once():
+    # ipc/config.h declares every environment variable shmgrad reads; docs/DESIGN.md's
+    # table and every read in the sources agree with it, and Python's defaults come from it.
+    import inspect
+
+    from shmgrad._native import DEFAULTS, TUNABLES, _C, tunable
+
+    declared = {name: (default, meaning) for name, default, meaning in _C.TUNABLES}
+    assert declared == TUNABLES
+    with open(os.path.join(ROOT, "docs", "DESIGN.md")) as f:
+        rows = re.findall(r"^\| `(SHMGRAD_[A-Z_]+)` \| (.*?) \| (.*?) \|$", f.read(), re.M)
+    assert {n: (d, m) for n, d, m in rows} == declared
+    read = re.compile(r"""(?:getenv|tunable|environ\.get|environ\[)\(?\s*["'](SHMGRAD_[A-Z_]+)""")
+    found = set()
+    for folder in ("engine", "ipc", "worker", "tools", "python"):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, folder)):
+            for name in files:
+                if name.endswith((".cc", ".h", ".py")):
+                    with open(os.path.join(dirpath, name)) as f:
+                        found |= set(read.findall(f.read()))
+    assert found and found <= set(declared), found - set(declared)
+    with pytest.raises(KeyError, match="not declared"):
+        tunable("SHMGRAD_NOT_A_TUNABLE")
+    sig = inspect.signature(shmgrad.Engine.__init__).parameters
+    for key in ("max_batch", "input_capacity_mb", "startup_timeout", "threads_per_worker"):
+        assert sig[key].default == DEFAULTS[key], key
+    assert DEFAULTS["max_batch"] == 65536 and DEFAULTS["startup_timeout"] == 120
+
+
+def _needed(path):
+    out = subprocess.run(["readelf", "-d", path], capture_output=True, text=True, check=True)
+    return re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", out.stdout)
+
+
+def test_the_coordinator_links_no_libtorch():
+    # `shmgrad` (the CLI and the coordinator) describes models through shmgrad-worker, the
+    # one program that links libtorch; the check sees libtorch where it is linked.
+    bin_dir = os.path.dirname(shmgrad.program("shmgrad"))
+    torch_libs = ("libtorch", "libc10")
+    cli = _needed(os.path.join(bin_dir, "shmgrad"))
+    worker = _needed(os.path.join(bin_dir, "shmgrad-worker"))
+    assert cli and not [lib for lib in cli if lib.startswith(torch_libs)], cli
+    assert [lib for lib in worker if lib.startswith(torch_libs)], worker
+    # serve of a file that is not TorchScript: the describer's error, as before.
+    bad = subprocess.run(
+        [
+            shmgrad.program("shmgrad"),
+            "serve",
+            "--name",
+            f"nolib-{os.getpid()}",
+            "--model",
+            __file__,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode != 0 and "InvalidArgument" in bad.stderr, bad.stderr

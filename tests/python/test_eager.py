@@ -14,7 +14,7 @@ from torch import nn
 
 import shmgrad
 from conftest import relative_error, segments
-from test_faults import GradientCall, wait_for, wait_until_busy
+from test_faults import GradientCall, wait_until_busy
 
 
 class Unscriptable(nn.Module):
@@ -23,7 +23,9 @@ class Unscriptable(nn.Module):
 
     def __init__(self, d_in=6, hidden=10, d_out=3):
         super().__init__()
-        self.blocks = nn.ModuleDict({"in": nn.Linear(d_in, hidden), "out": nn.Linear(hidden, d_out)})
+        self.blocks = nn.ModuleDict(
+            {"in": nn.Linear(d_in, hidden), "out": nn.Linear(hidden, d_out)}
+        )
         self.act = lambda t: torch.tanh(t) * 1.5
         self.order = ["in", "out"]
 
@@ -61,7 +63,7 @@ class NoisyDataset(torch.utils.data.Dataset):
 
 def reference(model, loss, dataset, indices, seed, reduction="sum", collate=None):
     """The same step in this process, with the same seeding."""
-    x, y = shmgrad.eager.example_batch(dataset, indices, seed, collate)
+    x, y = shmgrad.example_batch(dataset, indices, seed, collate)
     model.zero_grad(set_to_none=True)
     out = loss(model(x), y)
     (out / len(indices) if reduction == "mean" else out).backward()
@@ -86,13 +88,14 @@ def test_example_seed_is_documented_and_in_range():
 
 
 def test_unscriptable_model_custom_loss_dataset_transforms_match_one_process():
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 - whatever TorchScript raises
         torch.jit.script(Unscriptable())
     torch.manual_seed(0)
     model, ds = Unscriptable(), NoisyDataset()
     dirs_before = eager_dirs()
-    with shmgrad.Engine(model=model, loss=smooth_loss, dataset=ds, workers=2,
-                        max_workers=3) as engine:
+    with shmgrad.Engine(
+        model=model, loss=smooth_loss, dataset=ds, workers=2, max_workers=3
+    ) as engine:
         assert engine.mode == "eager" and engine.status().worker_kind == "eager"
         assert engine.dataset_size == len(ds)
         ref_model = copy_of(model)
@@ -128,7 +131,7 @@ def test_twenty_adam_steps_agree_with_plain_pytorch():
             idx = [(step * 7 + k) % len(ds) for k in range(12)]
             stats = engine.gradient(idx, reduction="mean")  # step seed from the engine's seed
             opt.step()
-            reference(ref_model, loss, ds, idx, shmgrad.eager.step_seed(5, step), "mean")
+            reference(ref_model, loss, ds, idx, shmgrad.step_seed(5, step), "mean")
             ref_opt.step()
             assert stats.num_examples == 12
     for p, q in zip(model.parameters(), ref_model.parameters()):
@@ -138,7 +141,7 @@ def test_twenty_adam_steps_agree_with_plain_pytorch():
 def test_auto_mode_keeps_torchscript_workers_and_explicit_modes():
     model = nn.Sequential(nn.Linear(4, 3))
     # A module that scripts runs in TorchScript workers, unless torch deprecates TorchScript.
-    auto = "eager" if shmgrad.eager.torchscript_deprecated() else "script"
+    auto = "eager" if shmgrad._eager.torchscript_deprecated() else "script"
     with shmgrad.Engine(model=model, loss="mse", workers=1) as engine:
         assert engine.mode == auto and engine.status().worker_kind == auto
     with shmgrad.Engine(model=model, loss="mse", workers=1, mode="script") as engine:
@@ -151,8 +154,10 @@ def test_auto_mode_keeps_torchscript_workers_and_explicit_modes():
         engine.gradient(inputs=x, targets=y)
         ref = copy_of_seq(model)
         nn.functional.mse_loss(ref(x), y, reduction="sum").backward()
-        assert relative_error([p.grad for p in model.parameters()],
-                              [p.grad for p in ref.parameters()]) < 1e-5
+        assert (
+            relative_error([p.grad for p in model.parameters()], [p.grad for p in ref.parameters()])
+            < 1e-5
+        )
     with pytest.raises(shmgrad.InvalidArgumentError, match="mode='eager'"):
         shmgrad.Engine(model=model, loss=smooth_loss, workers=1, mode="script")
     with pytest.raises(shmgrad.InvalidArgumentError, match="unknown mode"):
@@ -185,15 +190,20 @@ def test_integer_inputs_keep_their_dtype_and_forward_replaces_the_loss():
     def forward(m, batch):
         x, t = batch
         assert x.dtype == torch.int64, x.dtype
-        return nn.functional.cross_entropy(m(x), t, reduction="sum") + 0.5 * m.emb.weight.pow(2).sum() / 8
+        return (
+            nn.functional.cross_entropy(m(x), t, reduction="sum")
+            + 0.5 * m.emb.weight.pow(2).sum() / 8
+        )
 
     with shmgrad.Engine(model=model, loss="cross_entropy", workers=2, forward=forward) as engine:
         engine.bind(model)
         engine.gradient(inputs=ids, targets=y)
-    total = sum(forward(ref, (ids[i:i + 4], y[i:i + 4])) for i in (0, 4))
+    total = sum(forward(ref, (ids[i : i + 4], y[i : i + 4])) for i in (0, 4))
     total.backward()
-    assert relative_error([p.grad for p in model.parameters()],
-                          [p.grad for p in ref.parameters()]) < 1e-5
+    assert (
+        relative_error([p.grad for p in model.parameters()], [p.grad for p in ref.parameters()])
+        < 1e-5
+    )
 
 
 class BrokenDataset(NoisyDataset):
@@ -206,7 +216,9 @@ class BrokenDataset(NoisyDataset):
 def test_errors_in_dataset_model_and_loss_come_back_whole_and_engine_keeps_serving():
     torch.manual_seed(3)
     model = Unscriptable()
-    with shmgrad.Engine(model=model, loss=smooth_loss, dataset=BrokenDataset(), workers=2) as engine:
+    with shmgrad.Engine(
+        model=model, loss=smooth_loss, dataset=BrokenDataset(), workers=2
+    ) as engine:
         engine.bind(model)
         with pytest.raises(shmgrad.WorkerError) as info:
             engine.gradient([1, 2, 13, 4])
@@ -226,27 +238,38 @@ def test_bad_jobs_are_refused_with_the_fix():
     with pytest.raises(shmgrad.InvalidArgumentError, match="reduction='sum'"):
         shmgrad.Engine(model=model, loss=nn.CrossEntropyLoss(), dataset=NoisyDataset(), workers=1)
     import threading
+
     lock = threading.Lock()
     with pytest.raises(shmgrad.InvalidArgumentError, match="collate_fn .* cannot be pickled"):
-        shmgrad.Engine(model=model, loss=smooth_loss, dataset=NoisyDataset(), workers=1,
-                       collate_fn=lambda b, lock=lock: b)
+        shmgrad.Engine(
+            model=model,
+            loss=smooth_loss,
+            dataset=NoisyDataset(),
+            workers=1,
+            collate_fn=lambda b, lock=lock: b,
+        )
 
 
 def test_a_worker_that_cannot_import_the_job_fails_start_up_with_its_message(tmp_path, monkeypatch):
     mod = tmp_path / "vanishing_module.py"
-    mod.write_text("import torch\nclass DS(torch.utils.data.Dataset):\n"
-                   "    def __len__(self): return 4\n"
-                   "    def __getitem__(self, i): return torch.zeros(6), 0\n")
+    mod.write_text(
+        "import torch\nclass DS(torch.utils.data.Dataset):\n"
+        "    def __len__(self): return 4\n"
+        "    def __getitem__(self, i): return torch.zeros(6), 0\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     import vanishing_module
+
     ds = vanishing_module.DS()
     # Gone before the workers start: they cannot unpickle the class.
     mod.unlink()
     import sys
+
     sys.path.remove(str(tmp_path))
     with pytest.raises(shmgrad.WorkerError, match="vanishing_module"):
-        shmgrad.Engine(model=Unscriptable(), loss=smooth_loss, dataset=ds, workers=1,
-                       startup_timeout=60)
+        shmgrad.Engine(
+            model=Unscriptable(), loss=smooth_loss, dataset=ds, workers=1, startup_timeout=60
+        )
 
 
 class SlowDataset(NoisyDataset):
@@ -269,7 +292,9 @@ def test_worker_killed_mid_step_is_retried_exactly():
         stats = call.result()
         assert stats.retries == 1
         after = engine.status()
-        assert after.steps_aborted == 1 and after.step_retries == 1 and after.worker(1).restarts == 1
+        assert (
+            after.steps_aborted == 1 and after.step_retries == 1 and after.worker(1).restarts == 1
+        )
         want, _ = reference(ref_model, smooth_loss, ds, idx, 3)
         assert relative_error([p.grad for p in model.parameters()], want) < 1e-5
 
@@ -282,11 +307,12 @@ class HangingDataset(NoisyDataset):
 
 
 def test_hung_worker_ends_in_timeout():
-    with shmgrad.Engine(model=Unscriptable(), loss=smooth_loss, dataset=HangingDataset(),
-                        workers=1) as engine:
+    with shmgrad.Engine(
+        model=Unscriptable(), loss=smooth_loss, dataset=HangingDataset(), workers=1
+    ) as engine:
         engine.gradient_tensors()
         t0 = time.monotonic()
-        with pytest.raises(shmgrad.TimeoutError):
+        with pytest.raises(shmgrad.EngineTimeoutError):
             engine.gradient([4, 5, 6], timeout=2)
         assert time.monotonic() - t0 < 30
 
@@ -325,12 +351,17 @@ def test_serve_eager_module_function_and_attach(tmp_path):
         "def job():\n"
         "    torch.manual_seed(0)\n"
         "    return {'model': nn.Linear(4, 2), 'loss': nn.CrossEntropyLoss(reduction='sum'),\n"
-        "            'dataset': DS()}\n")
+        "            'dataset': DS()}\n"
+    )
     import subprocess
+
     name = f"py{os.getpid()}-serve-eager"
-    proc = subprocess.Popen(["shmgrad", "serve", "--eager", "eager_job_mod:job", "--name", name,
-                             "--workers", "2"], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        ["shmgrad", "serve", "--eager", "eager_job_mod:job", "--name", name, "--workers", "2"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         client = shmgrad.attach(name, timeout=60)
         try:
@@ -339,8 +370,10 @@ def test_serve_eager_module_function_and_attach(tmp_path):
             stats = client.gradient([0, 1, 2, 3, 29], seed=1)
             assert stats.num_examples == 5
             import sys
+
             sys.path.insert(0, str(tmp_path))
             import eager_job_mod
+
             job = eager_job_mod.job()
             want, _ = reference(job["model"], job["loss"], job["dataset"], [0, 1, 2, 3, 29], 1)
             assert relative_error(grads, want) < 1e-5
@@ -352,8 +385,13 @@ def test_serve_eager_module_function_and_attach(tmp_path):
     assert proc.returncode == 0, out
     assert not [s for s in segments() if s.endswith(name)]
     # A module that does not exist: a clear error, exit status 1.
-    bad = subprocess.run(["shmgrad", "serve", "--eager", "no_such_mod:job", "--name", name],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        ["shmgrad", "serve", "--eager", "no_such_mod:job", "--name", name],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 1 and "cannot import 'no_such_mod'" in bad.stderr
 
 
@@ -394,3 +432,44 @@ def test_batchnorm_statistics_are_shared_with_the_first_participants_values(mode
         before = model.bn.running_mean.clone()
         engine.gradient(inputs=x, targets=torch.zeros(7, dtype=torch.long))
         assert torch.equal(model.bn.running_mean, before)
+
+
+def test_dataset_spec_is_read_from_shared_memory_by_either_kind_of_worker(npy_dataset):
+    # A dataset spec string is loaded into the segment once; eager workers index it there
+    # as the TorchScript workers do, so auto mode needs no TorchScript for it.
+    import warnings
+
+    from conftest import Cnn, reference_gradient
+
+    spec, x, y = npy_dataset
+    torch.manual_seed(0)
+    model = Cnn()
+    ref_model = __import__("copy").deepcopy(model)
+    deprecated = shmgrad._eager.torchscript_deprecated()
+    for mode in ("auto", "script"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine = shmgrad.Engine(
+                model=model, workers=2, loss="cross_entropy", dataset=spec, mode=mode
+            )
+        future = [w for w in caught if issubclass(w.category, FutureWarning)]
+        with engine:
+            if mode == "auto" and deprecated:
+                assert engine.mode == "eager" and not future, [str(w.message) for w in future]
+            assert engine.status().worker_kind == ("script" if mode == "script" else engine.mode)
+            assert engine.dataset_size == len(x)
+            engine.bind(model)
+            for batch in (1, 7, 120):
+                idx = torch.randperm(120)[:batch]
+                ref = reference_gradient(ref_model, "cross_entropy", x[idx], y[idx], "mean")
+                engine.gradient(idx, reduction="mean")
+                assert relative_error([p.grad for p in model.parameters()], ref) < 1e-5, mode
+    with pytest.raises(shmgrad.InvalidArgumentError, match="collate_fn"):
+        shmgrad.Engine(
+            model=model,
+            workers=1,
+            loss="cross_entropy",
+            dataset=spec,
+            mode="eager",
+            collate_fn=lambda b: b,
+        )

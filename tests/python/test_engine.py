@@ -9,13 +9,22 @@ import pytest
 import torch
 
 import shmgrad
-from conftest import (Cnn, LogSoftmaxMlp, Mlp, proc_stat, reference_gradient, relative_error,
-                      segments, worker_pids)
+from conftest import (
+    Cnn,
+    LogSoftmaxMlp,
+    Mlp,
+    proc_stat,
+    reference_gradient,
+    relative_error,
+    segments,
+    worker_pids,
+)
 
 
 @pytest.mark.parametrize("workers", [1, 2, 3])
-@pytest.mark.parametrize("model_cls,loss", [(Mlp, "cross_entropy"), (Cnn, "cross_entropy"),
-                                            (LogSoftmaxMlp, "nll")])
+@pytest.mark.parametrize(
+    "model_cls,loss", [(Mlp, "cross_entropy"), (Cnn, "cross_entropy"), (LogSoftmaxMlp, "nll")]
+)
 def test_gradient_matches_pytorch(workers, model_cls, loss, npy_dataset):
     spec, x, y = npy_dataset
     torch.manual_seed(workers)
@@ -61,13 +70,16 @@ def test_inputs_that_require_grad_and_replaced_grads():
     with shmgrad.Engine(model=model, workers=2, loss="cross_entropy") as engine:
         engine.bind(model)
         # float32 as it is; float64 and a non-contiguous layout converted by the engine.
-        for xg in (x.clone().requires_grad_(True), x.double().requires_grad_(True),
-                   x.t().contiguous().t().requires_grad_(True)):
+        for xg in (
+            x.clone().requires_grad_(True),
+            x.double().requires_grad_(True),
+            x.t().contiguous().t().requires_grad_(True),
+        ):
             engine.gradient(inputs=xg, targets=y)
             assert relative_error([p.grad for p in model.parameters()], ref) < 1e-5
             assert xg.grad is None and xg.requires_grad and xg.grad_fn is None
         params = list(model.parameters())
-        params[0].grad = torch.zeros_like(params[0])   # a new tensor, not the engine's
+        params[0].grad = torch.zeros_like(params[0])  # a new tensor, not the engine's
         params[-1].grad = params[-1].grad.clone()
         engine.gradient(inputs=x, targets=y)
         views = engine.gradient_tensors()
@@ -155,21 +167,34 @@ def test_bad_input_raises_and_engine_keeps_serving(npy_dataset, tmp_path):
     model = Cnn()
     with shmgrad.Engine(model=model, workers=2, loss="cross_entropy", dataset=spec) as engine:
         engine.bind(model)
-        expect_error(shmgrad.InvalidArgumentError, lambda: engine.gradient([0, 120]), "out of range", "120")
+        expect_error(
+            shmgrad.InvalidArgumentError, lambda: engine.gradient([0, 120]), "out of range", "120"
+        )
         expect_error(shmgrad.InvalidArgumentError, lambda: engine.gradient([-1]), "out of range")
         expect_error(shmgrad.InvalidArgumentError, lambda: engine.gradient([]), "empty batch")
         expect_error(shmgrad.InvalidArgumentError, lambda: engine.gradient([0.5]), "integers")
-        expect_error(shmgrad.InvalidArgumentError, lambda: engine.gradient([1], reduction="max"), "reduction")
+        expect_error(
+            shmgrad.InvalidArgumentError, lambda: engine.gradient([1], reduction="max"), "reduction"
+        )
         expect_error(shmgrad.InvalidArgumentError, lambda: engine.gradient(), "indices")
-        expect_error(shmgrad.InvalidArgumentError,
-                     lambda: engine.gradient(inputs=torch.randn(3, 1, 12, 12), targets=torch.zeros(2).long()),
-                     "3 examples", "2")
+        expect_error(
+            shmgrad.InvalidArgumentError,
+            lambda: engine.gradient(
+                inputs=torch.randn(3, 1, 12, 12), targets=torch.zeros(2).long()
+            ),
+            "3 examples",
+            "2",
+        )
         # Inputs the model rejects: the worker's own message comes back.
-        expect_error(shmgrad.WorkerError,
-                     lambda: engine.gradient(inputs=torch.randn(4, 3, 5), targets=torch.zeros(4).long()),
-                     "could not compute its shard")
+        expect_error(
+            shmgrad.WorkerError,
+            lambda: engine.gradient(inputs=torch.randn(4, 3, 5), targets=torch.zeros(4).long()),
+            "could not compute its shard",
+        )
         # A module that does not match the engine's parameters.
-        expect_error(shmgrad.InvalidArgumentError, lambda: engine.bind(Mlp(d_in=144)), "does not match")
+        expect_error(
+            shmgrad.InvalidArgumentError, lambda: engine.bind(Mlp(d_in=144)), "does not match"
+        )
         # The next valid call works and is exact.
         ref = reference_gradient(model, "cross_entropy", x[:7], y[:7])
         engine.gradient(list(range(7)))
@@ -177,21 +202,39 @@ def test_bad_input_raises_and_engine_keeps_serving(npy_dataset, tmp_path):
 
 
 def test_bad_engine_arguments(tmp_path):
-    expect_error(shmgrad.InvalidArgumentError,
-                 lambda: shmgrad.Engine(model=Mlp(), workers=1, loss="hinge"), "unknown loss", "cross_entropy")
-    expect_error(shmgrad.EngineNotFoundError,
-                 lambda: shmgrad.Engine(model=str(tmp_path / "missing.pt"), workers=1, loss="mse"),
-                 "does not exist")
+    expect_error(
+        shmgrad.InvalidArgumentError,
+        lambda: shmgrad.Engine(model=Mlp(), workers=1, loss="hinge"),
+        "unknown loss",
+        "cross_entropy",
+    )
+    expect_error(
+        shmgrad.EngineNotFoundError,
+        lambda: shmgrad.Engine(model=str(tmp_path / "missing.pt"), workers=1, loss="mse"),
+        "does not exist",
+    )
     not_ts = tmp_path / "not_torchscript.pt"
     not_ts.write_text("definitely not a model")
-    expect_error(shmgrad.InvalidArgumentError,
-                 lambda: shmgrad.Engine(model=str(not_ts), workers=1, loss="mse"), "TorchScript")
-    expect_error(shmgrad.InvalidArgumentError,
-                 lambda: shmgrad.Engine(model=Mlp(), workers=0, loss="mse"), "workers")
-    expect_error(shmgrad.InvalidArgumentError,
-                 lambda: shmgrad.Engine(model=Mlp(), workers=1, loss="mse", name="bad/name"), "name")
-    expect_error(shmgrad.InvalidArgumentError,
-                 lambda: shmgrad.Engine(model=Mlp(), workers=1, loss="mse", dataset="imagenet"), "dataset")
+    expect_error(
+        shmgrad.InvalidArgumentError,
+        lambda: shmgrad.Engine(model=str(not_ts), workers=1, loss="mse"),
+        "TorchScript",
+    )
+    expect_error(
+        shmgrad.InvalidArgumentError,
+        lambda: shmgrad.Engine(model=Mlp(), workers=0, loss="mse"),
+        "workers",
+    )
+    expect_error(
+        shmgrad.InvalidArgumentError,
+        lambda: shmgrad.Engine(model=Mlp(), workers=1, loss="mse", name="bad/name"),
+        "name",
+    )
+    expect_error(
+        shmgrad.InvalidArgumentError,
+        lambda: shmgrad.Engine(model=Mlp(), workers=1, loss="mse", dataset="imagenet"),
+        "dataset",
+    )
     expect_error(shmgrad.EngineNotFoundError, lambda: shmgrad.attach("no-such-engine", timeout=0.2))
 
 
@@ -200,49 +243,88 @@ def test_two_engines_side_by_side():
     a, b = Mlp(d_in=4, d_out=2), Mlp(d_in=6, d_out=3)
     xa, ya = torch.randn(8, 4), torch.randint(0, 2, (8,))
     xb, yb = torch.randn(8, 6), torch.randint(0, 3, (8,))
-    with shmgrad.Engine(model=a, workers=1, loss="cross_entropy", name="side-a") as ea, \
-            shmgrad.Engine(model=b, workers=2, loss="cross_entropy", name="side-b") as eb:
+    with (
+        shmgrad.Engine(model=a, workers=1, loss="cross_entropy", name="side-a") as ea,
+        shmgrad.Engine(model=b, workers=2, loss="cross_entropy", name="side-b") as eb,
+    ):
         ea.bind(a)
         eb.bind(b)
         for _ in range(3):
             ea.gradient(inputs=xa, targets=ya)
             eb.gradient(inputs=xb, targets=yb)
-        assert relative_error([p.grad for p in a.parameters()], reference_gradient(a, "cross_entropy", xa, ya)) < 1e-5
-        assert relative_error([p.grad for p in b.parameters()], reference_gradient(b, "cross_entropy", xb, yb)) < 1e-5
+        assert (
+            relative_error(
+                [p.grad for p in a.parameters()], reference_gradient(a, "cross_entropy", xa, ya)
+            )
+            < 1e-5
+        )
+        assert (
+            relative_error(
+                [p.grad for p in b.parameters()], reference_gradient(b, "cross_entropy", xb, yb)
+            )
+            < 1e-5
+        )
     assert not [s for s in segments() if s.endswith(("-side-a", "-side-b"))]
 
 
 def test_attach_to_served_engine_and_busy(tmp_path):
     model = Mlp(d_in=4, d_out=2)
     path = shmgrad.save_model(model, tmp_path / "m.pt")
-    serve = subprocess.Popen(["shmgrad", "serve", "--name", "cli-engine", "--model", str(path),
-                              "--workers", "2", "--loss", "cross_entropy"],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    serve = subprocess.Popen(
+        [
+            "shmgrad",
+            "serve",
+            "--name",
+            "cli-engine",
+            "--model",
+            str(path),
+            "--workers",
+            "2",
+            "--loss",
+            "cross_entropy",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         engine = shmgrad.attach("cli-engine", timeout=60)
         x, y = torch.randn(5, 4), torch.randint(0, 2, (5,))
         engine.bind(model)
         engine.gradient(inputs=x, targets=y)
-        assert relative_error([p.grad for p in model.parameters()],
-                              reference_gradient(model, "cross_entropy", x, y)) < 1e-5
+        assert (
+            relative_error(
+                [p.grad for p in model.parameters()],
+                reference_gradient(model, "cross_entropy", x, y),
+            )
+            < 1e-5
+        )
         # A second trainer (another process) is told who holds the engine.
-        code = ("import shmgrad,os\n"
-                "try:\n shmgrad.attach('cli-engine', timeout=5)\nexcept shmgrad.BusyError as e:\n"
-                f" assert 'pid {__import__('os').getpid()}' in str(e), str(e); print('busy-ok')\n")
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        code = (
+            "import shmgrad,os\n"
+            "try:\n shmgrad.attach('cli-engine', timeout=5)\nexcept shmgrad.BusyError as e:\n"
+            f" assert 'pid {__import__('os').getpid()}' in str(e), str(e); print('busy-ok')\n"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+        )
         assert "busy-ok" in out.stdout, out.stdout + out.stderr
         st = shmgrad.read_status("cli-engine")
         assert st.steps_served == 1 and st.trainer_pid == os.getpid(), st
         assert [w.slot for w in st.ready_workers] == [0, 1]
         # `shmgrad status` prints the same status as text.
-        status = subprocess.run(["shmgrad", "status", "cli-engine"], capture_output=True, text=True, timeout=30)
+        status = subprocess.run(
+            ["shmgrad", "status", "cli-engine"], capture_output=True, text=True, timeout=30
+        )
         assert status.returncode == 0 and status.stdout == st.text, status.stdout + status.stderr
         engine.close()
         # Released: the next attach succeeds at once.
         shmgrad.attach("cli-engine", timeout=5).close()
     finally:
-        stop = subprocess.run(["shmgrad", "stop", "cli-engine"], capture_output=True, text=True, timeout=60)
-        serve.wait(timeout=30)
+        stop = subprocess.run(
+            ["shmgrad", "stop", "cli-engine"], capture_output=True, text=True, timeout=60
+        )
+        serve.communicate(timeout=30)  # waits, and closes its output pipe
     assert stop.returncode == 0, stop.stderr
     assert serve.returncode == 0
     assert not [s for s in segments() if s.endswith("-cli-engine")]
@@ -278,8 +360,9 @@ def test_cli_help_documents_options():
 def test_status_is_data(npy_dataset):
     spec, x, y = npy_dataset
     model = Cnn()
-    with shmgrad.Engine(model=model, workers=2, max_workers=3, loss="cross_entropy",
-                        dataset=spec) as engine:
+    with shmgrad.Engine(
+        model=model, workers=2, max_workers=3, loss="cross_entropy", dataset=spec
+    ) as engine:
         st = engine.status()
         assert isinstance(st, shmgrad.EngineStatus)
         assert (st.name, st.state, st.loss) == (engine.name, "serving", "cross_entropy")
@@ -290,11 +373,21 @@ def test_status_is_data(npy_dataset):
         assert st.dataset_size == 120 and st.max_batch == 65536 and st.threads_per_worker == 1
         assert (st.target_workers, st.slots) == (2, 3)
         assert st.trainer_pid == os.getpid()
-        assert (st.steps_served, st.steps_aborted, st.step_retries, st.worker_restarts) == (0, 0, 0, 0)
+        assert (st.steps_served, st.steps_aborted, st.step_retries, st.worker_restarts) == (
+            0,
+            0,
+            0,
+            0,
+        )
         assert st.recent_steps == []
-        assert [(w.slot, w.state, w.busy_epoch) for w in st.workers] == [(0, "ready", 0), (1, "ready", 0)]
-        assert all(isinstance(w, shmgrad.WorkerStatus) and os.path.exists(f"/proc/{w.pid}")
-                   for w in st.workers)
+        assert [(w.slot, w.state, w.busy_epoch) for w in st.workers] == [
+            (0, "ready", 0),
+            (1, "ready", 0),
+        ]
+        assert all(
+            isinstance(w, shmgrad.WorkerStatus) and os.path.exists(f"/proc/{w.pid}")
+            for w in st.workers
+        )
         assert engine.name in st.text
 
         engine.gradient(list(range(33)))
@@ -324,8 +417,8 @@ def test_import_loads_the_engine_alone():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     modules = out.stdout.split()
-    assert "shmgrad.engine" in modules
-    tools = [m for m in modules if m.startswith(("shmgrad.bench", "shmgrad.stress"))]
+    assert "shmgrad._engine" in modules
+    tools = [m for m in modules if m.startswith("shmgrad_tools")]
     heavy = [m for m in modules if m.split(".")[0] in ("matplotlib", "distributed", "dask")]
     assert tools == [] and heavy == []
 
@@ -338,6 +431,7 @@ def test_stats_are_read_lazily_and_unbound_gradient_warns_once():
         with pytest.warns(UserWarning, match="bind"):
             engine.gradient(inputs=x, targets=y)
         import warnings
+
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # a second warning would raise here
             stats = engine.gradient(inputs=x, targets=y, reduction="mean")
@@ -353,3 +447,23 @@ def test_stats_are_read_lazily_and_unbound_gradient_warns_once():
         assert d["compute_seconds"] == stats.compute_seconds and len(d["compute_seconds"]) == 2
         with pytest.raises(AttributeError):
             stats.no_such_field  # noqa: B018
+
+
+def test_tools_use_only_the_public_api():
+    """shmgrad_tools (bench, stress) imports nothing of shmgrad's internals, and every name
+    shmgrad.__all__ lists exists; public modules are listed, internal ones start with _."""
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "python")
+    private = []
+    for dirpath, _, files in os.walk(os.path.join(root, "shmgrad_tools")):
+        for name in files:
+            if name.endswith(".py"):
+                with open(os.path.join(dirpath, name)) as f:
+                    for n, line in enumerate(f, 1):
+                        if "shmgrad._" in line or line.lstrip().startswith("from .. import"):
+                            private.append(f"{name}:{n}: {line.strip()}")
+    assert private == []
+    assert all(hasattr(shmgrad, n) for n in shmgrad.__all__)
+    modules = {f[:-3] for f in os.listdir(os.path.join(root, "shmgrad")) if f.endswith(".py")}
+    public = {m for m in modules if not m.startswith("_")}
+    assert public == {"errors", "schedules", "multinode", "dask", "testing"}
+    assert public - {"dask"} <= set(shmgrad.__all__)  # dask is imported by its users

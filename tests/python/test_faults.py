@@ -12,8 +12,7 @@ import pytest
 import torch
 
 import shmgrad
-from conftest import (Mlp, proc_stat, reference_gradient, relative_error, segments,
-                      worker_pids)
+from conftest import Mlp, proc_stat, reference_gradient, relative_error, segments, worker_pids
 
 
 class SlowCnn(torch.nn.Module):
@@ -76,8 +75,9 @@ def wait_until_busy(name, *, after_epoch, slot=None, trainer_pid=None, timeout=6
     while True:
         st = shmgrad.read_status(name)
         workers = st.ready_workers if slot is None else [st.worker(slot)]
-        if (trainer_pid is None or st.trainer_pid == trainer_pid) and \
-                any(w is not None and w.busy_epoch > after_epoch for w in workers):
+        if (trainer_pid is None or st.trainer_pid == trainer_pid) and any(
+            w is not None and w.busy_epoch > after_epoch for w in workers
+        ):
             return st
         assert time.monotonic() < deadline, f"no worker seen busy within {timeout} s:\n{st.text}"
         time.sleep(BUSY_POLL_S)
@@ -92,14 +92,22 @@ def test_killed_idle_worker_is_replaced_and_gradient_stays_exact():
         before = worker_pids(engine)
         os.kill(before[1], signal.SIGKILL)
         # Detected and replaced within a bounded time.
-        wait_for(lambda: len(worker_pids(engine)) == 3 and worker_pids(engine)[1] != before[1], 30,
-                 "the replacement worker")
+        wait_for(
+            lambda: len(worker_pids(engine)) == 3 and worker_pids(engine)[1] != before[1],
+            30,
+            "the replacement worker",
+        )
         st = engine.status()
         assert st.worker_restarts == 1 and st.worker(1).restarts == 1
         assert st.steps_aborted == 0  # idle: no step to abort
         engine.gradient(inputs=x, targets=y)
-        assert relative_error([p.grad for p in model.parameters()],
-                              reference_gradient(model, "cross_entropy", x, y)) < 1e-5
+        assert (
+            relative_error(
+                [p.grad for p in model.parameters()],
+                reference_gradient(model, "cross_entropy", x, y),
+            )
+            < 1e-5
+        )
 
 
 @pytest.mark.parametrize("victim", ["first", "last"])
@@ -129,8 +137,11 @@ def test_worker_killed_mid_step_step_is_rerun_exactly(victim):
         assert after.steps_aborted == before.steps_aborted + 1
         assert after.step_retries == before.step_retries + 1
         # The coordinator counts the restart just after it aborts the step.
-        wait_for(lambda: engine.status().worker(slot).restarts == before.worker(slot).restarts + 1,
-                 10, f"worker {slot}'s restart to be counted")
+        wait_for(
+            lambda: engine.status().worker(slot).restarts == before.worker(slot).restarts + 1,
+            10,
+            f"worker {slot}'s restart to be counted",
+        )
         after = engine.status()
         assert after.worker_restarts == before.worker_restarts + 1
         assert after.worker(slot).pid != before.worker(slot).pid
@@ -160,8 +171,13 @@ def test_workers_dying_on_every_try_give_a_clear_error():
         assert after.step_retries == before.step_retries  # none allowed
         wait_for(lambda: engine.workers == 2, 30, "the replacement worker")
         engine.gradient(inputs=x[:32], targets=y[:32])
-        assert relative_error([p.grad for p in model.parameters()],
-                              reference_gradient(model, "cross_entropy", x[:32], y[:32])) < 1e-5
+        assert (
+            relative_error(
+                [p.grad for p in model.parameters()],
+                reference_gradient(model, "cross_entropy", x[:32], y[:32]),
+            )
+            < 1e-5
+        )
 
 
 TRAINER = """
@@ -222,8 +238,13 @@ def test_slot_is_reused_only_after_its_retired_worker_exited(resume_after):
         for _ in range(5):
             stats = engine.gradient(inputs=x, targets=y, min_examples_per_worker=1)
             assert stats.workers == 3
-            assert relative_error([p.grad for p in model.parameters()],
-                                  reference_gradient(model, "cross_entropy", x, y)) < 1e-5
+            assert (
+                relative_error(
+                    [p.grad for p in model.parameters()],
+                    reference_gradient(model, "cross_entropy", x, y),
+                )
+                < 1e-5
+            )
         if resume_after is None:
             assert "did not exit" in engine.log()
 
@@ -237,15 +258,23 @@ def test_worker_retired_while_starting_does_not_come_up():
     with shmgrad.Engine(model=model, workers=1, max_workers=2, loss="cross_entropy") as engine:
         engine.bind(model)
         shmgrad._C.request_resize(engine.name, 2)
-        wait_for(lambda: getattr(engine.status().worker(1), "state", None) == "starting", 30,
-                 "worker 1 to start")
+        wait_for(
+            lambda: getattr(engine.status().worker(1), "state", None) == "starting",
+            30,
+            "worker 1 to start",
+        )
         shmgrad._C.request_resize(engine.name, 1)
         wait_for(lambda: not slot_processes(engine, 1), 30, "the retired worker 1 to exit")
         assert engine.workers == 1
         stats = engine.gradient(inputs=x, targets=y, min_examples_per_worker=1)
         assert stats.workers == 1
-        assert relative_error([p.grad for p in model.parameters()],
-                              reference_gradient(model, "cross_entropy", x, y)) < 1e-5
+        assert (
+            relative_error(
+                [p.grad for p in model.parameters()],
+                reference_gradient(model, "cross_entropy", x, y),
+            )
+            < 1e-5
+        )
 
 
 def test_killed_trainer_frees_the_engine(tmp_path):
@@ -254,8 +283,21 @@ def test_killed_trainer_frees_the_engine(tmp_path):
     torch.manual_seed(3)
     model = SlowCnn()
     path = shmgrad.save_model(model, tmp_path / "m.pt")
-    serve = subprocess.Popen(["shmgrad", "serve", "--name", "trainer-kill", "--model", str(path),
-                              "--workers", "2", "--loss", "cross_entropy", "--quiet"])
+    serve = subprocess.Popen(
+        [
+            "shmgrad",
+            "serve",
+            "--name",
+            "trainer-kill",
+            "--model",
+            str(path),
+            "--workers",
+            "2",
+            "--loss",
+            "cross_entropy",
+            "--quiet",
+        ]
+    )
     try:
         code = TRAINER.format(name="trainer-kill")
         child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
@@ -274,8 +316,13 @@ def test_killed_trainer_frees_the_engine(tmp_path):
         x, y = torch.randn(20, 1, 28, 28), torch.randint(0, 5, (20,))
         stats = engine.gradient(inputs=x, targets=y)
         assert stats.num_examples == 20
-        assert relative_error([p.grad for p in model.parameters()],
-                              reference_gradient(model, "cross_entropy", x, y)) < 1e-5
+        assert (
+            relative_error(
+                [p.grad for p in model.parameters()],
+                reference_gradient(model, "cross_entropy", x, y),
+            )
+            < 1e-5
+        )
         engine.close()
     finally:
         subprocess.run(["shmgrad", "stop", "trainer-kill"], capture_output=True, timeout=60)
@@ -284,8 +331,19 @@ def test_killed_trainer_frees_the_engine(tmp_path):
 
 def test_killed_coordinator_workers_exit_and_name_is_reusable(tmp_path):
     path = shmgrad.save_model(Mlp(d_in=4, d_out=2), tmp_path / "m.pt")
-    cmd = ["shmgrad", "serve", "--name", "coord-kill", "--model", str(path), "--workers", "2",
-           "--loss", "cross_entropy", "--quiet"]
+    cmd = [
+        "shmgrad",
+        "serve",
+        "--name",
+        "coord-kill",
+        "--model",
+        str(path),
+        "--workers",
+        "2",
+        "--loss",
+        "cross_entropy",
+        "--quiet",
+    ]
     serve = subprocess.Popen(cmd)
     engine = shmgrad.attach("coord-kill", timeout=60)
     pids = list(worker_pids(engine).values())
@@ -293,9 +351,11 @@ def test_killed_coordinator_workers_exit_and_name_is_reusable(tmp_path):
     serve.kill()
     serve.wait()
     for pid in pids:
-        wait_for(lambda: not os.path.exists(f"/proc/{pid}") or
-                 proc_stat(pid)[0] == "Z", 10,
-                 f"worker {pid} to exit")
+        wait_for(
+            lambda: not os.path.exists(f"/proc/{pid}") or proc_stat(pid)[0] == "Z",
+            10,
+            f"worker {pid} to exit",
+        )
     # The stale segment is detected, removed, and a new engine of the same name starts.
     serve = subprocess.Popen(cmd)
     try:
@@ -320,16 +380,24 @@ def test_stranger_cannot_attach_or_read():
         read = subprocess.run(as_nobody + ["cat", path], capture_output=True, timeout=30)
         assert read.returncode != 0 and b"Permission denied" in read.stderr
         # The stranger's own name lookup sees a different segment (the uid is in the name)...
-        binary = shmgrad.launcher.installed_binary("shmgrad", "SHMGRAD_BINARY")
-        other = subprocess.run(as_nobody + [binary, "status", "stranger"],
-                               capture_output=True, text=True, timeout=30)
+        binary = shmgrad.program("shmgrad")
+        other = subprocess.run(
+            as_nobody + [binary, "status", "stranger"], capture_output=True, text=True, timeout=30
+        )
         assert other.returncode != 0 and "no engine named" in other.stderr, other.stderr
         # ...and opening the owner's file directly is refused by the kernel.
-        code = f"import os\ntry:\n os.open({path!r}, os.O_RDWR)\nexcept PermissionError:\n print('denied')"
-        direct = subprocess.run(as_nobody + ["/usr/bin/python3", "-c", code], capture_output=True,
-                                text=True, timeout=30)
+        code = (
+            f"import os\ntry:\n os.open({path!r}, os.O_RDWR)\n"
+            "except PermissionError:\n print('denied')"
+        )
+        direct = subprocess.run(
+            as_nobody + ["/usr/bin/python3", "-c", code], capture_output=True, text=True, timeout=30
+        )
         assert "denied" in direct.stdout
-        assert engine.gradient(inputs=torch.randn(2, 4), targets=torch.tensor([0, 1])).num_examples == 2
+        assert (
+            engine.gradient(inputs=torch.randn(2, 4), targets=torch.tensor([0, 1])).num_examples
+            == 2
+        )
 
 
 def test_corrupt_segment_is_refused_not_crashed(tmp_path):
@@ -344,7 +412,9 @@ def test_corrupt_segment_is_refused_not_crashed(tmp_path):
         # serve replaces it (no live coordinator holds it).
         model_path = shmgrad.save_model(Mlp(d_in=4, d_out=2), tmp_path / "m.pt")
         with shmgrad.Engine(model=str(model_path), workers=1, loss="cross_entropy", name=name) as e:
-            assert e.gradient(inputs=torch.randn(2, 4), targets=torch.tensor([0, 1])).num_examples == 2
+            assert (
+                e.gradient(inputs=torch.randn(2, 4), targets=torch.tensor([0, 1])).num_examples == 2
+            )
     finally:
         if os.path.exists(path):
             os.unlink(path)
@@ -353,8 +423,12 @@ def test_corrupt_segment_is_refused_not_crashed(tmp_path):
 def test_no_space_is_a_clear_error():
     free = shutil.disk_usage("/dev/shm").free
     with pytest.raises(shmgrad.NoSpaceError, match="/dev/shm") as info:
-        shmgrad.Engine(model=Mlp(d_in=4, d_out=2), workers=1, loss="mse",
-                       input_capacity_mb=free // (1 << 20) + 1024)
+        shmgrad.Engine(
+            model=Mlp(d_in=4, d_out=2),
+            workers=1,
+            loss="mse",
+            input_capacity_mb=free // (1 << 20) + 1024,
+        )
     assert "free" in str(info.value)
 
 

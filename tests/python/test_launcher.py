@@ -8,8 +8,8 @@ import time
 import pytest
 
 import shmgrad
-from shmgrad import launcher
-from shmgrad.launcher import Launcher, ServeOptions
+from shmgrad import _launcher as launcher
+from shmgrad._launcher import Launcher, ServeOptions
 
 
 def fake_serve(tmp_path, monkeypatch, body):
@@ -22,8 +22,18 @@ def fake_serve(tmp_path, monkeypatch, body):
 
 
 def options(**kw):
-    return ServeOptions(**dict(dict(name="fake", model_path="/nonexistent.pt", workers=2,
-                                    loss="mse", startup_timeout=5.0), **kw))
+    return ServeOptions(
+        **dict(
+            dict(
+                name="fake",
+                model_path="/nonexistent.pt",
+                workers=2,
+                loss="mse",
+                startup_timeout=5.0,
+            ),
+            **kw,
+        )
+    )
 
 
 def serve_pid(tmp_path):
@@ -40,15 +50,24 @@ def gone(pid):
 
 
 def test_command_line_and_serving_event(tmp_path, monkeypatch):
-    fake_serve(tmp_path, monkeypatch, f'echo "$@" > {tmp_path}/args.txt\n'
-               'echo \'{"event": "serving", "workers": 2}\' >&$fd\nexec sleep 60')
+    fake_serve(
+        tmp_path,
+        monkeypatch,
+        f'echo "$@" > {tmp_path}/args.txt\n'
+        'echo \'{"event": "serving", "workers": 2}\' >&$fd\nexec sleep 60',
+    )
     lch = Launcher(options(dataset="fashion-mnist", max_workers=4))
     try:
         assert lch.start() == {"event": "serving", "workers": 2}
         args = (tmp_path / "args.txt").read_text().split()
         assert args[:3] == ["serve", "--name", "fake"]
-        for opt, value in (("--workers", "2"), ("--loss", "mse"), ("--max-workers", "4"),
-                           ("--dataset", "fashion-mnist"), ("--startup-timeout", "5.0")):
+        for opt, value in (
+            ("--workers", "2"),
+            ("--loss", "mse"),
+            ("--max-workers", "4"),
+            ("--dataset", "fashion-mnist"),
+            ("--startup-timeout", "5.0"),
+        ):
             assert args[args.index(opt) + 1] == value, (opt, args)
         assert args[-2] == "--status-fd"
         assert not gone(lch.pid)
@@ -57,14 +76,22 @@ def test_command_line_and_serving_event(tmp_path, monkeypatch):
     assert gone(lch.pid)
 
 
-@pytest.mark.parametrize("kind,cls", [("NoSpace", shmgrad.NoSpaceError),
-                                      ("InvalidArgument", shmgrad.InvalidArgumentError),
-                                      ("WorkerFailed", shmgrad.WorkerError),
-                                      ("SomethingNew", shmgrad.Error)])
+@pytest.mark.parametrize(
+    "kind,cls",
+    [
+        ("NoSpace", shmgrad.NoSpaceError),
+        ("InvalidArgument", shmgrad.InvalidArgumentError),
+        ("WorkerFailed", shmgrad.WorkerError),
+        ("SomethingNew", shmgrad.Error),
+    ],
+)
 def test_failed_event_raises_its_kind(tmp_path, monkeypatch, kind, cls):
-    fake_serve(tmp_path, monkeypatch,
-               f'echo \'{{"event": "failed", "kind": "{kind}", "message": "it broke"}}\' >&$fd\n'
-               'exec sleep 60')  # even one that lingers is stopped
+    fake_serve(
+        tmp_path,
+        monkeypatch,
+        f'echo \'{{"event": "failed", "kind": "{kind}", "message": "it broke"}}\' >&$fd\n'
+        "exec sleep 60",
+    )  # even one that lingers is stopped
     with pytest.raises(cls, match="^it broke$") as info:
         Launcher(options()).start()
     assert type(info.value) is cls
@@ -80,8 +107,7 @@ def test_exit_without_a_line_quotes_the_output(tmp_path, monkeypatch):
 
 
 def test_death_is_seen_while_a_child_keeps_the_pipe_open(tmp_path, monkeypatch):
-    fake_serve(tmp_path, monkeypatch,
-               f'sleep 30 & echo $! > {tmp_path}/child.txt\nkill -KILL $$')
+    fake_serve(tmp_path, monkeypatch, f"sleep 30 & echo $! > {tmp_path}/child.txt\nkill -KILL $$")
     t0 = time.monotonic()
     try:
         with pytest.raises(shmgrad.Error, match="killed by SIGKILL"):
@@ -94,7 +120,7 @@ def test_death_is_seen_while_a_child_keeps_the_pipe_open(tmp_path, monkeypatch):
 def test_no_line_within_the_startup_timeout(tmp_path, monkeypatch):
     monkeypatch.setattr(launcher, "STATUS_LINE_MARGIN_S", 0.0)
     fake_serve(tmp_path, monkeypatch, 'echo "still loading"\nexec sleep 60')
-    with pytest.raises(shmgrad.TimeoutError, match="did not report within 0.5 s") as info:
+    with pytest.raises(shmgrad.EngineTimeoutError, match="did not report within 0.5 s") as info:
         Launcher(options(startup_timeout=0.5)).start()
     assert "still loading" in str(info.value)
     assert gone(serve_pid(tmp_path))
@@ -108,8 +134,11 @@ def test_unreadable_line(tmp_path, monkeypatch):
 
 
 def test_stop_kills_what_ignores_sigterm(tmp_path, monkeypatch):
-    fake_serve(tmp_path, monkeypatch,
-               "trap '' TERM\necho '{\"event\": \"serving\"}' >&$fd\nwhile true; do sleep 0.1; done")
+    fake_serve(
+        tmp_path,
+        monkeypatch,
+        "trap '' TERM\necho '{\"event\": \"serving\"}' >&$fd\nwhile true; do sleep 0.1; done",
+    )
     lch = Launcher(options())
     lch.start()
     t0 = time.monotonic()

@@ -10,6 +10,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -25,14 +26,14 @@ import torch.multiprocessing as mp
 
 import shmgrad
 from conftest import Cnn, Mlp, reference_gradient, relative_error
-from shmgrad.distributed import shard
+from shmgrad.multinode import shard
 
 NODES = 2
-PG_TIMEOUT_S = 10          # the process group's timeout in these tests
-RANKS_TIMEOUT_S = 180      # one test's ranks, start-up included
-CLEANUP_TIMEOUT_S = 30     # a dead rank's engine: serve stops on its parent's death
-FAULT_MARGIN_S = 10        # beyond the group's timeout, for the survivor to report
-KILL_AFTER_STEPS = 5       # the victim is killed once it has done this many steps
+PG_TIMEOUT_S = 10  # the process group's timeout in these tests
+RANKS_TIMEOUT_S = 180  # one test's ranks, start-up included
+CLEANUP_TIMEOUT_S = 30  # a dead rank's engine: serve stops on its parent's death
+FAULT_MARGIN_S = 10  # beyond the group's timeout, for the survivor to report
+KILL_AFTER_STEPS = 5  # the victim is killed once it has done this many steps
 _tags = itertools.count()
 
 
@@ -47,8 +48,13 @@ def _rank_entry(rank, scenario, port, out_dir, timeout_s, kwargs):
     """One spawned rank: a gloo group on 127.0.0.1, the scenario, its result saved."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=NODES, timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=NODES,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     try:
         result = SCENARIOS[scenario](rank, **kwargs)
     finally:
@@ -64,8 +70,12 @@ class Ranks:
         self.out = str(tmp_path)
         self.deadline = time.monotonic() + RANKS_TIMEOUT_S
         self.ctx = mp.start_processes(
-            _rank_entry, nprocs=NODES, join=False, start_method="spawn",
-            args=(scenario, _free_port(), self.out, timeout_s, kwargs))
+            _rank_entry,
+            nprocs=NODES,
+            join=False,
+            start_method="spawn",
+            args=(scenario, _free_port(), self.out, timeout_s, kwargs),
+        )
         self.procs = self.ctx.processes
 
     def result(self, rank):
@@ -119,8 +129,13 @@ def prefix():
 
 
 def _engine(rank, model, prefix, tag, **kwargs):
-    return shmgrad.Engine(model=model, loss="cross_entropy", name=f"{prefix}-{tag}-r{rank}",
-                          process_group=dist.group.WORLD, **kwargs)
+    return shmgrad.Engine(
+        model=model,
+        loss="cross_entropy",
+        name=f"{prefix}-{tag}-r{rank}",
+        process_group=dist.group.WORLD,
+        **kwargs,
+    )
 
 
 def _grads(model):
@@ -150,8 +165,16 @@ def _gradients(rank, spec, prefix, bucket_cap_mb, rank1_mode):
     # rank1_mode (eager: Python workers with the same data as a torch Dataset).
     mode = "script" if rank == 0 else rank1_mode
     data = torch.utils.data.TensorDataset(x, y) if mode == "eager" else spec
-    with _engine(rank, model, prefix, "grad", workers=2 - rank, dataset=data, mode=mode,
-                 bucket_cap_mb=bucket_cap_mb) as engine:
+    with _engine(
+        rank,
+        model,
+        prefix,
+        "grad",
+        workers=2 - rank,
+        dataset=data,
+        mode=mode,
+        bucket_cap_mb=bucket_cap_mb,
+    ) as engine:
         out["mode"] = engine.mode
         engine.bind(model)
         out["bound"] = [p.detach().clone() for p in model.parameters()]
@@ -162,11 +185,19 @@ def _gradients(rank, spec, prefix, bucket_cap_mb, rank1_mode):
                 st = engine.gradient(inputs=x[mine], targets=y[mine], reduction=case[2])
             else:
                 st = engine.gradient(mine, reduction=case[2])
-            out["cases"].append({
-                "grad": _grads(model), "num_examples": st.num_examples,
-                "local_num_examples": st.local_num_examples, "loss": st.loss,
-                "loss_sum": st.loss_sum, "allreduce_seconds": st.allreduce_seconds,
-                "nodes": st.nodes, "workers": st.workers, "bytes": st.allreduce_bytes})
+            out["cases"].append(
+                {
+                    "grad": _grads(model),
+                    "num_examples": st.num_examples,
+                    "local_num_examples": st.local_num_examples,
+                    "loss": st.loss,
+                    "loss_sum": st.loss_sum,
+                    "allreduce_seconds": st.allreduce_seconds,
+                    "nodes": st.nodes,
+                    "workers": st.workers,
+                    "bytes": st.allreduce_bytes,
+                }
+            )
         try:  # every share empty: refused on every node, and the group still works
             engine.gradient(torch.zeros(0, dtype=torch.int64))
         except shmgrad.InvalidArgumentError as exc:
@@ -177,30 +208,38 @@ def _gradients(rank, spec, prefix, bucket_cap_mb, rank1_mode):
 
 
 def _load_npy(spec):
-    xs, ys = spec[len("npy:"):].split(",")
+    xs, ys = spec[len("npy:") :].split(",")
     return torch.from_numpy(np.load(xs)), torch.from_numpy(np.load(ys))
 
 
 # 0.001 MiB: buckets of 262 floats. Rank 1's workers: TorchScript or eager.
 @pytest.mark.parametrize("bucket_cap_mb,rank1_mode", [(None, "script"), (0.001, "eager")])
-def test_gradient_of_the_global_batch(npy_dataset, tmp_path, prefix, bucket_cap_mb,
-                                      rank1_mode):
+def test_gradient_of_the_global_batch(npy_dataset, tmp_path, prefix, bucket_cap_mb, rank1_mode):
     spec, x, y = npy_dataset
-    with Ranks("gradients", tmp_path, spec=spec, prefix=prefix, bucket_cap_mb=bucket_cap_mb,
-               rank1_mode=rank1_mode) as ranks:
+    with Ranks(
+        "gradients",
+        tmp_path,
+        spec=spec,
+        prefix=prefix,
+        bucket_cap_mb=bucket_cap_mb,
+        rank1_mode=rank1_mode,
+    ) as ranks:
         results = ranks.results()
     assert [r["mode"] for r in results] == ["script", rank1_mode]
     torch.manual_seed(100)
     model0 = Cnn()  # rank 0's initial weights, which every node took
-    assert any(not torch.equal(a, b) for a, b in zip(
-        model0.parameters(), (torch.manual_seed(101), Cnn())[1].parameters()))
+    assert any(
+        not torch.equal(a, b)
+        for a, b in zip(model0.parameters(), (torch.manual_seed(101), Cnn())[1].parameters())
+    )
     for r in results:
         assert all(torch.equal(a, b) for a, b in zip(r["bound"], model0.parameters()))
     for i, (share0, share1, reduction, _) in enumerate(GRADIENT_CASES):
         union = torch.tensor(share0 + share1)
         ref = reference_gradient(model0, "cross_entropy", x[union], y[union], reduction)
-        ref_loss = torch.nn.functional.cross_entropy(model0(x[union]), y[union],
-                                                     reduction=reduction).item()
+        ref_loss = torch.nn.functional.cross_entropy(
+            model0(x[union]), y[union], reduction=reduction
+        ).item()
         for rank, (r, share) in enumerate(zip(results, (share0, share1))):
             c = r["cases"][i]
             err = relative_error(c["grad"], ref)
@@ -213,7 +252,7 @@ def test_gradient_of_the_global_batch(npy_dataset, tmp_path, prefix, bucket_cap_
             floats = sum(p.numel() for p in model0.parameters())
             assert floats * 4 < c["bytes"] <= floats * 4 + 4 * 15 * 4 + 8 * (3 + NODES)
             assert c["workers"] == (0 if not share else min(len(share), 2 - rank))
-    for rank, r in enumerate(results):
+    for r in results:
         assert "every node's share was empty" in r["all_empty"]
         ref = reference_gradient(model0, "cross_entropy", x[:2], y[:2])
         assert r["after"][0] == 2 and relative_error(r["after"][1], ref) < 1e-5
@@ -284,8 +323,11 @@ class BnCnn(Cnn):
 
 
 # (share of rank 0, share of rank 1): the buffers come from the first node that computed.
-BN_STEPS = [(list(range(0, 5)), list(range(5, 17))), ([], list(range(20, 23))),
-            (list(range(30, 40)), list(range(40, 41)))]
+BN_STEPS = [
+    (list(range(0, 5)), list(range(5, 17))),
+    ([], list(range(20, 23))),
+    (list(range(30, 40)), list(range(40, 41))),
+]
 
 
 def _batchnorm(rank, spec, prefix):
@@ -392,8 +434,14 @@ def _mismatch(rank, prefix):
         out["model"] = str(exc)
     # The group still works: the same model, but another bucket size on rank 1.
     try:
-        with _engine(rank, Cnn(), prefix, "other-buckets", workers=1,
-                     bucket_cap_mb=None if rank == 0 else 0.001):
+        with _engine(
+            rank,
+            Cnn(),
+            prefix,
+            "other-buckets",
+            workers=1,
+            bucket_cap_mb=None if rank == 0 else 0.001,
+        ):
             out["started"] = True
     except shmgrad.InvalidArgumentError as exc:
         out["buckets"] = str(exc)
@@ -433,16 +481,22 @@ def test_dask_run_on_a_local_cluster(npy_dataset, prefix):
     spec, _, _ = npy_dataset
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cluster = LocalCluster(n_workers=2, processes=True, threads_per_worker=1,
-                               dashboard_address=None, silence_logs=logging.ERROR)
+        cluster = LocalCluster(
+            n_workers=2,
+            processes=True,
+            threads_per_worker=1,
+            dashboard_address=None,
+            silence_logs=logging.ERROR,
+        )
         client = Client(cluster)
     try:
         results = shmgrad.dask.run(client, _dask_train, spec, prefix, 5, timeout=PG_TIMEOUT_S)
         assert [r for r, _ in results] == [0, 1]
         assert results[0][1] == results[1][1]
         # One call per host: one node, alone in its group.
-        (alone,) = shmgrad.dask.run(client, _dask_train, spec, prefix, 2, per_host=True,
-                                    timeout=PG_TIMEOUT_S)
+        (alone,) = shmgrad.dask.run(
+            client, _dask_train, spec, prefix, 2, per_host=True, timeout=PG_TIMEOUT_S
+        )
         assert alone[0] == 0
     finally:
         client.close()
@@ -467,8 +521,13 @@ def test_one_node_reports_its_own_figures_and_refuses_a_bad_group(prefix):
             engine.gradient([])
     # torch.distributed is not initialised in this process: refused, engine stopped.
     with pytest.raises(shmgrad.InvalidArgumentError, match="init_process_group"):
-        shmgrad.Engine(model=model, workers=1, loss="cross_entropy", name=f"{prefix}-bad",
-                       process_group=object())
+        shmgrad.Engine(
+            model=model,
+            workers=1,
+            loss="cross_entropy",
+            name=f"{prefix}-bad",
+            process_group=object(),
+        )
     with pytest.raises(shmgrad.InvalidArgumentError, match="rank 2 is not in"):
         shard(list(range(4)), 2, 2)
     assert [len(shard(list(range(5)), r, 3)) for r in range(3)] == [1, 2, 2]
@@ -476,11 +535,10 @@ def test_one_node_reports_its_own_figures_and_refuses_a_bad_group(prefix):
 
 def test_import_shmgrad_loads_neither_dask_nor_distributed():
     code = "import sys, shmgrad; print(' '.join(sorted(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     modules = out.stdout.split()
-    assert "shmgrad.distributed" in modules and "shmgrad.dask" not in modules
+    assert "shmgrad.multinode" in modules and "shmgrad.dask" not in modules
     assert not [m for m in modules if m.split(".")[0] in ("dask", "distributed")]
 
 
@@ -495,17 +553,36 @@ def test_bench_nodes_tiny(tmp_path):
     engines = f"/dev/shm/shmgrad-{os.getuid()}-bench-*"
     before = set(glob.glob(engines))
     proc = subprocess.run(  # killed if it runs past the timeout
-        [sys.executable, "-m", "shmgrad.bench", "--nodes", "2", "--tiny", "--paired",
-         "--out", str(out)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(tmp_path),
-        timeout=BENCH_TIMEOUT_S)
+        [
+            sys.executable,
+            "-m",
+            "shmgrad_tools.bench",
+            "--nodes",
+            "2",
+            "--tiny",
+            "--paired",
+            "--out",
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=str(tmp_path),
+        timeout=BENCH_TIMEOUT_S,
+    )
     assert proc.returncode == 0, proc.stdout
     assert not set(glob.glob(engines)) - before, proc.stdout
     with open(out / "results.json") as f:
         data = json.load(f)
     records = data["results"]
-    assert {r["system"] for r in records} == {"single-1t", "shmgrad", "shmgrad-nodes", "ddp",
-                                              "shmgrad-nodes-paired", "ddp-paired"}
+    assert {r["system"] for r in records} == {
+        "single-1t",
+        "shmgrad",
+        "shmgrad-nodes",
+        "ddp",
+        "shmgrad-nodes-paired",
+        "ddp-paired",
+    }
     by = {r["system"]: r for r in records}
     nodes, ddp = by["shmgrad-nodes"], by["ddp"]
     for r in by.values():
@@ -526,5 +603,84 @@ def test_bench_nodes_tiny(tmp_path):
     assert "all-reduce share" in (out / "results.md").read_text()
 
 
-SCENARIOS = {"gradients": _gradients, "sgd": _sgd, "batchnorm": _batchnorm,
-             "until_fault": _until_fault, "mismatch": _mismatch}
+SCENARIOS = {
+    "gradients": _gradients,
+    "sgd": _sgd,
+    "batchnorm": _batchnorm,
+    "until_fault": _until_fault,
+    "mismatch": _mismatch,
+}
+
+
+def test_docs_dask_recipe_runs_as_written(tmp_path):
+    """docs/MULTINODE.md's three Dask commands, as written (SCHEDULER: this machine, a free
+    port, one epoch), from the checkout's root: two workers, two nodes, one checksum."""
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+    with open(os.path.join(root, "docs", "MULTINODE.md")) as f:
+        text = f.read()
+    block = text[text.index("### Dask") :]
+    block = block[block.index("```sh\n") + 6 : block.index("```\n", block.index("```sh\n") + 6)]
+    commands = [line.split("#")[0].strip() for line in block.strip().splitlines()]
+    assert len(commands) == 3 and "dask scheduler" in commands[0], commands
+    port = str(_free_port())
+    commands = [c.replace("8786", port).replace("SCHEDULER", "127.0.0.1") for c in commands]
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
+    started = []
+
+    logs = []
+
+    def start(command, log):
+        logs.append(open(log, "w"))
+        proc = subprocess.Popen(
+            ["bash", "-c", command],
+            cwd=root,
+            env=env,
+            stdout=logs[-1],
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        started.append(proc)
+        return proc
+
+    try:
+        start(commands[0], tmp_path / "scheduler.log")
+        for i in range(2):  # "each machine": two workers on this one
+            start(commands[1], tmp_path / f"worker{i}.log")
+        # As a person would: once both workers have joined the scheduler.
+        wait = (
+            "import distributed, sys; "
+            f"c = distributed.Client('tcp://127.0.0.1:{port}', timeout=60); "
+            "c.wait_for_workers(2, timeout=90); c.close()"
+        )
+        joined = subprocess.run(
+            [sys.executable, "-c", wait], capture_output=True, text=True, timeout=180
+        )
+        assert joined.returncode == 0, joined.stderr[-2000:]
+        client = subprocess.run(
+            ["bash", "-c", commands[2] + " --epochs 1"],
+            cwd=root,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert client.returncode == 0, client.stdout[-2000:] + client.stderr[-3000:]
+        sums = re.findall(
+            r"^rank (\d): test accuracy [\d.]+%, checksum ([0-9a-f]{16})$", client.stdout, re.M
+        )
+        assert [r for r, _ in sums] == ["0", "1"], client.stdout
+        assert sums[0][1] == sums[1][1], client.stdout  # both nodes hold the same parameters
+    finally:
+        for proc in started:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for proc in started:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        for f in logs:
+            f.close()

@@ -23,8 +23,9 @@ def join_local_group(rank, world, port, timeout_s, pin):
     os.environ["MASTER_PORT"] = str(port)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     models.set_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
+    )
 
 
 def rank_steps(batches, warmup, step):
@@ -47,7 +48,7 @@ def alternating_steps(batches, warmup, steps):
         if i == warmup:
             dist.barrier()
             lo_bytes = loopback_bytes()
-        for name in (names if i % 2 == 0 else names[::-1]):
+        for name in names if i % 2 == 0 else names[::-1]:
             dist.barrier()  # every rank starts the step together
             t0 = now()
             steps[name](i, x, y)
@@ -82,8 +83,7 @@ def ddp_step(rank, world, model_name, batch, seed, out):
     return step
 
 
-def rank_main(rank, world, port, model_name, batch, warmup, repeats, seed, pin, queue,
-              timeout_s):
+def rank_main(rank, world, port, model_name, batch, warmup, repeats, seed, pin, queue, timeout_s):
     """Runs ``warmup + repeats`` DDP steps on this rank's shard of each batch and puts
     ``(rank, {"start": [...], "end": [...], "grad": ...})`` on ``queue`` (or an error)."""
     try:

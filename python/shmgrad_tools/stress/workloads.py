@@ -14,23 +14,19 @@ batch for the reference gradient.
 
 import os
 import random
-import shutil
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .._native import _C
-from ..eager import example_batch, prepare_job
-from ..engine import save_model
-from ..launcher import ServeOptions
+import shmgrad
 
 DATASET_SIZE = 1000
 INPUT_SHAPE = (1, 16, 16)
 CLASSES = 6
 LABEL_SMOOTHING = 0.1
-NOISE_STD = 0.05            # of the eager dataset's per-example noise
-MAX_SHIFT = 2               # pixels the eager dataset's random shift moves an image by
+NOISE_STD = 0.05  # of the eager dataset's per-example noise
+MAX_SHIFT = 2  # pixels the eager dataset's random shift moves an image by
 
 
 class StressNet(torch.nn.Module):
@@ -55,8 +51,9 @@ class UnscriptableStressNet(torch.nn.Module):
     def __init__(self, classes=CLASSES):
         super().__init__()
         self.conv = torch.nn.Conv2d(1, 8, 3, padding=1)
-        self.linear = torch.nn.ModuleDict({"hidden": torch.nn.Linear(8 * 8 * 8, 32),
-                                           "out": torch.nn.Linear(32, classes)})
+        self.linear = torch.nn.ModuleDict(
+            {"hidden": torch.nn.Linear(8 * 8 * 8, 32), "out": torch.nn.Linear(32, classes)}
+        )
         self.act = lambda t: torch.relu(t)
 
     def forward(self, x):
@@ -105,13 +102,18 @@ class ScriptWorkload:
         self.data_y = torch.randint(0, CLASSES, (DATASET_SIZE,))
         self.model = StressNet()
 
-    def serve_options(self, name, workers, max_batch, tmp) -> ServeOptions:
+    def serve(self, name, workers, max_batch, tmp) -> shmgrad.Server:
         np.save(os.path.join(tmp, "x.npy"), self.data_x.numpy())
         np.save(os.path.join(tmp, "y.npy"), self.data_y.numpy())
-        model_path = save_model(self.model, os.path.join(tmp, "model.pt"))
-        return ServeOptions(name=name, model_path=model_path, workers=workers,
-                            loss="cross_entropy", dataset=f"npy:{tmp}/x.npy,{tmp}/y.npy",
-                            max_batch=max_batch)
+        return shmgrad.serve(
+            name=name,
+            model=self.model,
+            mode="script",
+            workers=workers,
+            loss="cross_entropy",
+            dataset=f"npy:{tmp}/x.npy,{tmp}/y.npy",
+            max_batch=max_batch,
+        )
 
     def loss(self, outputs, targets):
         return F.cross_entropy(outputs, targets, reduction="sum")
@@ -120,9 +122,6 @@ class ScriptWorkload:
         """The inputs and targets the workers compute on for ``indices`` (TorchScript
         workers ignore the step seed)."""
         return self.data_x[indices], self.data_y[indices]
-
-    def cleanup(self):
-        pass
 
 
 class EagerWorkload:
@@ -133,30 +132,28 @@ class EagerWorkload:
 
     def __init__(self, seed):
         torch.manual_seed(seed)
-        self.dataset = JitteredDataset(torch.randn(DATASET_SIZE, *INPUT_SHAPE),
-                                       torch.randint(0, CLASSES, (DATASET_SIZE,)))
+        self.dataset = JitteredDataset(
+            torch.randn(DATASET_SIZE, *INPUT_SHAPE), torch.randint(0, CLASSES, (DATASET_SIZE,))
+        )
         self.model = UnscriptableStressNet()
-        self._job_dir = None
 
-    def serve_options(self, name, workers, max_batch, tmp) -> ServeOptions:
-        loss_names = _C.loss_names()
-        job = prepare_job(model=self.model, loss=smoothed_cross_entropy, dataset=self.dataset,
-                          collate_fn=None, forward=None, loss_names=loss_names)
-        self._job_dir = job.directory  # serve removes it with the engine; cleanup() too
-        return ServeOptions(name=name, model_path=job.holder_path, workers=workers,
-                            loss=loss_names[0], max_batch=max_batch, eager_job=job)
+    def serve(self, name, workers, max_batch, tmp) -> shmgrad.Server:
+        return shmgrad.serve(
+            name=name,
+            model=self.model,
+            mode="eager",
+            workers=workers,
+            loss=smoothed_cross_entropy,
+            dataset=self.dataset,
+            max_batch=max_batch,
+        )
 
     def loss(self, outputs, targets):
         return smoothed_cross_entropy(outputs, targets)
 
     def indexed_batch(self, indices, seed):
         """The batch the workers build for ``indices`` in a step seeded with ``seed``."""
-        return example_batch(self.dataset, indices.tolist(), seed)
-
-    def cleanup(self):
-        if self._job_dir is not None:
-            shutil.rmtree(self._job_dir, ignore_errors=True)
-            self._job_dir = None
+        return shmgrad.example_batch(self.dataset, indices.tolist(), seed)
 
 
 WORKLOADS = {w.kind: w for w in (ScriptWorkload, EagerWorkload)}

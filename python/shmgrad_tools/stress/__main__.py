@@ -39,27 +39,51 @@ MODES = ("both",) + tuple(WORKLOADS)
 
 
 def build_parser():
-    ap = argparse.ArgumentParser(prog="shmgrad stress", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="shmgrad stress",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--name", required=True, help="engine name to create for the test")
-    ap.add_argument("--mode", choices=MODES, default="both",
-                    help="which kind of worker to stress: script, eager, or both in turn "
-                         "(default both)")
-    ap.add_argument("--steps", type=int, default=200,
-                    help="gradient steps per kind of worker (default 200)")
-    ap.add_argument("--kill-rate", type=float, default=0.1,
-                    help="probability that a step has a worker killed at a random moment (default 0.1)")
-    ap.add_argument("--trainer-restart-rate", type=float, default=0.02,
-                    help="probability per step of a trainer restart with a child trainer killed mid-step")
-    ap.add_argument("--resize-rate", type=float, default=0.05,
-                    help="probability per step of shrinking to a random size and growing back at once")
+    ap.add_argument(
+        "--mode",
+        choices=MODES,
+        default="both",
+        help="which kind of worker to stress: script, eager, or both in turn (default both)",
+    )
+    ap.add_argument(
+        "--steps", type=int, default=200, help="gradient steps per kind of worker (default 200)"
+    )
+    ap.add_argument(
+        "--kill-rate",
+        type=float,
+        default=0.1,
+        help="probability that a step has a worker killed at a random moment (default 0.1)",
+    )
+    ap.add_argument(
+        "--trainer-restart-rate",
+        type=float,
+        default=0.02,
+        help="probability per step of a trainer restart with a child trainer killed mid-step",
+    )
+    ap.add_argument(
+        "--resize-rate",
+        type=float,
+        default=0.05,
+        help="probability per step of shrinking to a random size and growing back at once",
+    )
     ap.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     ap.add_argument("--workers", type=int, default=3, help="worker processes (default 3)")
     ap.add_argument("--max-batch", type=int, default=400, help="largest random batch (default 400)")
-    ap.add_argument("--step-timeout", type=float, default=120.0,
-                    help="seconds after which a step counts as a hang (default 120)")
-    ap.add_argument("--json", metavar="PATH",
-                    help="also write the run's counters to PATH as one JSON object")
+    ap.add_argument(
+        "--step-timeout",
+        type=float,
+        default=120.0,
+        help="seconds after which a step counts as a hang (default 120)",
+    )
+    ap.add_argument(
+        "--json", metavar="PATH", help="also write the run's counters to PATH as one JSON object"
+    )
     return ap
 
 
@@ -68,8 +92,11 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.steps < 1 or args.workers < 1 or args.max_batch < 1:
         ap.error("--steps, --workers and --max-batch must be >= 1")
-    for flag, rate in (("--kill-rate", args.kill_rate), ("--resize-rate", args.resize_rate),
-                       ("--trainer-restart-rate", args.trainer_restart_rate)):
+    for flag, rate in (
+        ("--kill-rate", args.kill_rate),
+        ("--resize-rate", args.resize_rate),
+        ("--trainer-restart-rate", args.trainer_restart_rate),
+    ):
         if not 0 <= rate <= 1:
             ap.error(f"{flag} must be a probability in [0, 1], got {rate:g}")
     return args
@@ -81,12 +108,16 @@ def engine_name(name, kind):
 
 
 def report(label, c):
-    print(f"{label}: {c.elapsed_s:.1f} s, trainer restarts {c.trainer_restarts}, "
-          f"worker replacements {c.worker_replacements}, steps aborted {c.steps_aborted}, "
-          f"shrink-and-grow {c.resizes}, errors after repeated deaths {c.errors}")
-    print(f"steps {c.steps}, kills {c.kills}, recoveries {c.recoveries}, wrong gradients "
-          f"{c.wrong}, hangs {c.hangs}, leaked segments {c.leaked_segments}, leftover workers "
-          f"{c.leftover_workers}")
+    print(
+        f"{label}: {c.elapsed_s:.1f} s, trainer restarts {c.trainer_restarts}, "
+        f"worker replacements {c.worker_replacements}, steps aborted {c.steps_aborted}, "
+        f"shrink-and-grow {c.resizes}, errors after repeated deaths {c.errors}"
+    )
+    print(
+        f"steps {c.steps}, kills {c.kills}, recoveries {c.recoveries}, wrong gradients "
+        f"{c.wrong}, hangs {c.hangs}, leaked segments {c.leaked_segments}, leftover workers "
+        f"{c.leftover_workers}"
+    )
 
 
 def total(counts):
@@ -108,8 +139,11 @@ def main(argv=None):
     if len(runs) > 1:
         report(f"stress {args.name} (all {len(runs)} kinds)", c)
     if args.json:
-        out = dict(dataclasses.asdict(c), ok=c.ok,
-                   runs={k: dict(dataclasses.asdict(r), ok=r.ok) for k, r in runs.items()})
+        out = dict(
+            dataclasses.asdict(c),
+            ok=c.ok,
+            runs={k: dict(dataclasses.asdict(r), ok=r.ok) for k, r in runs.items()},
+        )
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
     return 0 if c.ok else 1

@@ -22,21 +22,18 @@ import time
 
 import torch
 
-from .. import errors
-from .._numerics import relative_error
-from ..client import attach
-from ..launcher import Launcher
-from ..status import read_status
+from shmgrad import attach, errors, read_status
+from shmgrad.testing import relative_error
 from .workloads import CLASSES, DATASET_SIZE, INPUT_SHAPE
 
-CHILD_BATCH = 2000          # the child trainer's batch: long enough to be killed mid-step
-MAX_GRADIENT_ERROR = 1e-4   # relative to the reference gradient
-KILL_DELAY_MAX_S = 0.05     # a worker kill lands this long after the step starts, at most
+CHILD_BATCH = 2000  # the child trainer's batch: long enough to be killed mid-step
+MAX_GRADIENT_ERROR = 1e-4  # relative to the reference gradient
+KILL_DELAY_MAX_S = 0.05  # a worker kill lands this long after the step starts, at most
 CHILD_KILL_DELAY_MAX_S = 0.05  # after the child's step is seen in flight
 POLL_S = 0.005
 ATTACH_TIMEOUT_S = 30.0
-REAP_GRACE_S = 0.2          # after stopping the engine, before counting leftovers
-PROGRESS_EVERY = 25         # steps between progress lines
+REAP_GRACE_S = 0.2  # after stopping the engine, before counting leftovers
+PROGRESS_EVERY = 25  # steps between progress lines
 
 
 CHILD_TRAINER = f"""
@@ -55,17 +52,17 @@ class Counts:
     """What a run did and found; ``--json`` writes it as is."""
 
     steps: int = 0
-    kills: int = 0                # workers SIGKILLed
-    recoveries: int = 0           # step retries the trainer saw
-    wrong: int = 0                # wrong gradients (or corrupt step bookkeeping)
-    hangs: int = 0                # steps that ran past --step-timeout
-    errors: int = 0               # WorkerErrors after repeated deaths: allowed
+    kills: int = 0  # workers SIGKILLed
+    recoveries: int = 0  # step retries the trainer saw
+    wrong: int = 0  # wrong gradients (or corrupt step bookkeeping)
+    hangs: int = 0  # steps that ran past --step-timeout
+    errors: int = 0  # WorkerErrors after repeated deaths: allowed
     trainer_restarts: int = 0
-    resizes: int = 0              # shrink-and-grow-back pairs
+    resizes: int = 0  # shrink-and-grow-back pairs
     worker_replacements: int = 0  # the engine's worker_restarts over the run
-    steps_aborted: int = 0        # the engine's steps_aborted over the run
+    steps_aborted: int = 0  # the engine's steps_aborted over the run
     leaked_segments: int = 0
-    leftover_workers: int = 0     # worker processes still alive after the engine stopped
+    leftover_workers: int = 0  # worker processes still alive after the engine stopped
     elapsed_s: float = 0.0
 
     @property
@@ -89,7 +86,7 @@ def _alive(pid):
             stat = f.read()
     except OSError:
         return False
-    return stat[stat.rindex(")") + 2:].split()[0] != "Z"
+    return stat[stat.rindex(")") + 2 :].split()[0] != "Z"
 
 
 def _print(msg, error=False):
@@ -116,11 +113,11 @@ class StressRun:
     def run(self) -> Counts:
         t_start = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="shmgrad-stress-") as tmp:
-            launcher = None
+            server = None
             try:
-                launcher = Launcher(self.workload.serve_options(
-                    self.name, self.args.workers, max(self.args.max_batch, CHILD_BATCH), tmp))
-                launcher.start()
+                server = self.workload.serve(
+                    self.name, self.args.workers, max(self.args.max_batch, CHILD_BATCH), tmp
+                )
                 self._attach()
                 before = read_status(self.name)
                 for step in range(self.args.steps):
@@ -131,9 +128,8 @@ class StressRun:
             finally:
                 if self.trainer is not None:
                     self.trainer.close()
-                if launcher is not None:
-                    launcher.stop()
-                self.workload.cleanup()
+                if server is not None:
+                    server.stop()
         time.sleep(REAP_GRACE_S)
         self.counts.leaked_segments = len(glob.glob(f"/dev/shm/shmgrad-{os.getuid()}-{self.name}"))
         self.counts.leftover_workers = sum(1 for pid in self.worker_pids_seen if _alive(pid))
@@ -162,8 +158,10 @@ class StressRun:
         self.counts.steps += 1
         if (step + 1) % PROGRESS_EVERY == 0:
             c = self.counts
-            self.log(f"  {self.workload.kind} step {step + 1}/{a.steps}: kills {c.kills}, "
-                     f"retries {c.recoveries}, wrong {c.wrong}")
+            self.log(
+                f"  {self.workload.kind} step {step + 1}/{a.steps}: kills {c.kills}, "
+                f"retries {c.recoveries}, wrong {c.wrong}"
+            )
 
     # -- the phases ---------------------------------------------------------------------
     def _restart_trainer(self):
@@ -172,15 +170,16 @@ class StressRun:
         last_epoch = self.trainer.status().step_epoch
         self.trainer.close()
         self.trainer = None
-        child = subprocess.Popen([sys.executable, "-c", CHILD_TRAINER, self.name],
-                                 stdout=subprocess.PIPE, text=True)
+        child = subprocess.Popen(
+            [sys.executable, "-c", CHILD_TRAINER, self.name], stdout=subprocess.PIPE, text=True
+        )
         try:
             line = child.stdout.readline().strip()
             if line != "attached":
                 raise RuntimeError(f"child trainer failed to attach (exit {child.wait()})")
             try:
                 self._wait_for_busy_worker(trainer_pid=child.pid, after_epoch=last_epoch)
-            except errors.TimeoutError as exc:
+            except errors.EngineTimeoutError as exc:
                 self.counts.hangs += 1
                 self.log(f"  trainer restart: HANG: {exc}", error=True)
             time.sleep(self.rng.uniform(0.0, CHILD_KILL_DELAY_MAX_S))
@@ -197,20 +196,24 @@ class StressRun:
         deadline = time.monotonic() + self.args.step_timeout
         while True:
             st = read_status(self.name)
-            if st.trainer_pid == trainer_pid and \
-                    any(w.busy_epoch > after_epoch for w in st.ready_workers):
+            if st.trainer_pid == trainer_pid and any(
+                w.busy_epoch > after_epoch for w in st.ready_workers
+            ):
                 return
             if time.monotonic() > deadline:
-                raise errors.TimeoutError(
+                raise errors.EngineTimeoutError(
                     f"no worker was seen busy with child trainer {trainer_pid}'s step within "
-                    f"{self.args.step_timeout:g} s")
+                    f"{self.args.step_timeout:g} s"
+                )
             time.sleep(POLL_S)
 
     def _shrink_and_grow(self):
         """Shrinks to a random size, then grows back before the retired workers have had
         time to exit."""
         self._remember_workers()
-        self.trainer.resize(self.rng.randint(1, self.args.workers - 1), timeout=self.args.step_timeout)
+        self.trainer.resize(
+            self.rng.randint(1, self.args.workers - 1), timeout=self.args.step_timeout
+        )
         self.trainer.resize(self.args.workers, timeout=self.args.step_timeout)
         self.counts.resizes += 1
 
@@ -227,11 +230,21 @@ class StressRun:
             idx = torch.tensor([self.rng.randrange(DATASET_SIZE) for _ in range(batch)])
             seed = self.rng.randrange(2**32)
             x, y = self.workload.indexed_batch(idx, seed)
-            return x, y, mean, lambda: self.trainer.gradient(idx, reduction=reduction,
-                                                             timeout=timeout, seed=seed)
+            return (
+                x,
+                y,
+                mean,
+                lambda: self.trainer.gradient(idx, reduction=reduction, timeout=timeout, seed=seed),
+            )
         x, y = torch.randn(batch, *INPUT_SHAPE), torch.randint(0, CLASSES, (batch,))
-        return x, y, mean, lambda: self.trainer.gradient(inputs=x, targets=y, reduction=reduction,
-                                                         timeout=timeout)
+        return (
+            x,
+            y,
+            mean,
+            lambda: self.trainer.gradient(
+                inputs=x, targets=y, reduction=reduction, timeout=timeout
+            ),
+        )
 
     def _remember_workers(self):
         pids = [w.pid for w in self.trainer.status().ready_workers]
@@ -252,6 +265,7 @@ class StressRun:
                 self.counts.kills += 1
             except ProcessLookupError:
                 pass
+
         killer = threading.Timer(self.rng.uniform(0.0, KILL_DELAY_MAX_S), kill)
         killer.start()
         return killer
@@ -263,7 +277,7 @@ class StressRun:
             if relative_error([p.grad for p in self.model.parameters()], ref) > MAX_GRADIENT_ERROR:
                 self.counts.wrong += 1
             self.opt.step()
-        except errors.TimeoutError as exc:
+        except errors.EngineTimeoutError as exc:
             self.counts.hangs += 1
             self.log(f"  step {step + 1}: HANG: {exc}", error=True)
             if os.environ.get("SHMGRAD_STRESS_DEBUG"):

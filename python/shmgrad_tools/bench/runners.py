@@ -10,7 +10,6 @@ vector (the report compares it with the single process's).
 import copy
 import json
 import logging
-import math
 import os
 import queue as queue_mod
 import socket
@@ -22,8 +21,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from ..engine import Engine
-from ..launcher import installed_binary
+from shmgrad import Engine, program
 from . import ddp, models
 from . import nodes as nodes_rank
 from .timing import now, timed_steps
@@ -53,15 +51,24 @@ def run_single(model_name, batches, warmup, budget, threads, seed, deadline):
 
 
 # -- 2. shmgrad -----------------------------------------------------------------------
-def run_shmgrad(model_name, batches, warmup, budget, workers, seed, deadline, engine_name,
-                mode="script", compile=False):
+def run_shmgrad(
+    model_name,
+    batches,
+    warmup,
+    budget,
+    workers,
+    seed,
+    deadline,
+    engine_name,
+    mode="script",
+    compile=False,
+):
     """An engine of ``workers`` workers, TorchScript (``mode="script"``) or eager Python
     (``mode="eager"``: the same nn.Module run as it is, torch.compile'd in each worker
     with ``compile``), fed the batches explicitly."""
     models.set_threads(1)  # the trainer only copies the batch in and waits
     model = models.make_model(model_name, seed)
     batch = batches[0][0].shape[0]
-    in_mb = batches[0][0].numel() * 4 / 2**20
     engine = None
     try:
         t_start = now()
@@ -69,11 +76,17 @@ def run_shmgrad(model_name, batches, warmup, budget, workers, seed, deadline, en
             # The "shmgrad" row measures TorchScript workers on purpose: torch's
             # deprecation warning is not news to the person running the bench.
             warnings.simplefilter("ignore", FutureWarning)
-            engine = Engine(model=model, workers=workers, loss="cross_entropy",
-                            name=engine_name, mode=mode, threads_per_worker=1,
-                            max_batch=max(batch, 1), compile=compile,
-                            input_capacity_mb=max(64, int(math.ceil(in_mb * 2)) + 1),
-                            startup_timeout=max(10.0, min(120.0, deadline - now())))
+            engine = Engine(
+                model=model,
+                workers=workers,
+                loss="cross_entropy",
+                name=engine_name,
+                mode=mode,
+                threads_per_worker=1,
+                compile=compile,
+                **models.engine_capacity(batch, batches[0][0]),
+                startup_timeout=max(10.0, min(120.0, deadline - now())),
+            )
         startup = now() - t_start
         overheads, engine_overheads, compute, reduce_s, engine_wall = [], [], [], [], []
         grads = engine.gradient_tensors()  # read directly: no module is bound
@@ -94,11 +107,14 @@ def run_shmgrad(model_name, batches, warmup, budget, workers, seed, deadline, en
                 reduce_s.append(st.reduce_seconds)
                 engine_wall.append(st.wall_seconds)
                 overheads.append((dt - slowest) / dt)
-                engine_overheads.append((st.wall_seconds - slowest) / st.wall_seconds
-                                        if st.wall_seconds > 0 else 0.0)
+                engine_overheads.append(
+                    (st.wall_seconds - slowest) / st.wall_seconds if st.wall_seconds > 0 else 0.0
+                )
             return dt
 
-        label = "shmgrad" if mode == "script" else f"shmgrad ({mode}{', compiled' if compile else ''})"
+        label = (
+            "shmgrad" if mode == "script" else f"shmgrad ({mode}{', compiled' if compile else ''})"
+        )
         times = timed_steps(batches, warmup, budget, deadline, label, step)
         return {
             "times_s": times,
@@ -111,8 +127,13 @@ def run_shmgrad(model_name, batches, warmup, budget, workers, seed, deadline, en
             "reduce_median_s": statistics.median(reduce_s),
             # The engine's whole reduce phase (ipc::reduceSlice and the non-finite check of
             # the reduced slice), as bandwidth over the bytes the reduction must move.
-            "reduce_phase_gbps": ((workers + 1) * models.num_parameters(model) * 4
-                                  / max(statistics.median(reduce_s), 1e-12) / 1e9),
+            "reduce_phase_gbps": (
+                (workers + 1)
+                * models.num_parameters(model)
+                * 4
+                / max(statistics.median(reduce_s), 1e-12)
+                / 1e9
+            ),
             "engine_wall_median_s": statistics.median(engine_wall),
         }, grad
     finally:
@@ -135,8 +156,9 @@ def _run_ranks(target, ranks, args, deadline, what):
     q = ctx.Queue()
     timeout_s = max(30, int(deadline - now()))
     t_start = now()
-    procs = mp.start_processes(target, nprocs=ranks, join=False, start_method="spawn",
-                               args=args + (q, timeout_s))
+    procs = mp.start_processes(
+        target, nprocs=ranks, join=False, start_method="spawn", args=args + (q, timeout_s)
+    )
     results = {}
     try:
         while len(results) < ranks:
@@ -186,12 +208,21 @@ def run_ddp(model_name, batch, warmup, repeats, workers, seed, deadline, pin=Fal
     port = _free_port()
     os.environ["MASTER_PORT"] = str(port)
     results, total = _run_ranks(
-        ddp.rank_main, workers, (workers, port, model_name, batch, warmup, repeats, seed, pin),
-        deadline, "DDP")
+        ddp.rank_main,
+        workers,
+        (workers, port, model_name, batch, warmup, repeats, seed, pin),
+        deadline,
+        "DDP",
+    )
     times = _step_times(results)
-    return {"times_s": times, "threads": 1, "total_s": total,
-            "loopback_bytes_per_node_step": (results[0]["loopback_bytes"]
-                                             / max(1, len(times)) / workers)}, results[0]["grad"]
+    return {
+        "times_s": times,
+        "threads": 1,
+        "total_s": total,
+        "loopback_bytes_per_node_step": (
+            results[0]["loopback_bytes"] / max(1, len(times)) / workers
+        ),
+    }, results[0]["grad"]
 
 
 def ring_bytes_sent(payload_bytes, nodes):
@@ -201,18 +232,50 @@ def ring_bytes_sent(payload_bytes, nodes):
 
 
 # -- 3b. shmgrad on several nodes -------------------------------------------------------
-def run_nodes(model_name, batch, warmup, repeats, nodes, workers, seed, deadline,
-              engine_prefix, bucket_cap_mb=None, pin=False):
+def run_nodes(
+    model_name,
+    batch,
+    warmup,
+    repeats,
+    nodes,
+    workers,
+    seed,
+    deadline,
+    engine_prefix,
+    bucket_cap_mb=None,
+    pin=False,
+):
     """``nodes`` ranks on 127.0.0.1, each a shmgrad engine of ``workers`` workers with a
     gloo process group (bench/nodes.py), timed like DDP; with ``pin`` each on its share of
     the CPUs."""
     results, total = _run_ranks(
-        nodes_rank.rank_main, nodes,
-        (nodes, _free_port(), model_name, batch, warmup, repeats, seed, workers,
-         engine_prefix, bucket_cap_mb, pin), deadline, "shmgrad node")
+        nodes_rank.rank_main,
+        nodes,
+        (
+            nodes,
+            _free_port(),
+            model_name,
+            batch,
+            warmup,
+            repeats,
+            seed,
+            workers,
+            engine_prefix,
+            bucket_cap_mb,
+            pin,
+        ),
+        deadline,
+        "shmgrad node",
+    )
     out = _nodes_summary(results, nodes, workers)
-    out.update({"total_s": total, "loopback_bytes_per_node_step":
-                results[0]["loopback_bytes"] / max(1, len(out["times_s"])) / nodes})
+    out.update(
+        {
+            "total_s": total,
+            "loopback_bytes_per_node_step": results[0]["loopback_bytes"]
+            / max(1, len(out["times_s"]))
+            / nodes,
+        }
+    )
     return out, results[0]["grad"]
 
 
@@ -223,30 +286,62 @@ def _nodes_summary(results, nodes, workers):
     steps = range(len(times))
     # The all-reduce's share of a step, averaged over the nodes (a node that arrives
     # first waits in the all-reduce for the others: that wait counts as all-reduce).
-    shares = [statistics.mean(r["allreduce"][i] for r in results.values()) / times[i]
-              for i in steps]
+    shares = [
+        statistics.mean(r["allreduce"][i] for r in results.values()) / times[i] for i in steps
+    ]
     return {
-        "times_s": times, "threads": 1, "nodes": nodes, "workers_per_node": workers,
+        "times_s": times,
+        "threads": 1,
+        "nodes": nodes,
+        "workers_per_node": workers,
         "allreduce_share_median": statistics.median(shares),
         "allreduce_median_s": statistics.median(
-            statistics.mean(r["allreduce"][i] for r in results.values()) for i in steps),
+            statistics.mean(r["allreduce"][i] for r in results.values()) for i in steps
+        ),
         "compute_max_median_s": statistics.median(
-            max(r["compute"][i] for r in results.values()) for i in steps),
+            max(r["compute"][i] for r in results.values()) for i in steps
+        ),
         "allreduce_bytes": results[0]["allreduce_bytes"],
         "sent_bytes_per_node_step": ring_bytes_sent(results[0]["allreduce_bytes"], nodes),
     }
 
 
-def run_paired(model_name, batch, warmup, repeats, nodes, workers, seed, deadline,
-               engine_prefix, bucket_cap_mb=None, pin=False):
+def run_paired(
+    model_name,
+    batch,
+    warmup,
+    repeats,
+    nodes,
+    workers,
+    seed,
+    deadline,
+    engine_prefix,
+    bucket_cap_mb=None,
+    pin=False,
+):
     """``--paired``: ``nodes`` ranks that are each a shmgrad node and a DDP rank, every
     batch through both in turn (bench/nodes.py ``paired_rank_main``). Returns
     ``{"shmgrad-nodes": (record, grad), "ddp": (record, grad)}``; the records carry the
     per-step ratios DDP / shmgrad (``paired_ratios``), each of two steps a moment apart."""
     results, total = _run_ranks(
-        nodes_rank.paired_rank_main, nodes,
-        (nodes, _free_port(), model_name, batch, warmup, repeats, seed, workers,
-         engine_prefix, bucket_cap_mb, pin), deadline, "paired shmgrad node and DDP rank")
+        nodes_rank.paired_rank_main,
+        nodes,
+        (
+            nodes,
+            _free_port(),
+            model_name,
+            batch,
+            warmup,
+            repeats,
+            seed,
+            workers,
+            engine_prefix,
+            bucket_cap_mb,
+            pin,
+        ),
+        deadline,
+        "paired shmgrad node and DDP rank",
+    )
     node = {r: res["shmgrad-nodes"] for r, res in results.items()}
     ranks = {r: res["ddp"] for r, res in results.items()}
     node_rec = _nodes_summary(node, nodes, workers)
@@ -301,8 +396,13 @@ def run_dask(model_name, batches, warmup, budget, workers, seed, deadline):
     bounds = [(batch * r // workers, batch * (r + 1) // workers) for r in range(workers)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        client = Client(processes=False, n_workers=1, threads_per_worker=workers,
-                        dashboard_address=None, silence_logs=logging.ERROR)
+        client = Client(
+            processes=False,
+            n_workers=1,
+            threads_per_worker=workers,
+            dashboard_address=None,
+            silence_logs=logging.ERROR,
+        )
     try:
         grad = None
 
@@ -333,12 +433,25 @@ REDUCE_TIMEOUT_MARGIN_S = 10  # reduce_bench bounds its own waits by --timeout
 
 
 def run_reduce(workers, floats, repeats, timeout):
-    exe = installed_binary("reduce_bench", "SHMGRAD_REDUCE_BENCH")
-    cmd = [exe, "--workers", str(workers), "--floats", str(floats), "--repeats", str(repeats),
-           "--timeout", str(max(1, int(timeout)))]
-    p = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL,
-                       timeout=timeout + REDUCE_TIMEOUT_MARGIN_S)
+    exe = program("reduce_bench")
+    cmd = [
+        exe,
+        "--workers",
+        str(workers),
+        "--floats",
+        str(floats),
+        "--repeats",
+        str(repeats),
+        "--timeout",
+        str(max(1, int(timeout))),
+    ]
+    p = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=timeout + REDUCE_TIMEOUT_MARGIN_S,
+    )
     if p.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {p.returncode}: {p.stderr.strip()}")
     return json.loads(p.stdout)
-

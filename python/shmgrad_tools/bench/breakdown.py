@@ -19,7 +19,7 @@ Alongside, in the same process and in alternating blocks of steps, ``eager`` tim
 forward and backward of the same model in this process with one thread (what DDP runs at
 N = 1), and ``copy`` times copying the batch alone. Medians in microseconds.
 
-Run: ``.venv/bin/python -m shmgrad.bench.breakdown --model mlp --batch 32 --workers 1,2``
+Run: ``.venv/bin/python -m shmgrad_tools.bench.breakdown --model mlp --batch 32 --workers 1,2``
 """
 
 import argparse
@@ -31,12 +31,22 @@ import warnings
 
 import torch
 
-from ..engine import Engine
+from shmgrad import Engine
 from . import models
 
 ROUNDS = 4  # engine and eager steps alternate in blocks, this many times
-PARTS = ("python", "prepare", "wake", "compute", "barrier", "reduce", "complete", "finish",
-         "fixed", "total")
+PARTS = (
+    "python",
+    "prepare",
+    "wake",
+    "compute",
+    "barrier",
+    "reduce",
+    "complete",
+    "finish",
+    "fixed",
+    "total",
+)
 
 
 def step_parts(dt, st):
@@ -70,16 +80,21 @@ def measure(model_name, batch, workers, steps, warmup, seed=0):
     buf = torch.empty_like(batches[0][0])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # TorchScript workers, on purpose
-        engine = Engine(model=models.make_model(model_name, seed), workers=workers,
-                        mode="script", loss="cross_entropy", threads_per_worker=1,
-                        max_batch=batch,
-                        name=f"breakdown-{workers}-{int(time.time() * 1000) % 100000}")
+        engine = Engine(
+            model=models.make_model(model_name, seed),
+            workers=workers,
+            mode="script",
+            loss="cross_entropy",
+            threads_per_worker=1,
+            max_batch=batch,
+            name=f"breakdown-{workers}-{int(time.time() * 1000) % 100000}",
+        )
     with engine:
         engine.gradient_tensors()  # the grads are read directly: no module bound
         # Rounds of engine steps, then as many eager steps: eager work between every two
         # engine steps would stand for a trainer that computes between steps, not the
         # training loop (gradient, optimizer step) whose fixed cost this measures.
-        for r in range(ROUNDS):
+        for _ in range(ROUNDS):
             for i in range(warmup + steps // ROUNDS):
                 x, y = batches[i % len(batches)]
                 t0 = time.perf_counter()
@@ -105,8 +120,11 @@ def measure(model_name, batch, workers, steps, warmup, seed=0):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python3 -m shmgrad.bench.breakdown", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python3 -m shmgrad_tools.bench.breakdown",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--model", choices=sorted(models.MODELS), default="mlp")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--workers", default="1,2", help="comma-separated worker counts")
@@ -130,8 +148,16 @@ def main(argv=None):
         print(f"{n:<3}" + " ".join(f"{med[c]:9.1f}" for c in cols))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "batch": args.batch, "steps": args.steps,
-                       "medians_us": results}, f, indent=1)
+            json.dump(
+                {
+                    "model": args.model,
+                    "batch": args.batch,
+                    "steps": args.steps,
+                    "medians_us": results,
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 

@@ -9,10 +9,10 @@ from typing import List, Optional
 
 import torch
 
-from . import distributed, errors
-from ._native import _C
-from .eager import compiled_original, shared_buffers, step_seed
-from .status import EngineStatus, read_status
+from . import errors, multinode
+from ._native import _C, DEFAULTS
+from ._eager import compiled_original, shared_buffers, step_seed
+from ._status import EngineStatus, read_status
 
 REDUCTIONS = ("sum", "mean")
 RESIZE_POLL_S = 0.01  # how often resize() looks at the ready worker count
@@ -39,16 +39,17 @@ class GradientStats:
     """
 
     __slots__ = ("_native", "_nodes")
-    _SCALARS = ("num_examples", "loss", "loss_sum", "wall_seconds", "reduce_seconds", "retries",
-                "nonfinite", "prepare_seconds", "step_seconds", "wake_seconds",
-                "finish_seconds")
-    _NODE_FIELDS = distributed.NodeStats.__slots__
+    # The native record's scalar fields (engine/trainer.h's field list), read by name.
+    _SCALARS = tuple(
+        f for f, kind, _ in _C.RECORDS["GradientStats"] if kind != "list:WorkerStepStats"
+    )
+    _NODE_FIELDS = multinode.NodeStats.__slots__
     _ONE_NODE = {"local_num_examples": "num_examples", "local_loss_sum": "loss_sum"}
     _ONE_NODE_CONSTANTS = {"allreduce_seconds": 0.0, "allreduce_bytes": 0, "nodes": 1}
 
     def __init__(self, native, nodes=None):
         self._native = native
-        self._nodes = nodes  # a distributed.NodeStats across nodes, None on one node
+        self._nodes = nodes  # a multinode.NodeStats across nodes, None on one node
 
     def __getattr__(self, name):
         if self._nodes is not None and name in GradientStats._NODE_FIELDS:
@@ -61,8 +62,8 @@ class GradientStats:
             return GradientStats._ONE_NODE_CONSTANTS[name]
         raise AttributeError(f"GradientStats has no field {name!r}")
 
-    def _column(self, i):
-        return [w[i] for w in self._native.workers]
+    def _column(self, field):
+        return [getattr(w, field) for w in self._native.workers]
 
     @property
     def workers(self) -> int:
@@ -70,39 +71,47 @@ class GradientStats:
 
     @property
     def worker_slots(self) -> List[int]:
-        return self._column(0)
+        return self._column("slot")
 
     @property
     def worker_examples(self) -> List[int]:
-        return self._column(1)
+        return self._column("examples")
 
     @property
     def compute_seconds(self) -> List[float]:
-        return self._column(3)
+        return self._column("compute_seconds")
 
     @property
     def reduce_seconds_per_worker(self) -> List[float]:
-        return self._column(4)
+        return self._column("reduce_seconds")
 
     @property
     def wait_seconds(self) -> List[float]:
-        return self._column(5)
+        return self._column("wait_seconds")
 
     @property
     def nonfinite_workers(self) -> List[int]:
-        return [w[0] for w in self._native.workers if w[6] or w[7]]
+        return [w.slot for w in self._native.workers if w.nonfinite_loss or w.nonfinite_grad]
 
     def as_dict(self) -> dict:
         """Every field as a plain dict (e.g. for logging)."""
         names = tuple(dict.fromkeys(self._SCALARS + self._NODE_FIELDS)) + (
-            "workers", "worker_slots", "worker_examples", "compute_seconds",
-            "reduce_seconds_per_worker", "wait_seconds", "nonfinite_workers")
+            "workers",
+            "worker_slots",
+            "worker_examples",
+            "compute_seconds",
+            "reduce_seconds_per_worker",
+            "wait_seconds",
+            "nonfinite_workers",
+        )
         return {n: getattr(self, n) for n in names}
 
     def __repr__(self):
-        return (f"GradientStats(num_examples={self.num_examples}, loss={self.loss:.6g}, "
-                f"workers={self.workers}, wall_seconds={self.wall_seconds:.6f}, "
-                f"retries={self.retries})")
+        return (
+            f"GradientStats(num_examples={self.num_examples}, loss={self.loss:.6g}, "
+            f"workers={self.workers}, wall_seconds={self.wall_seconds:.6f}, "
+            f"retries={self.retries})"
+        )
 
 
 class Client:
@@ -114,7 +123,7 @@ class Client:
 
     With ``process_group`` (a ``torch.distributed`` group with one trainer per node, e.g.
     ``torch.distributed.group.WORLD``), this node's engine is one of several: see
-    :mod:`shmgrad.distributed` and docs/MULTINODE.md. Construction, :meth:`bind`,
+    :mod:`shmgrad.multinode` and docs/MULTINODE.md. Construction, :meth:`bind`,
     :meth:`gradient` and :meth:`check_consistency` are then collective: every node calls
     them, in the same order.
     """
@@ -125,14 +134,22 @@ class Client:
     _closed = False
     _nodes = None
 
-    def __init__(self, name: str, trainer, *, seed: int = 0, min_examples_per_worker: int = 1,
-                 max_examples_per_pass: int = 0, process_group=None,
-                 bucket_cap_mb: Optional[float] = None):
+    def __init__(
+        self,
+        name: str,
+        trainer,
+        *,
+        seed: int = 0,
+        min_examples_per_worker: int = 1,
+        max_examples_per_pass: int = 0,
+        process_group=None,
+        bucket_cap_mb: Optional[float] = None,
+    ):
         """Wraps ``trainer``, a native ``_C.Trainer`` attached to engine ``name``. Use
         :func:`attach` (or :class:`shmgrad.Engine`) rather than this."""
         self.name = name
-        self.seed = seed          # eager workers' step seeds derive from it
-        self._steps = 0           # gradient calls so far
+        self.seed = seed  # eager workers' step seeds derive from it
+        self._steps = 0  # gradient calls so far
         self._trainer = trainer
         self._bound = []
         self._bound_module = None
@@ -141,7 +158,7 @@ class Client:
         self.min_examples_per_worker = min_examples_per_worker
         self.max_examples_per_pass = max_examples_per_pass
         # Only eager workers use a step's seed; TorchScript workers get 0, which spares the
-        # step the seed's arithmetic (about 15 us right after a long step, caches cold).
+        # step the seed's arithmetic.
         try:
             self.mode = _C.status(name)["worker_kind"]  # "script" or "eager"
         except Exception:  # no status: send seeds anyway, as an eager engine needs them
@@ -152,9 +169,13 @@ class Client:
         self._grad_views = trainer.gradient_views()
         if process_group is not None:
             try:
-                self._nodes = distributed.NodeGroup(
-                    process_group, trainer, self._param_info, engine_name=name,
-                    bucket_cap_mb=bucket_cap_mb)
+                self._nodes = multinode.NodeGroup(
+                    process_group,
+                    trainer,
+                    self._param_info,
+                    engine_name=name,
+                    bucket_cap_mb=bucket_cap_mb,
+                )
             except BaseException:
                 self.close()  # an Engine's close() also stops the engine it started
                 raise
@@ -200,19 +221,26 @@ class Client:
         """
         self._check_open()
         if not isinstance(module, torch.nn.Module):
-            raise errors.InvalidArgumentError(f"bind needs a torch.nn.Module, got {type(module).__name__}")
+            raise errors.InvalidArgumentError(
+                f"bind needs a torch.nn.Module, got {type(module).__name__}"
+            )
         given = module
         module, _ = compiled_original(module)  # a torch.compile'd module: the one it wraps
         named = list(module.named_parameters())
         if len(named) != len(self._param_info):
             raise errors.InvalidArgumentError(
-                f"the module has {len(named)} parameters but the engine has {len(self._param_info)}: "
-                "bind the module the engine was started with")
+                f"the module has {len(named)} parameters but the engine has "
+                f"{len(self._param_info)}: "
+                "bind the module the engine was started with"
+            )
         for i, ((name, p), (ename, eshape)) in enumerate(zip(named, self._param_info)):
             if name != ename or tuple(p.shape) != eshape or p.dtype != torch.float32:
                 raise errors.InvalidArgumentError(
-                    f"module parameter {i} {name!r} {tuple(p.shape)} ({p.dtype}) does not match the "
-                    f"engine's {ename!r} {eshape} (float32): bind the module the engine was started with")
+                    f"module parameter {i} {name!r} {tuple(p.shape)} ({p.dtype}) does "
+                    "not match the "
+                    f"engine's {ename!r} {eshape} (float32): bind the module the engine "
+                    "was started with"
+                )
         with torch.no_grad():
             for (_, p), view, grad in zip(named, self._param_views, self._grad_views):
                 view.copy_(p.detach())
@@ -234,21 +262,32 @@ class Client:
         if set(views) != set(own):
             raise errors.InvalidArgumentError(
                 f"the module's buffers {sorted(own)[:4]}... differ from the engine's "
-                f"{sorted(views)[:4]}...: bind the module the engine was started with")
+                f"{sorted(views)[:4]}...: bind the module the engine was started with"
+            )
         with torch.no_grad():
             for n, b in own.items():
                 if tuple(b.shape) != tuple(views[n].shape) or b.dtype != views[n].dtype:
                     raise errors.InvalidArgumentError(
                         f"module buffer {n!r} {tuple(b.shape)} ({b.dtype}) does not match the "
-                        f"engine's {tuple(views[n].shape)} ({views[n].dtype})")
+                        f"engine's {tuple(views[n].shape)} ({views[n].dtype})"
+                    )
                 views[n].copy_(b)
                 b.data = views[n]
 
-    def gradient(self, indices=None, *, inputs=None, targets=None, reduction: str = "sum",
-                 timeout: float = 600.0, max_retries: int = 3,
-                 min_examples_per_worker: Optional[int] = None,
-                 max_examples_per_pass: Optional[int] = None,
-                 raise_on_nonfinite: bool = False, seed: Optional[int] = None) -> GradientStats:
+    def gradient(
+        self,
+        indices=None,
+        *,
+        inputs=None,
+        targets=None,
+        reduction: str = "sum",
+        timeout: float = 600.0,
+        max_retries: int = 3,
+        min_examples_per_worker: Optional[int] = None,
+        max_examples_per_pass: Optional[int] = None,
+        raise_on_nonfinite: bool = False,
+        seed: Optional[int] = None,
+    ) -> GradientStats:
         """Computes the gradient of the loss over a batch into the reduced gradient (and so
         into the ``.grad`` of a bound module).
 
@@ -263,7 +302,7 @@ class Client:
            still returns the exact gradient.
 
         Across nodes (an engine with a ``process_group``), give this node's share of the
-        global batch (:func:`shmgrad.distributed.shard`; it may be empty): every node
+        global batch (:func:`shmgrad.multinode.shard`; it may be empty): every node
         then gets the gradient of the whole global batch, the mean over the global count.
         After its own step the node all-reduces its reduced gradient with the others'
         (a synchronisation point of all nodes, bounded by the process group's timeout).
@@ -271,54 +310,76 @@ class Client:
         Eager workers seed Python's ``random``, NumPy and torch with
         :func:`shmgrad.example_seed` ``(seed, i)`` before ``dataset[i]``: ``seed`` as
         given, else derived from the engine's seed and this client's step count
-        (:func:`shmgrad.eager.step_seed`). The bound module's train/eval mode goes to the
+        (:func:`shmgrad.step_seed`). The bound module's train/eval mode goes to the
         workers with the step.
 
         Raises:
             InvalidArgumentError: bad indices, shapes, dtypes, an empty batch.
             WorkerError: the model rejected the input (the worker's message follows).
-            TimeoutError: the step did not finish in time. The engine keeps serving.
+            EngineTimeoutError: the step did not finish in time. The engine keeps serving.
             NonFiniteError: NaN/inf in loss or gradient, when ``raise_on_nonfinite``.
             NodeError: across nodes, a peer died, timed out or failed its step.
         """
         t = self._check_open()
         if reduction not in REDUCTIONS:
-            raise errors.InvalidArgumentError(f"unknown reduction {reduction!r}: use 'sum' or 'mean'")
+            raise errors.InvalidArgumentError(
+                f"unknown reduction {reduction!r}: use 'sum' or 'mean'"
+            )
         mean = reduction == "mean"
         nodes = self._nodes  # across nodes the mean is taken after the all-reduce
-        mepw = self.min_examples_per_worker if min_examples_per_worker is None else min_examples_per_worker
-        mepp = self.max_examples_per_pass if max_examples_per_pass is None else max_examples_per_pass
+        mepw = (
+            self.min_examples_per_worker
+            if min_examples_per_worker is None
+            else min_examples_per_worker
+        )
+        mepp = (
+            self.max_examples_per_pass if max_examples_per_pass is None else max_examples_per_pass
+        )
         if seed is None:
             seed = step_seed(self.seed, self._steps) if self._eager_workers else 0
         elif not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**64:
             raise errors.InvalidArgumentError(f"seed must be an int in [0, 2^64), got {seed!r}")
         self._steps += 1
         train = self._bound_module.training if self._bound_module is not None else True
-        args = (mean and nodes is None, float(timeout), int(max_retries), int(mepw), int(mepp),
-                bool(raise_on_nonfinite), seed, train)
+        args = (
+            mean and nodes is None,
+            float(timeout),
+            int(max_retries),
+            int(mepw),
+            int(mepp),
+            bool(raise_on_nonfinite),
+            seed,
+            train,
+        )
         if indices is not None:
             if inputs is not None or targets is not None:
-                raise errors.InvalidArgumentError("give either indices or inputs and targets, not both")
+                raise errors.InvalidArgumentError(
+                    "give either indices or inputs and targets, not both"
+                )
             idx = indices if isinstance(indices, torch.Tensor) else torch.as_tensor(indices)
             if idx.numel() == 0 and nodes is None:
                 raise errors.InvalidArgumentError("empty batch: give at least one index")
             empty = idx.numel() == 0  # across nodes, an empty share (any dtype: [] is float)
-            if not empty and (idx.dtype.is_floating_point or idx.dtype == torch.bool
-                              or idx.is_complex()):
+            if not empty and (
+                idx.dtype.is_floating_point or idx.dtype == torch.bool or idx.is_complex()
+            ):
                 raise errors.InvalidArgumentError(f"indices must be integers, got {idx.dtype}")
             if idx.dim() != 1:
                 idx = idx.reshape(-1) if idx.dim() == 0 else idx
                 if idx.dim() != 1:
                     raise errors.InvalidArgumentError(
-                        f"indices must be 1-D, got shape {tuple(idx.shape)}")
+                        f"indices must be 1-D, got shape {tuple(idx.shape)}"
+                    )
 
             def local_step():
-                return t.gradient(idx if idx.dtype == torch.int64 else idx.to(torch.int64),
-                                  None, None, *args)
+                return t.gradient(
+                    idx if idx.dtype == torch.int64 else idx.to(torch.int64), None, None, *args
+                )
         else:
             if inputs is None or targets is None:
                 raise errors.InvalidArgumentError(
-                    "give indices into the engine's dataset, or both inputs and targets")
+                    "give indices into the engine's dataset, or both inputs and targets"
+                )
             # Tensors that autograd tracks are fine: the engine only reads their data and
             # converts a dtype or layout with gradient recording off. Nothing more is
             # looked at here: right after a long step, with the caches cold, every
@@ -329,6 +390,7 @@ class Client:
 
             def local_step():
                 return t.gradient(None, x, y, *args)
+
         if nodes is None:
             stats = GradientStats(local_step())
         else:
@@ -341,7 +403,8 @@ class Client:
                 f"engine {self.name!r}: gradient() filled the engine's reduced gradient, but no "
                 "module is bound, so no .grad changed and an optimizer would not move: call "
                 "engine.bind(model) once before training (or read engine.gradient_tensors())",
-                stacklevel=2)
+                stacklevel=2,
+            )
         return stats
 
     def _relink_grads(self):
@@ -376,11 +439,12 @@ class Client:
         all are bit-identical."""
         self._check_open()
         if self._nodes is None:
-            return distributed.checksum([self._trainer.parameter_buffer()]
-                                        + [t for _, t in self._trainer.buffer_views()])
+            return multinode.checksum(
+                [self._trainer.parameter_buffer()] + [t for _, t in self._trainer.buffer_views()]
+            )
         return self._nodes.check_consistency()
 
-    def resize(self, workers: int, *, timeout: float = 120.0):
+    def resize(self, workers: int, *, timeout: float = DEFAULTS["resize_timeout"]):
         """Runs ``workers`` worker processes (1 to ``max_workers``). New workers map the
         current parameters; removed ones exit cleanly. Blocks until that many are ready."""
         t = self._check_open()
@@ -390,8 +454,10 @@ class Client:
         deadline = time.monotonic() + timeout
         while t.worker_count() != workers:
             if time.monotonic() > deadline:
-                raise errors.TimeoutError(
-                    f"engine {self.name!r}: {t.worker_count()} workers ready, not {workers}, after {timeout} s")
+                raise errors.EngineTimeoutError(
+                    f"engine {self.name!r}: {t.worker_count()} workers ready, not "
+                    f"{workers}, after {timeout} s"
+                )
             time.sleep(RESIZE_POLL_S)
 
     def log(self) -> str:
@@ -408,8 +474,11 @@ class Client:
         runs."""
         self._check_open()
         status = read_status(self.name)
-        return dataclasses.replace(status, mode_reason=self.mode_reason) if self.mode_reason \
+        return (
+            dataclasses.replace(status, mode_reason=self.mode_reason)
+            if self.mode_reason
             else status
+        )
 
     def close(self):
         """Releases the engine (the next trainer may attach); idempotent.
@@ -445,9 +514,16 @@ class Client:
         return f"<shmgrad.{type(self).__name__} {getattr(self, 'name', '?')!r} {state}>"
 
 
-def attach(name: str, *, timeout: float = 30.0, seed: int = 0, min_examples_per_worker: int = 1,
-           max_examples_per_pass: int = 0, process_group=None,
-           bucket_cap_mb: Optional[float] = None) -> Client:
+def attach(
+    name: str,
+    *,
+    timeout: float = 30.0,
+    seed: int = 0,
+    min_examples_per_worker: int = 1,
+    max_examples_per_pass: int = 0,
+    process_group=None,
+    bucket_cap_mb: Optional[float] = None,
+) -> Client:
     """Attaches to an engine started with ``shmgrad serve --name NAME``.
 
     Waits up to ``timeout`` seconds for it to serve. Raises :class:`EngineNotFoundError`
@@ -461,6 +537,12 @@ def attach(name: str, *, timeout: float = 30.0, seed: int = 0, min_examples_per_
     """
     _C.check_engine_name(name)
     trainer = _C.Trainer.attach(name, timeout=timeout)
-    return Client(name, trainer, seed=seed, min_examples_per_worker=min_examples_per_worker,
-                  max_examples_per_pass=max_examples_per_pass, process_group=process_group,
-                  bucket_cap_mb=bucket_cap_mb)
+    return Client(
+        name,
+        trainer,
+        seed=seed,
+        min_examples_per_worker=min_examples_per_worker,
+        max_examples_per_pass=max_examples_per_pass,
+        process_group=process_group,
+        bucket_cap_mb=bucket_cap_mb,
+    )

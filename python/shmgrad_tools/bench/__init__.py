@@ -1,6 +1,6 @@
 """``shmgrad bench``: the benchmarks, beside the library (``import shmgrad`` does not load
-them). Run ``python3 -m shmgrad.bench`` (the command ``shmgrad bench``) or
-``python3 -m shmgrad.bench.feed`` or ``python3 -m shmgrad.bench.augment``.
+them). Run ``python3 -m shmgrad_tools.bench`` (the command ``shmgrad bench``) or
+``python3 -m shmgrad_tools.bench.feed`` or ``python3 -m shmgrad_tools.bench.augment``.
 
 * ``__main__``: the command line and the run over every configuration;
 * ``runners``: one runner per system measured (single process, shmgrad with TorchScript

@@ -7,6 +7,7 @@ weights and the same batches without shipping them around.
 """
 
 import ctypes
+import math
 from typing import Dict, List, NamedTuple, Tuple
 
 import torch
@@ -99,7 +100,7 @@ class WideResNet(nn.Module):
 class ModelSpec(NamedTuple):
     name: str
     description: str
-    input_shape: Tuple[int, ...]   # one example's shape
+    input_shape: Tuple[int, ...]  # one example's shape
 
 
 MODELS: Dict[str, ModelSpec] = {
@@ -161,6 +162,20 @@ def make_batches(name: str, batch: int, count: int, seed: int = 1):
         y = torch.randint(0, NUM_CLASSES, (batch,), generator=g)
         out.append((x, y))
     return out
+
+
+def engine_capacity(batch: int, batch_inputs: torch.Tensor) -> dict:
+    """The engine options that fit explicit batches of ``batch`` examples whose inputs are
+    ``batch_inputs`` (float32): every bench engine is sized by this one rule, with room
+    for twice the inputs and at least shmgrad's default capacity."""
+    import shmgrad
+
+    default_mb = shmgrad.Engine.__init__.__kwdefaults__["input_capacity_mb"]
+    in_mb = batch_inputs.numel() * batch_inputs.element_size() / 2**20
+    return {
+        "max_batch": max(batch, 1),
+        "input_capacity_mb": max(default_mb, math.ceil(2 * in_mb) + 1),
+    }
 
 
 def flat_grad(model: nn.Module) -> torch.Tensor:

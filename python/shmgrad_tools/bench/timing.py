@@ -36,7 +36,7 @@ def pin_to_share(rank, ranks):
     cores of their own. Does nothing when there are fewer CPUs than ranks."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) >= ranks:
-        os.sched_setaffinity(0, cpus[len(cpus) * rank // ranks:len(cpus) * (rank + 1) // ranks])
+        os.sched_setaffinity(0, cpus[len(cpus) * rank // ranks : len(cpus) * (rank + 1) // ranks])
 
 
 def summarize(times):
@@ -49,9 +49,14 @@ def summarize(times):
         q1, q3 = q[0], q[2]
     else:
         q1 = q3 = s[0]
-    return {"median_s": statistics.median(s), "min_s": s[0], "max_s": s[-1],
-            "q1_s": q1, "q3_s": q3, "n": len(s)}
-
+    return {
+        "median_s": statistics.median(s),
+        "min_s": s[0],
+        "max_s": s[-1],
+        "q1_s": q1,
+        "q3_s": q3,
+        "n": len(s),
+    }
 
 
 class Budget:
@@ -86,4 +91,3 @@ def timed_steps(batches, warmup, budget, deadline, what, step):
             times.append(dt)
             spent += dt
     return times
-

@@ -9,7 +9,6 @@ The worker side is :mod:`shmgrad._eager_worker`. docs/DESIGN.md, "Eager workers"
 import os
 import pickle
 import random
-import struct
 import sys
 import tempfile
 from typing import Callable, List, NamedTuple, Optional, Tuple
@@ -64,8 +63,8 @@ def seed_everything(seed: int):
     """Seeds the three generators an example's transforms may draw from: Python's
     ``random``, NumPy's global generator and torch's CPU generator. The last is
     ``torch.default_generator.manual_seed``, which gives the CPU the same stream as
-    ``torch.manual_seed`` without the latter's other devices' bookkeeping (about 30 us
-    of the 35 us this function took per example on a 2-vCPU EPYC, 2026-12-03)."""
+    ``torch.manual_seed`` without the latter's other devices' bookkeeping (most of what
+    ``torch.manual_seed`` costs per example)."""
     random.seed(seed)
     if numpy is not None:
         numpy.random.seed(seed)
@@ -79,6 +78,7 @@ def example_batch(dataset, indices, seed: int, collate_fn=None):
     reproduce a step's batch in one process."""
     if collate_fn is None:
         from torch.utils.data import default_collate
+
         collate_fn = default_collate
     samples = []
     for i in indices:
@@ -104,17 +104,21 @@ def check_loss(loss, loss_names) -> None:
         if loss not in loss_names:
             raise errors.InvalidArgumentError(
                 f"unknown loss {loss!r}: use one of {', '.join(loss_names)}, or pass a callable "
-                "loss(outputs, targets) that returns the loss summed over the batch")
+                "loss(outputs, targets) that returns the loss summed over the batch"
+            )
         return
     if not callable(loss):
         raise errors.InvalidArgumentError(
-            f"loss must be a name ({', '.join(loss_names)}) or a callable, got {type(loss).__name__}")
+            f"loss must be a name ({', '.join(loss_names)}) or a callable, got "
+            f"{type(loss).__name__}"
+        )
     reduction = getattr(loss, "reduction", None)
     if isinstance(loss, torch.nn.Module) and reduction is not None and reduction != "sum":
         raise errors.InvalidArgumentError(
             f"the loss {type(loss).__name__}(reduction={reduction!r}) is not summed over the "
             f"batch: create it with reduction='sum' (e.g. {type(loss).__name__}(reduction='sum')) "
-            "and ask engine.gradient(..., reduction='mean') for the mean")
+            "and ask engine.gradient(..., reduction='mean') for the mean"
+        )
 
 
 # -- mode --------------------------------------------------------------------------
@@ -137,8 +141,9 @@ def _scripts(model) -> bool:
         return False
 
 
-def choose_mode(mode: str, *, model, loss, dataset, collate_fn, forward, loss_names,
-                compile: bool = False) -> Tuple[str, str]:
+def choose_mode(
+    mode: str, *, model, loss, dataset, collate_fn, forward, loss_names, compile: bool = False
+) -> Tuple[str, str]:
     """``("script" | "eager", why)``: TorchScript workers (C++) or Python workers, as
     asked or chosen, and the reason in words (``Engine.mode_reason``, ``status()``)."""
     if mode not in MODES:
@@ -157,8 +162,10 @@ def choose_mode(mode: str, *, model, loss, dataset, collate_fn, forward, loss_na
     if mode == "script":
         if python_only:
             raise errors.InvalidArgumentError(
-                f"mode='script' runs TorchScript workers, which cannot take {', '.join(python_only)}: "
-                "use mode='eager' (or 'auto')")
+                "mode='script' runs TorchScript workers, which cannot take "
+                f"{', '.join(python_only)}: "
+                "use mode='eager' (or 'auto')"
+            )
         return "script", "asked for: mode='script'"
     if mode == "eager":
         return "eager", "asked for: mode='eager'"
@@ -168,12 +175,11 @@ def choose_mode(mode: str, *, model, loss, dataset, collate_fn, forward, loss_na
         return "script", "auto: the model is a TorchScript file"
     if isinstance(model, torch.jit.ScriptModule):
         return "script", "auto: the model is a TorchScript module"
-    if isinstance(dataset, str):
-        return "script", (f"auto: the dataset spec {dataset!r} is loaded by TorchScript "
-                          "workers (eager workers take a torch Dataset)")
     if torchscript_deprecated():
-        return "eager", (f"auto: torch {torch.__version__} deprecates TorchScript, so a module "
-                         "runs in eager workers (mode='script' scripts it anyway)")
+        return "eager", (
+            f"auto: torch {torch.__version__} deprecates TorchScript, so a module "
+            "runs in eager workers (mode='script' scripts it anyway)"
+        )
     if _scripts(model):
         return "script", "auto: the module scripts"
     return "eager", "auto: the module does not script (torch.jit.script failed)"
@@ -181,16 +187,24 @@ def choose_mode(mode: str, *, model, loss, dataset, collate_fn, forward, loss_na
 
 # -- the job -----------------------------------------------------------------------
 class EagerJob(NamedTuple):
-    directory: str       # private (0700), removed with the engine
-    holder_path: str     # the model's parameters (write_params), for serve
-    job_path: str        # the pickled job, 0600
-    dataset_size: int    # examples of a Dataset the workers hold (0: none or a spec string)
+    directory: str  # private (0700), removed with the engine
+    holder_path: str  # the model's parameters (write_params), for serve
+    job_path: str  # the pickled job, 0600
+    dataset_size: int  # examples of a Dataset the workers hold (0: none or a spec string)
 
     def serve_arguments(self) -> List[str]:
         """The options that make ``shmgrad serve`` run this job in eager workers, with
         this interpreter, and remove the job's directory with the engine."""
-        return ["--eager-job", self.job_path, "--python", sys.executable,
-                "--eager-dataset-size", str(self.dataset_size), "--owned-dir", self.directory]
+        return [
+            "--eager-job",
+            self.job_path,
+            "--python",
+            sys.executable,
+            "--eager-dataset-size",
+            str(self.dataset_size),
+            "--owned-dir",
+            self.directory,
+        ]
 
 
 def _pickle(name, obj, pickler):
@@ -200,54 +214,43 @@ def _pickle(name, obj, pickler):
         raise errors.InvalidArgumentError(
             f"the {name} ({type(obj).__name__}) cannot be pickled for the eager workers: {exc}. "
             "Define it at module level or in __main__, and keep open files, locks and sockets "
-            "out of it (open them lazily in the worker)") from exc
-
-
-PARAMS_MAGIC = b"SHMGRADP"
-PARAMS_VERSION = 2
-DTYPE_FLOAT32, DTYPE_INT64 = 1, 2  # ipc::DType
-
-
-def _write_tensor(f, name: str, t: torch.Tensor, dtype: Optional[int] = None) -> None:
-    """One entry of the parameter file: u32 name length, the UTF-8 name, the u32 dtype
-    (buffers only), u32 ndim, i64 dims, then the values."""
-    raw = name.encode()
-    f.write(struct.pack("<I", len(raw)) + raw)
-    if dtype is not None:
-        f.write(struct.pack("<I", dtype))
-    f.write(struct.pack("<I", t.dim()) + struct.pack(f"<{t.dim()}q", *t.shape))
-    f.write(t.detach().contiguous().numpy().tobytes())
+            "out of it (open them lazily in the worker)"
+        ) from exc
 
 
 def write_params(model: torch.nn.Module, path: str) -> None:
-    """The model's parameters (names, shapes, float32 values, in named_parameters order)
-    and its shared buffers in the small format ``shmgrad serve`` reads for eager jobs
-    (engine/coordinator.cc, readParamsFile): the magic, u32 version, u32 count, then per
-    parameter u32 name length, the UTF-8 name, u32 ndim, i64 dims and the values; then u32
-    count and per buffer the same with a u32 dtype (ipc::DType) after the name."""
+    """The model's description for ``shmgrad serve`` (its parameters' names, shapes and
+    float32 values in named_parameters order, and its shared buffers), written by the
+    native writer in the one format the coordinator reads (engine/model_file.h)."""
+    from ._native import _C
+
     named = list(model.named_parameters())
     if not named:
-        raise errors.InvalidArgumentError("the model has no parameters: nothing to compute a gradient of")
-    with open(path, "wb") as f:
-        f.write(PARAMS_MAGIC + struct.pack("<II", PARAMS_VERSION, len(named)))
-        for name, p in named:
-            if p.dtype != torch.float32 or p.device.type != "cpu":
-                raise errors.InvalidArgumentError(
-                    f"parameter {name} is {p.dtype} on {p.device}; shmgrad engines hold float32 "
-                    "CPU parameters: call model.float().cpu() first")
-            _write_tensor(f, name, p)
-        buffers = shared_buffers(model)
-        f.write(struct.pack("<I", len(buffers)))
-        for name, b in buffers:
-            _write_tensor(f, name, b, DTYPE_INT64 if b.dtype == torch.int64 else DTYPE_FLOAT32)
+        raise errors.InvalidArgumentError(
+            "the model has no parameters: nothing to compute a gradient of"
+        )
+    for name, p in named:
+        if p.dtype != torch.float32 or p.device.type != "cpu":
+            raise errors.InvalidArgumentError(
+                f"parameter {name} is {p.dtype} on {p.device}; shmgrad engines hold float32 "
+                "CPU parameters: call model.float().cpu() first"
+            )
+    _C.write_model_file(
+        path,
+        [(name, p.detach().contiguous()) for name, p in named],
+        [(name, b.detach().contiguous()) for name, b in shared_buffers(model)],
+    )
 
 
 def shared_buffers(model: torch.nn.Module):
     """The buffers the engine shares (float32 and int64, e.g. BatchNorm's running
     statistics and batch count), as (name, tensor) in named_buffers order; others stay
     per worker."""
-    return [(n, b) for n, b in model.named_buffers()
-            if b.device.type == "cpu" and b.dtype in (torch.float32, torch.int64)]
+    return [
+        (n, b)
+        for n, b in model.named_buffers()
+        if b.device.type == "cpu" and b.dtype in (torch.float32, torch.int64)
+    ]
 
 
 def compiled_original(module):
@@ -269,28 +272,45 @@ def compile_options(compile) -> Optional[dict]:
     if isinstance(compile, dict):
         return dict(compile)
     raise errors.InvalidArgumentError(
-        f"compile must be True, False or a dict of torch.compile options, got {compile!r}")
+        f"compile must be True, False or a dict of torch.compile options, got {compile!r}"
+    )
 
 
-def prepare_job(*, model, loss, dataset, collate_fn: Optional[Callable], forward: Optional[Callable],
-                loss_names, compile: Optional[dict] = None) -> EagerJob:
+def prepare_job(
+    *,
+    model,
+    loss,
+    dataset,
+    collate_fn: Optional[Callable],
+    forward: Optional[Callable],
+    loss_names,
+    compile: Optional[dict] = None,
+) -> EagerJob:
     """Checks and pickles the job once, into a private directory. ``compile``: options
     of the ``torch.compile`` each worker applies to its copy of the model (None: none)."""
     try:
         import cloudpickle
     except ImportError as exc:  # pragma: no cover - tools/setup.sh installs it
         raise errors.InvalidArgumentError(
-            "eager workers need cloudpickle: apt-get install python3-cloudpickle") from exc
+            "eager workers need cloudpickle: apt-get install python3-cloudpickle"
+        ) from exc
     if isinstance(model, (str, os.PathLike)):
         model = torch.jit.load(os.fspath(model))
     if not isinstance(model, torch.nn.Module):
         raise errors.InvalidArgumentError(
-            f"model must be a torch.nn.Module or a TorchScript file path, got {type(model).__name__}")
+            "model must be a torch.nn.Module or a TorchScript file path, got "
+            f"{type(model).__name__}"
+        )
     check_loss(loss, loss_names)
     if isinstance(dataset, str):
-        raise errors.InvalidArgumentError(
-            "eager workers take a torch.utils.data.Dataset (or None); a dataset spec string "
-            f"({dataset!r}) needs mode='script' (or use shmgrad's TorchScript workers)")
+        # A spec string: the coordinator loads it into shared memory once, and every
+        # worker reads its examples there (StepParticipant.dataset_views).
+        if collate_fn is not None:
+            raise errors.InvalidArgumentError(
+                f"collate_fn builds batches from a torch Dataset's examples; the dataset spec "
+                f"{dataset!r} gives tensors: drop collate_fn, or pass a Dataset"
+            )
+        dataset = None
     size = 0
     if dataset is not None:
         try:
@@ -298,16 +318,31 @@ def prepare_job(*, model, loss, dataset, collate_fn: Optional[Callable], forward
         except TypeError as exc:
             raise errors.InvalidArgumentError(
                 f"the dataset ({type(dataset).__name__}) has no len(): shmgrad addresses "
-                "examples by index, so it needs a map-style Dataset") from exc
+                "examples by index, so it needs a map-style Dataset"
+            ) from exc
         if size < 1:
             raise errors.InvalidArgumentError("the dataset is empty")
-    for what, obj in (("model", model), ("loss", loss), ("dataset", dataset),
-                      ("collate_fn", collate_fn), ("forward", forward)):
+    for what, obj in (
+        ("model", model),
+        ("loss", loss),
+        ("dataset", dataset),
+        ("collate_fn", collate_fn),
+        ("forward", forward),
+    ):
         if obj is not None:
             _pickle(what, obj, cloudpickle)
-    blob = _pickle("job", {"model": model, "loss": loss, "dataset": dataset,
-                           "collate_fn": collate_fn, "forward": forward, "compile": compile},
-                   cloudpickle)
+    blob = _pickle(
+        "job",
+        {
+            "model": model,
+            "loss": loss,
+            "dataset": dataset,
+            "collate_fn": collate_fn,
+            "forward": forward,
+            "compile": compile,
+        },
+        cloudpickle,
+    )
     directory = tempfile.mkdtemp(prefix="shmgrad-eager-")  # mode 0700
     try:
         holder = os.path.join(directory, PARAMS_FILE)
@@ -318,6 +353,7 @@ def prepare_job(*, model, loss, dataset, collate_fn: Optional[Callable], forward
             f.write(blob)
     except BaseException:
         import shutil
+
         shutil.rmtree(directory, ignore_errors=True)
         raise
     return EagerJob(directory, holder, job, size)

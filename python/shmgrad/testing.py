@@ -29,7 +29,8 @@ def relative_error(got: Tensors, want: Tensors) -> float:
     if g.numel() != w.numel():
         raise errors.InvalidArgumentError(
             f"relative_error: {g.numel()} elements against {w.numel()}: compare gradients "
-            "of the same model")
+            "of the same model"
+        )
     diff = float(torch.linalg.vector_norm(g - w))
     norm = float(torch.linalg.vector_norm(w))
     return diff / norm if norm > 0 else diff

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from . import errors
+from ._native import _C
 
 # The timeout this package gives a process group it creates (shmgrad.dask.run, the
 # examples): a step whose peer is gone or hung raises NodeError within it. The first
@@ -46,7 +47,7 @@ DEAD_PEER_GRACE_S = 1.0
 DEAD_PEER_POLL_S = 0.02
 # A gradient up to this size is copied, with the record, into one staging buffer and
 # all-reduced in one call: on loopback the two copies cost less than a second
-# collective's latency (about 0.25 ms here). A larger one is all-reduced in place.
+# collective's latency. A larger one is all-reduced in place.
 STAGED_MAX_BYTES = 256 * 1024
 # The small record all-reduced with each step's gradient: loss sum, non-finite count, then
 # each rank's examples, then each rank's "failed" flag (2 + 2 x nodes values).
@@ -62,11 +63,30 @@ class NodeStats:
     and ``allreduce_bytes`` (the buffers all-reduced: the whole reduced gradient, padding
     included, and the small record), and the number of ``nodes``."""
 
-    __slots__ = ("num_examples", "loss", "loss_sum", "nonfinite", "local_num_examples",
-                 "local_loss_sum", "allreduce_seconds", "allreduce_bytes", "nodes")
+    __slots__ = (
+        "num_examples",
+        "loss",
+        "loss_sum",
+        "nonfinite",
+        "local_num_examples",
+        "local_loss_sum",
+        "allreduce_seconds",
+        "allreduce_bytes",
+        "nodes",
+    )
 
-    def __init__(self, num_examples, loss, loss_sum, nonfinite, local_num_examples,
-                 local_loss_sum, allreduce_seconds, allreduce_bytes, nodes):
+    def __init__(
+        self,
+        num_examples,
+        loss,
+        loss_sum,
+        nonfinite,
+        local_num_examples,
+        local_loss_sum,
+        allreduce_seconds,
+        allreduce_bytes,
+        nodes,
+    ):
         self.num_examples = num_examples
         self.loss = loss
         self.loss_sum = loss_sum
@@ -78,20 +98,10 @@ class NodeStats:
         self.nodes = nodes
 
 
-class NoLocalStep:
-    """Stands in for the native statistics of a node that ran no step of its own (its
-    share of the batch was empty, or its step failed): no examples, no workers."""
-
-    num_examples = 0
-    loss = loss_sum = 0.0
-    wall_seconds = reduce_seconds = prepare_seconds = step_seconds = 0.0
-    wake_seconds = finish_seconds = 0.0
-    retries = 0
-    nonfinite = False
-    workers = ()
-
-
-NO_LOCAL_STEP = NoLocalStep()
+# The native statistics of a node that ran no step of its own (its share of the batch was
+# empty, or its step failed): the native record, default-constructed (no examples, no
+# workers).
+NO_LOCAL_STEP = _C.NativeStats()
 
 
 def shard(batch, rank: int, nodes: int):
@@ -101,8 +111,8 @@ def shard(batch, rank: int, nodes: int):
     by at most one example; some are empty when the batch has fewer examples than nodes."""
     if not 0 <= rank < nodes:
         raise errors.InvalidArgumentError(f"shard: rank {rank} is not in [0, {nodes})")
-    b = len(batch)
-    return batch[b * rank // nodes:b * (rank + 1) // nodes]
+    begin, end = _C.shard_bounds(len(batch), nodes, rank)
+    return batch[begin:end]
 
 
 class NodeGroup:
@@ -110,8 +120,15 @@ class NodeGroup:
     trainer per node. Built by :class:`shmgrad.Client` when given ``process_group``;
     construction is collective (every node builds its group at the same time)."""
 
-    def __init__(self, process_group, trainer, parameters: Sequence, *, engine_name: str,
-                 bucket_cap_mb: Optional[float] = None):
+    def __init__(
+        self,
+        process_group,
+        trainer,
+        parameters: Sequence,
+        *,
+        engine_name: str,
+        bucket_cap_mb: Optional[float] = None,
+    ):
         self._pg = _check_process_group(process_group)
         self.rank = dist.get_rank(self._pg)
         self.size = dist.get_world_size(self._pg)
@@ -147,20 +164,28 @@ class NodeGroup:
     def _exchange_layout(self, parameters, engine_name):
         """Gathers every node's (host, pid, engine, parameter layout); refuses a layout
         other than rank 0's on every node, naming the rank and the parameter."""
-        mine = {"host": socket.gethostname(), "pid": os.getpid(), "engine": engine_name,
-                "parameters": [(n, tuple(s)) for n, s in parameters],
-                "buffers": self._buffers.layout, "floats": self._grad.numel(),
-                "collectives": [(t.numel(), str(t.dtype)) for t in self._collectives]}
+        mine = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "engine": engine_name,
+            "parameters": [(n, tuple(s)) for n, s in parameters],
+            "buffers": self._buffers.layout,
+            "floats": self._grad.numel(),
+            "collectives": [(t.numel(), str(t.dtype)) for t in self._collectives],
+        }
         peers: List[dict] = [None] * self.size
-        self._collective("exchanging parameter layouts",
-                         lambda: dist.all_gather_object(peers, mine, group=self._pg))
+        self._collective(
+            "exchanging parameter layouts",
+            lambda: dist.all_gather_object(peers, mine, group=self._pg),
+        )
         for rank, peer in enumerate(peers):
             diff = _layout_difference(peers[0], peer)
             if diff is not None:
                 raise errors.InvalidArgumentError(
                     f"rank {rank} (host {peer['host']}, engine {peer['engine']!r}) does not "
                     f"match rank 0: {diff}. Every node must start its engine with the same "
-                    "model and options")
+                    "model and options"
+                )
         return peers
 
     def broadcast_parameters(self):
@@ -168,10 +193,13 @@ class NodeGroup:
         buffers, as DDP does at construction, so nodes that started with different weights
         agree."""
         root = _global_rank(self._pg, 0)
-        self._collective("broadcasting rank 0's parameters",
-                         lambda: dist.broadcast(self._params, src=root, group=self._pg))
-        self._collective("broadcasting rank 0's buffers",
-                         lambda: self._buffers.broadcast(root, self._pg))
+        self._collective(
+            "broadcasting rank 0's parameters",
+            lambda: dist.broadcast(self._params, src=root, group=self._pg),
+        )
+        self._collective(
+            "broadcasting rank 0's buffers", lambda: self._buffers.broadcast(root, self._pg)
+        )
 
     # -- a step -----------------------------------------------------------------------
     def gradient(self, local_step, mean: bool):
@@ -212,25 +240,35 @@ class NodeGroup:
             raise errors.NodeError(
                 f"node group: rank {failed[0]}'s own step failed (it raised its error), so "
                 f"step {self._steps}'s gradient is incomplete on every node: do not apply it",
-                rank=failed[0])
-        counts = f[_COUNTS:_COUNTS + self.size]
+                rank=failed[0],
+            )
+        counts = f[_COUNTS : _COUNTS + self.size]
         count = int(counts.sum())
         if count == 0:
             raise errors.InvalidArgumentError(
-                "empty batch: every node's share was empty; give at least one example")
+                "empty batch: every node's share was empty; give at least one example"
+            )
         loss_sum = float(f[_LOSS_SUM])
         if mean:
-            self._grad.mul_(1.0 / count)
+            self._grad.mul_(_C.mean_scale(count))  # as the workers scale one node's
         if self._buffers:  # the statistics of the first node that computed (DDP: rank 0's)
             src = _global_rank(self._pg, int(counts.nonzero()[0][0]))
-            self._collective(f"broadcasting step {self._steps}'s buffers",
-                             lambda: self._buffers.broadcast(src, self._pg))
+            self._collective(
+                f"broadcasting step {self._steps}'s buffers",
+                lambda: self._buffers.broadcast(src, self._pg),
+            )
             seconds = time.perf_counter() - t0
         return native, NodeStats(
-            num_examples=count, loss=loss_sum / count if mean else loss_sum, loss_sum=loss_sum,
-            nonfinite=bool(f[_NONFINITE] != 0), local_num_examples=native.num_examples,
-            local_loss_sum=native.loss_sum, allreduce_seconds=seconds,
-            allreduce_bytes=self.allreduce_bytes, nodes=self.size)
+            num_examples=count,
+            loss=loss_sum / count if mean else loss_sum,
+            loss_sum=loss_sum,
+            nonfinite=bool(f[_NONFINITE] != 0),
+            local_num_examples=native.num_examples,
+            local_loss_sum=native.loss_sum,
+            allreduce_seconds=seconds,
+            allreduce_bytes=self.allreduce_bytes,
+            nodes=self.size,
+        )
 
     def _allreduce(self):
         if self._staging is not None:
@@ -253,15 +291,18 @@ class NodeGroup:
         self._check_usable()
         mine = torch.tensor([checksum(self.parameters_and_buffers)], dtype=torch.int64)
         every = [torch.zeros_like(mine) for _ in range(self.size)]
-        self._collective("comparing parameter checksums",
-                         lambda: dist.all_gather(every, mine, group=self._pg))
+        self._collective(
+            "comparing parameter checksums", lambda: dist.all_gather(every, mine, group=self._pg)
+        )
         differ = [r for r, c in enumerate(every) if int(c) != int(every[0])]
         if differ:
             raise errors.ConsistencyError(
                 f"node group: the parameters of rank(s) {differ} differ from rank 0's "
-                "(checksums " + ", ".join(f"{r}: {int(c):#018x}" for r, c in enumerate(every))
+                "(checksums "
+                + ", ".join(f"{r}: {int(c):#018x}" for r, c in enumerate(every))
                 + "): every node must apply the same optimizer to the same gradient",
-                rank=differ[0])
+                rank=differ[0],
+            )
         return int(mine)
 
     # -- failures ---------------------------------------------------------------------
@@ -270,7 +311,8 @@ class NodeGroup:
             raise errors.NodeError(
                 f"node group: unusable since an earlier failure ({self._broken}); close "
                 "the engine and start again with a new process group",
-                rank=self._broken.rank)
+                rank=self._broken.rank,
+            )
 
     def _collective(self, what, fn):
         """Runs ``fn`` (collective calls); a process-group error becomes NodeError (the
@@ -283,7 +325,8 @@ class NodeGroup:
             who = f"rank {rank} failed" if rank is not None else "a peer failed or timed out"
             err = errors.NodeError(
                 f"node group: {who} while {what} on rank {self.rank} of {self.size} ({exc})",
-                rank=rank)
+                rank=rank,
+            )
             self._broken = err
             raise err from exc
 
@@ -327,7 +370,9 @@ class _Buffers:
         for dtype in sorted({t.dtype for t in self.tensors}, key=str):
             members = [t for t in self.tensors if t.dtype == dtype]
             flat = torch.zeros(sum(t.numel() for t in members), dtype=dtype)
-            self._groups.append((members, flat, list(torch.split(flat, [t.numel() for t in members]))))
+            self._groups.append(
+                (members, flat, list(torch.split(flat, [t.numel() for t in members])))
+            )
 
     def __bool__(self):
         return bool(self.tensors)
@@ -346,16 +391,19 @@ def _check_process_group(pg):
         raise errors.InvalidArgumentError(
             "process_group: torch.distributed is not initialised: call "
             "torch.distributed.init_process_group('gloo', ...) first (torchrun sets the "
-            "environment it reads), or use shmgrad.dask.run")
+            "environment it reads), or use shmgrad.dask.run"
+        )
     if not isinstance(pg, dist.ProcessGroup):
         raise errors.InvalidArgumentError(
             f"process_group must be a torch.distributed process group (e.g. "
-            f"torch.distributed.group.WORLD), got {type(pg).__name__}")
+            f"torch.distributed.group.WORLD), got {type(pg).__name__}"
+        )
     backend = dist.get_backend(pg)
     if backend in _GPU_ONLY_BACKENDS:
         raise errors.InvalidArgumentError(
             f"process_group: the {backend} backend reduces GPU tensors, and an engine's "
-            "gradient is in host memory: use a gloo group (see docs/MULTINODE.md)")
+            "gradient is in host memory: use a gloo group (see docs/MULTINODE.md)"
+        )
     if dist.get_rank(pg) < 0:
         raise errors.InvalidArgumentError("process_group: this process is not a member of it")
     return pg
@@ -373,9 +421,10 @@ def _buckets(grad, bucket_cap_mb):
     if not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
         raise errors.InvalidArgumentError(
             f"bucket_cap_mb must be a positive number of MiB (or None: one all-reduce of the "
-            f"whole gradient), got {bucket_cap_mb!r}")
+            f"whole gradient), got {bucket_cap_mb!r}"
+        )
     per = max(1, int(bucket_cap_mb * 2**20) // grad.element_size())
-    return [grad[i:i + per] for i in range(0, grad.numel(), per)]
+    return [grad[i : i + per] for i in range(0, grad.numel(), per)]
 
 
 def _layout_difference(want, got) -> Optional[str]:
@@ -383,7 +432,7 @@ def _layout_difference(want, got) -> Optional[str]:
     a, b = want["parameters"], got["parameters"]
     for i, (pa, pb) in enumerate(zip(a, b)):
         if pa != pb:
-            return (f"parameter {i} is {pb[0]!r} {pb[1]} there but {pa[0]!r} {pa[1]} on rank 0")
+            return f"parameter {i} is {pb[0]!r} {pb[1]} there but {pa[0]!r} {pa[1]} on rank 0"
     if len(a) != len(b):
         return f"it has {len(b)} parameters, rank 0 has {len(a)}"
     if want["buffers"] != got["buffers"]:
@@ -391,9 +440,11 @@ def _layout_difference(want, got) -> Optional[str]:
     if want["floats"] != got["floats"]:
         return f"its parameter buffer holds {got['floats']} floats, rank 0's {want['floats']}"
     if want["collectives"] != got["collectives"]:
-        return (f"it all-reduces in {len(got['collectives'])} call(s) of "
-                f"{[c[0] for c in got['collectives']]} values, rank 0 in "
-                f"{[c[0] for c in want['collectives']]}: give every node the same bucket_cap_mb")
+        return (
+            f"it all-reduces in {len(got['collectives'])} call(s) of "
+            f"{[c[0] for c in got['collectives']]} values, rank 0 in "
+            f"{[c[0] for c in want['collectives']]}: give every node the same bucket_cap_mb"
+        )
     return None
 
 

@@ -6,21 +6,34 @@ then this node's share of the batch; a step runs from the first node's start to 
 node's end."""
 
 import contextlib
-import math
 import os
 import traceback
 
 import torch
 import torch.distributed as dist
 
-from ..distributed import shard
-from ..engine import Engine
+from shmgrad import Engine
+from shmgrad.multinode import shard
 from . import models
 from .ddp import alternating_steps, ddp_step, join_local_group, rank_steps
 
 
-def rank_main(rank, world, port, model_name, batch, warmup, repeats, seed, workers,
-              engine_prefix, bucket_cap_mb, pin, queue, timeout_s):
+def rank_main(
+    rank,
+    world,
+    port,
+    model_name,
+    batch,
+    warmup,
+    repeats,
+    seed,
+    workers,
+    engine_prefix,
+    bucket_cap_mb,
+    pin,
+    queue,
+    timeout_s,
+):
     """Runs ``warmup + repeats`` steps of this node's share of each batch and puts
     ``(rank, {"start", "end", "allreduce", "compute", "grad", ...})`` on ``queue`` (or an
     error). With ``pin``, the node (trainer, coordinator, workers) runs on its share of
@@ -31,8 +44,24 @@ def rank_main(rank, world, port, model_name, batch, warmup, repeats, seed, worke
         # One thread: the trainer copies its share in, waits and all-reduces.
         join_local_group(rank, world, port, timeout_s, pin)
         try:
-            queue.put((rank, _steps(rank, world, model_name, batch, warmup, repeats, seed,
-                                    workers, engine_prefix, bucket_cap_mb, timeout_s)))
+            queue.put(
+                (
+                    rank,
+                    _steps(
+                        rank,
+                        world,
+                        model_name,
+                        batch,
+                        warmup,
+                        repeats,
+                        seed,
+                        workers,
+                        engine_prefix,
+                        bucket_cap_mb,
+                        timeout_s,
+                    ),
+                )
+            )
         finally:
             dist.destroy_process_group()
     except BaseException:  # report, never hang the parent
@@ -48,19 +77,54 @@ def share_cores_with_other_nodes(nodes, workers):
         os.environ.setdefault("SHMGRAD_SPIN_US", "0")
 
 
-def _steps(rank, world, model_name, batch, warmup, repeats, seed, workers, engine_prefix,
-           bucket_cap_mb, timeout_s):
+def _steps(
+    rank,
+    world,
+    model_name,
+    batch,
+    warmup,
+    repeats,
+    seed,
+    workers,
+    engine_prefix,
+    bucket_cap_mb,
+    timeout_s,
+):
     batches = models.make_batches(model_name, batch, warmup + repeats, seed)
     out = {}
-    with node_step(rank, world, model_name, batch, batches[0][0], warmup, seed, workers,
-                   engine_prefix, bucket_cap_mb, timeout_s, out) as step:
+    with node_step(
+        rank,
+        world,
+        model_name,
+        batch,
+        batches[0][0],
+        warmup,
+        seed,
+        workers,
+        engine_prefix,
+        bucket_cap_mb,
+        timeout_s,
+        out,
+    ) as step:
         out.update(rank_steps(batches, warmup, step))
     return out
 
 
 @contextlib.contextmanager
-def node_step(rank, world, model_name, batch, x0, warmup, seed, workers, engine_prefix,
-              bucket_cap_mb, timeout_s, out):
+def node_step(
+    rank,
+    world,
+    model_name,
+    batch,
+    x0,
+    warmup,
+    seed,
+    workers,
+    engine_prefix,
+    bucket_cap_mb,
+    timeout_s,
+    out,
+):
     """This node's engine, open for the ``with`` block, and its step on the node's share
     of a batch: ``step(i, x, y)``. Into ``out`` go each timed step's all-reduce seconds
     (``allreduce``) and slowest worker's forward and backward (``compute``), the bytes
@@ -69,18 +133,24 @@ def node_step(rank, world, model_name, batch, x0, warmup, seed, workers, engine_
     model = models.make_model(model_name, seed)
     share = shard(range(batch), rank, world)
     lo, hi = share.start, share.stop
-    in_mb = x0.numel() * 4 / 2**20
     out.update({"allreduce": [], "compute": [], "grad": None})
-    with Engine(model=model, workers=workers, loss="cross_entropy",
-                name=f"{engine_prefix}-{rank}", threads_per_worker=1, max_batch=max(1, hi - lo),
-                input_capacity_mb=max(64, int(math.ceil(in_mb)) + 1),
-                startup_timeout=min(120.0, timeout_s), process_group=dist.group.WORLD,
-                bucket_cap_mb=bucket_cap_mb) as engine:
+    with Engine(
+        model=model,
+        workers=workers,
+        loss="cross_entropy",
+        name=f"{engine_prefix}-{rank}",
+        threads_per_worker=1,
+        **models.engine_capacity(hi - lo, x0),
+        startup_timeout=min(120.0, timeout_s),
+        process_group=dist.group.WORLD,
+        bucket_cap_mb=bucket_cap_mb,
+    ) as engine:
         grads = engine.gradient_tensors()  # read directly: no module is bound
 
         def step(i, x, y):
-            st = engine.gradient(inputs=x[lo:hi], targets=y[lo:hi], reduction="sum",
-                                 timeout=timeout_s)
+            st = engine.gradient(
+                inputs=x[lo:hi], targets=y[lo:hi], reduction="sum", timeout=timeout_s
+            )
             if i >= warmup:
                 out["allreduce"].append(st.allreduce_seconds)
                 out["compute"].append(max(st.compute_seconds, default=0.0))
@@ -91,8 +161,22 @@ def node_step(rank, world, model_name, batch, x0, warmup, seed, workers, engine_
         yield step
 
 
-def paired_rank_main(rank, world, port, model_name, batch, warmup, repeats, seed, workers,
-                     engine_prefix, bucket_cap_mb, pin, queue, timeout_s):
+def paired_rank_main(
+    rank,
+    world,
+    port,
+    model_name,
+    batch,
+    warmup,
+    repeats,
+    seed,
+    workers,
+    engine_prefix,
+    bucket_cap_mb,
+    pin,
+    queue,
+    timeout_s,
+):
     """``--paired``: this rank is both a shmgrad node and a DDP rank, and each batch goes
     through both in turn (``ddp.alternating_steps``). Puts ``(rank, {"shmgrad-nodes":
     {...}, "ddp": {...}})`` on ``queue``, each like ``rank_main``'s (or an error)."""
@@ -104,11 +188,23 @@ def paired_rank_main(rank, world, port, model_name, batch, warmup, repeats, seed
             batches = models.make_batches(model_name, batch, warmup + repeats, seed)
             node_out, ddp_out = {}, {}
             ddp_run = ddp_step(rank, world, model_name, batch, seed, ddp_out)
-            with node_step(rank, world, model_name, batch, batches[0][0], warmup, seed,
-                           workers, engine_prefix, bucket_cap_mb, timeout_s,
-                           node_out) as node_run:
-                times = alternating_steps(batches, warmup,
-                                          {"shmgrad-nodes": node_run, "ddp": ddp_run})
+            with node_step(
+                rank,
+                world,
+                model_name,
+                batch,
+                batches[0][0],
+                warmup,
+                seed,
+                workers,
+                engine_prefix,
+                bucket_cap_mb,
+                timeout_s,
+                node_out,
+            ) as node_run:
+                times = alternating_steps(
+                    batches, warmup, {"shmgrad-nodes": node_run, "ddp": ddp_run}
+                )
             node_out.update(times["shmgrad-nodes"])
             ddp_out.update(times["ddp"])
             queue.put((rank, {"shmgrad-nodes": node_out, "ddp": ddp_out}))

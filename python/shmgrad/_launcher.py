@@ -27,13 +27,14 @@ import weakref
 from typing import List, Optional
 
 from . import errors
+from ._native import DEFAULTS, tunable
 
 STATUS_LINE_MARGIN_S = 10.0  # waited for the status line beyond serve's --startup-timeout
-STOP_TIMEOUT_S = 30.0        # SIGTERM to exit: serve stops its workers, removes the segment
-KILL_WAIT_S = 10.0           # SIGKILL to exit
-POLL_INTERVAL_S = 0.2        # how often the wait for the status line checks serve is alive
-LOG_TAIL_LINES = 20          # of serve's output, quoted when it dies without reporting
-PR_SET_PDEATHSIG = 1         # <linux/prctl.h>
+STOP_TIMEOUT_S = 30.0  # SIGTERM to exit: serve stops its workers, removes the segment
+KILL_WAIT_S = 10.0  # SIGKILL to exit
+POLL_INTERVAL_S = 0.2  # how often the wait for the status line checks serve is alive
+LOG_TAIL_LINES = 20  # of serve's output, quoted when it dies without reporting
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 _live_launchers = weakref.WeakSet()
 
@@ -42,7 +43,7 @@ def installed_binary(program: str, env_var: str) -> str:
     """The path of one of shmgrad's programs: ``$env_var`` if set, else the copy that
     ships in the installed package's ``bin/`` (never the PATH: the ``shmgrad`` found
     there is the console script that runs this very binary)."""
-    env = os.environ.get(env_var)
+    env = tunable(env_var)
     if env:
         return env
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bin", program)
@@ -50,7 +51,8 @@ def installed_binary(program: str, env_var: str) -> str:
         return here
     raise errors.EngineNotFoundError(
         f"the {program} binary is not in {os.path.dirname(here)}: install shmgrad with "
-        f"pip install --no-build-isolation . (or set {env_var})")
+        f"pip install --no-build-isolation . (or set {env_var})"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,12 +64,12 @@ class ServeOptions:
     workers: int
     loss: str
     dataset: Optional[str] = None
-    threads_per_worker: int = 1
+    threads_per_worker: int = DEFAULTS["threads_per_worker"]
     max_workers: Optional[int] = None
-    max_batch: int = 65536
-    input_capacity_mb: int = 64
-    startup_timeout: float = 120.0
-    eager_job: Optional[object] = None  # shmgrad.eager.EagerJob: Python workers run it
+    max_batch: int = DEFAULTS["max_batch"]
+    input_capacity_mb: int = DEFAULTS["input_capacity_mb"]
+    startup_timeout: float = DEFAULTS["startup_timeout"]
+    eager_job: Optional[object] = None  # shmgrad._eager.EagerJob: Python workers run it
 
     def environment(self) -> Optional[dict]:
         """serve's environment: this process's, and for eager workers a PYTHONPATH that
@@ -81,11 +83,24 @@ class ServeOptions:
         return env
 
     def arguments(self) -> List[str]:
-        args = ["--name", self.name, "--model", self.model_path, "--workers", str(self.workers),
-                "--loss", self.loss, "--threads-per-worker", str(self.threads_per_worker),
-                "--max-batch", str(self.max_batch),
-                "--input-capacity-mb", str(self.input_capacity_mb),
-                "--startup-timeout", str(self.startup_timeout)]
+        args = [
+            "--name",
+            self.name,
+            "--model",
+            self.model_path,
+            "--workers",
+            str(self.workers),
+            "--loss",
+            self.loss,
+            "--threads-per-worker",
+            str(self.threads_per_worker),
+            "--max-batch",
+            str(self.max_batch),
+            "--input-capacity-mb",
+            str(self.input_capacity_mb),
+            "--startup-timeout",
+            str(self.startup_timeout),
+        ]
         if self.max_workers is not None:
             args += ["--max-workers", str(self.max_workers)]
         if self.dataset is not None:
@@ -125,20 +140,32 @@ class Launcher:
 
         Raises the error serve reported (``errors.error_class(kind)``), an
         :class:`~shmgrad.Error` quoting its output if it died without reporting, or
-        :class:`~shmgrad.TimeoutError` if it did not report within
+        :class:`~shmgrad.EngineTimeoutError` if it did not report within
         ``startup_timeout + STATUS_LINE_MARGIN_S``. In every case serve is stopped.
         """
         if self._proc is not None:
             raise errors.InvalidArgumentError(f"engine {self.options.name!r} was started already")
         read_end, write_end = os.pipe()
         try:
-            cmd = [installed_binary("shmgrad", "SHMGRAD_BINARY"), "serve",
-                   *self.options.arguments(), "--status-fd", str(write_end)]
+            cmd = [
+                installed_binary("shmgrad", "SHMGRAD_BINARY"),
+                "serve",
+                *self.options.arguments(),
+                "--status-fd",
+                str(write_end),
+            ]
             self._log = tempfile.TemporaryFile()
-            self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, pass_fds=(write_end,),
-                                          preexec_fn=_set_parent_death_signal,
-                                          env=self.options.environment())
+            # Readable after stop(); closed when the launcher goes (no ResourceWarning).
+            weakref.finalize(self, self._log.close)
+            self._proc = subprocess.Popen(
+                cmd,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                pass_fds=(write_end,),
+                preexec_fn=_set_parent_death_signal,
+                env=self.options.environment(),
+            )
         except BaseException:
             os.close(read_end)
             raise
@@ -158,7 +185,8 @@ class Launcher:
         self.stop()
         if event.get("event") == "failed":
             raise errors.error_class(event.get("kind", ""))(
-                event.get("message") or f"engine {self.options.name!r} failed to start")
+                event.get("message") or f"engine {self.options.name!r} failed to start"
+            )
         raise errors.Error(f"engine {self.options.name!r} reported an unknown event: {event!r}")
 
     def _read_event(self, fd) -> dict:
@@ -169,10 +197,11 @@ class Launcher:
         while b"\n" not in data:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise errors.TimeoutError(
+                raise errors.EngineTimeoutError(
                     f"engine {self.options.name!r} did not report within {timeout:g} s "
                     f"(startup_timeout {self.options.startup_timeout:g} s); its output ends:\n"
-                    f"{self.log_tail()}")
+                    f"{self.log_tail()}"
+                )
             readable, _, _ = select.select([fd], [], [], min(left, POLL_INTERVAL_S))
             if readable:
                 chunk = os.read(fd, 4096)
@@ -187,19 +216,21 @@ class Launcher:
             raise errors.Error(
                 f"engine {self.options.name!r} exited during start-up without reporting why "
                 f"({_exit_description(self._proc.returncode)}); its output ends:\n"
-                f"{self.log_tail()}")
+                f"{self.log_tail()}"
+            )
         try:
             event = json.loads(line)
         except ValueError:
             event = None
         if not isinstance(event, dict):
             raise errors.Error(
-                f"engine {self.options.name!r} wrote an unreadable status line: {line[:200]!r}")
+                f"engine {self.options.name!r} wrote an unreadable status line: {line[:200]!r}"
+            )
         return event
 
     def stop(self, timeout: float = STOP_TIMEOUT_S):
         """Stops serve: SIGTERM, then SIGKILL if it has not exited within ``timeout``
-        seconds. Idempotent. Raises TimeoutError if even SIGKILL did not end it."""
+        seconds. Idempotent. Raises EngineTimeoutError if even SIGKILL did not end it."""
         proc = self._proc
         if proc is None or proc.poll() is not None:
             return
@@ -211,9 +242,10 @@ class Launcher:
             try:
                 proc.wait(KILL_WAIT_S)
             except subprocess.TimeoutExpired:
-                raise errors.TimeoutError(
+                raise errors.EngineTimeoutError(
                     f"engine {self.options.name!r}: serve (pid {proc.pid}) did not exit "
-                    f"{KILL_WAIT_S:g} s after SIGKILL") from None
+                    f"{KILL_WAIT_S:g} s after SIGKILL"
+                ) from None
 
     def log(self) -> str:
         """What serve and its workers have printed so far."""

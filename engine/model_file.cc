@@ -1,0 +1,147 @@
+#include "engine/model_file.h"
+
+#include <cstring>
+#include <fstream>
+
+#include "ipc/error.h"
+#include "ipc/layout.h"
+
+namespace shmgrad::engine {
+namespace {
+
+constexpr char kMagic[8] = {'S', 'H', 'M', 'G', 'R', 'A', 'D', 'P'};
+constexpr uint32_t kVersion = 2;
+
+void checkName(const std::string& path, const std::string& name) {
+  SHMGRAD_CHECK(!name.empty() && name.size() < ipc::kNameLen, ErrorKind::kInvalidArgument,
+                "model file ", path, ": a name of ", name.size(), " bytes (1 to ",
+                ipc::kNameLen - 1, ")");
+}
+
+uint64_t numelOf(const std::string& path, const std::string& name,
+                 const std::vector<int64_t>& dims) {
+  SHMGRAD_CHECK(dims.size() <= ipc::kMaxDims, ErrorKind::kInvalidArgument, "model file ", path,
+                ": ", name, " has ", dims.size(), " dimensions");
+  return ipc::checkedNumel(ErrorKind::kInvalidArgument, name.c_str(), dims.data(), dims.size());
+}
+
+}  // namespace
+
+ModelDescription readModelFile(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  SHMGRAD_CHECK(f.good(), ErrorKind::kNotFound, "model file ", path, " cannot be opened");
+  auto read = [&](void* out, size_t n) {
+    f.read(static_cast<char*>(out), static_cast<std::streamsize>(n));
+    SHMGRAD_CHECK(f.good(), ErrorKind::kInvalidArgument, "model file ", path, " is truncated");
+  };
+  auto readU32 = [&] {
+    uint32_t v = 0;
+    read(&v, sizeof(v));
+    return v;
+  };
+  char magic[8];
+  read(magic, sizeof(magic));
+  const uint32_t version = readU32();
+  SHMGRAD_CHECK(std::memcmp(magic, kMagic, 8) == 0 && version == kVersion,
+                ErrorKind::kInvalidArgument, "model file ", path,
+                " is not a shmgrad model description (version ", kVersion, ")");
+  // One record: u32 name length, the name, [u32 dtype,] u32 ndim, i64 dims, the values.
+  auto readRecord = [&](bool has_dtype, std::string* name, std::vector<int64_t>* dims,
+                        ipc::DType* dtype, std::vector<uint8_t>* bytes) {
+    const uint32_t name_len = readU32();
+    SHMGRAD_CHECK(name_len >= 1 && name_len < ipc::kNameLen, ErrorKind::kInvalidArgument,
+                  "model file ", path, ": a name of ", name_len, " bytes");
+    name->assign(name_len, '\0');
+    read(name->data(), name_len);
+    *dtype = ipc::DType::kFloat32;
+    if (has_dtype) {
+      const uint32_t d = readU32();
+      SHMGRAD_CHECK(d == static_cast<uint32_t>(ipc::DType::kFloat32) ||
+                        d == static_cast<uint32_t>(ipc::DType::kInt64),
+                    ErrorKind::kInvalidArgument, "model file ", path, ": ", *name, " has dtype ",
+                    d);
+      *dtype = static_cast<ipc::DType>(d);
+    }
+    const uint32_t ndim = readU32();
+    SHMGRAD_CHECK(ndim <= ipc::kMaxDims, ErrorKind::kInvalidArgument, "model file ", path, ": ",
+                  *name, " has ", ndim, " dimensions");
+    dims->resize(ndim);
+    if (ndim > 0) read(dims->data(), ndim * sizeof(int64_t));
+    const uint64_t numel = numelOf(path, *name, *dims);
+    bytes->resize(numel * ipc::dtypeSize(*dtype));
+    if (!bytes->empty()) read(bytes->data(), bytes->size());
+  };
+  ModelDescription out;
+  const uint32_t count = readU32();
+  SHMGRAD_CHECK(count >= 1 && count <= ipc::kMaxParams, ErrorKind::kInvalidArgument, "model file ",
+                path, " holds ", count, " parameters; use 1 to ", ipc::kMaxParams);
+  for (uint32_t i = 0; i < count; ++i) {
+    std::string name;
+    std::vector<int64_t> dims;
+    ipc::DType dtype;
+    std::vector<uint8_t> bytes;
+    readRecord(/*has_dtype=*/false, &name, &dims, &dtype, &bytes);
+    std::vector<float> values(bytes.size() / sizeof(float));
+    if (!values.empty()) std::memcpy(values.data(), bytes.data(), bytes.size());
+    out.params.push_back({name, dims});
+    out.param_values.push_back(std::move(values));
+  }
+  const uint32_t buffers = readU32();
+  SHMGRAD_CHECK(buffers <= ipc::kMaxBuffers, ErrorKind::kInvalidArgument, "model file ", path,
+                " holds ", buffers, " buffers; at most ", ipc::kMaxBuffers, " are shared");
+  for (uint32_t i = 0; i < buffers; ++i) {
+    std::string name;
+    std::vector<int64_t> dims;
+    ipc::DType dtype;
+    std::vector<uint8_t> bytes;
+    readRecord(/*has_dtype=*/true, &name, &dims, &dtype, &bytes);
+    out.buffers.push_back({name, dims, dtype});
+    out.buffer_values.push_back(std::move(bytes));
+  }
+  return out;
+}
+
+void writeModelFile(const std::string& path, const ModelDescription& m) {
+  SHMGRAD_CHECK(!m.params.empty() && m.params.size() <= ipc::kMaxParams &&
+                    m.params.size() == m.param_values.size(),
+                ErrorKind::kInvalidArgument, "the model has ", m.params.size(),
+                " parameters; shmgrad needs 1 to ", ipc::kMaxParams);
+  SHMGRAD_CHECK(m.buffers.size() <= ipc::kMaxBuffers && m.buffers.size() == m.buffer_values.size(),
+                ErrorKind::kInvalidArgument, "the model has ", m.buffers.size(),
+                " shared buffers; at most ", ipc::kMaxBuffers);
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  SHMGRAD_CHECK(f.good(), ErrorKind::kSystem, "cannot write the model file ", path);
+  auto put = [&](const void* data, size_t n) {
+    f.write(static_cast<const char*>(data), static_cast<std::streamsize>(n));
+  };
+  auto putU32 = [&](uint32_t v) { put(&v, sizeof(v)); };
+  auto putRecord = [&](const std::string& name, const std::vector<int64_t>& dims,
+                       const ipc::DType* dtype, const void* values, size_t bytes) {
+    checkName(path, name);
+    SHMGRAD_CHECK(
+        numelOf(path, name, dims) * ipc::dtypeSize(dtype ? *dtype : ipc::DType::kFloat32) == bytes,
+        ErrorKind::kInvalidArgument, name, ": ", bytes, " bytes of values for its shape");
+    putU32(static_cast<uint32_t>(name.size()));
+    put(name.data(), name.size());
+    if (dtype != nullptr) putU32(static_cast<uint32_t>(*dtype));
+    putU32(static_cast<uint32_t>(dims.size()));
+    put(dims.data(), dims.size() * sizeof(int64_t));
+    put(values, bytes);
+  };
+  put(kMagic, sizeof(kMagic));
+  putU32(kVersion);
+  putU32(static_cast<uint32_t>(m.params.size()));
+  for (size_t i = 0; i < m.params.size(); ++i) {
+    putRecord(m.params[i].name, m.params[i].shape, nullptr, m.param_values[i].data(),
+              m.param_values[i].size() * sizeof(float));
+  }
+  putU32(static_cast<uint32_t>(m.buffers.size()));
+  for (size_t i = 0; i < m.buffers.size(); ++i) {
+    putRecord(m.buffers[i].name, m.buffers[i].shape, &m.buffers[i].dtype, m.buffer_values[i].data(),
+              m.buffer_values[i].size());
+  }
+  f.flush();
+  SHMGRAD_CHECK(f.good(), ErrorKind::kSystem, "writing the model file ", path, " failed");
+}
+
+}  // namespace shmgrad::engine

@@ -1,0 +1,62 @@
+// The engine's defaults, the limits that are not part of the segment layout (those are in
+// ipc/layout.h), and every environment variable it reads, each written once. The CLI's
+// help, the launcher and the Python API take their defaults from here (Python through
+// shmgrad._C.DEFAULTS and shmgrad._C.TUNABLES); docs/DESIGN.md's table of tunables is
+// checked against kTunables by a test.
+#pragma once
+
+#include <cstdint>
+
+namespace shmgrad::config {
+
+// -- defaults ---------------------------------------------------------------------------
+constexpr int64_t kDefaultMaxBatch = 65536;       // examples in one step
+constexpr uint64_t kDefaultInputCapacityMb = 64;  // explicit-batch inputs, MiB
+constexpr double kDefaultStartupTimeoutS = 120;   // every worker has loaded the model
+constexpr uint32_t kDefaultThreadsPerWorker = 1;  // intra-op threads of a worker
+constexpr double kDefaultResizeTimeoutS = 120;    // resize: the new workers are ready
+
+// -- sizes derived from the options -----------------------------------------------------
+// Explicit-batch targets: room for one 8-byte target (an int64 label) per example of
+// max_batch, and at least 1 MiB (a few float32 regression targets per example).
+constexpr uint64_t kTargetBytesPerExample = 8;
+constexpr uint64_t kMinTargetBytes = uint64_t{1} << 20;
+constexpr uint64_t targetBytesFor(int64_t max_batch) {
+  const uint64_t per_batch = static_cast<uint64_t>(max_batch) * kTargetBytesPerExample;
+  return per_batch > kMinTargetBytes ? per_batch : kMinTargetBytes;
+}
+// The largest explicit-batch capacity a segment accepts (16 TiB): keeps every offset sum
+// far from overflow.
+constexpr uint64_t kMaxCapacityBytes = uint64_t{1} << 44;
+
+// -- exit codes -------------------------------------------------------------------------
+// A process that could not exec its program exits with this, as a shell reports a command
+// it cannot run (the coordinator's forked worker, `shmgrad`'s exec of Python).
+constexpr int kExitCannotExec = 127;
+
+// -- environment tunables (NCCL_PARAM's model: declared once, with the default) ------------
+struct Tunable {
+  const char* name;           // the environment variable
+  const char* default_value;  // what applies when it is unset, in words
+  const char* meaning;
+};
+
+inline constexpr Tunable kTunables[] = {
+    {"SHMGRAD_SPIN_US", "adaptive, at most 10000",
+     "microseconds a trainer spins before it sleeps on a futex while workers compute"},
+    {"SHMGRAD_FASHION_MNIST_DIR", "/usr/share/datasets/fashion-mnist",
+     "the folder of the Fashion-MNIST files (dataset='fashion-mnist')"},
+    {"SHMGRAD_PYTHON", "python3",
+     "the interpreter `shmgrad` runs for serve --eager, stress and bench, and eager workers"},
+    {"SHMGRAD_BINARY", "the shmgrad program inside the package",
+     "the `shmgrad` program the Python package starts engines with"},
+    {"SHMGRAD_REDUCE_BENCH", "the reduce_bench program inside the package",
+     "the reduction benchmark `shmgrad bench` runs"},
+    {"SHMGRAD_STRESS_DEBUG", "unset", "`shmgrad stress` prints every event it injects"},
+};
+
+// The value of a declared tunable from the environment, or nullptr when it is unset.
+// Reading a name that kTunables does not declare is a bug: it throws.
+const char* tunable(const char* name);
+
+}  // namespace shmgrad::config

@@ -1,0 +1,359 @@
+"""Starting an engine from Python: :func:`serve` launches ``shmgrad serve`` and returns a
+:class:`Server`; :class:`Engine` does that, attaches to it and stops it when closed.
+:func:`save_model` writes a module as TorchScript for the workers."""
+
+import itertools
+import os
+import shutil
+import tempfile
+from typing import Optional
+
+import torch
+
+from . import _eager as eager
+from . import errors
+from ._native import _C, DEFAULTS
+from ._client import Client
+from ._launcher import STOP_TIMEOUT_S, Launcher, ServeOptions
+
+ATTACH_TIMEOUT_S = 10.0  # attaching to an engine that has just reported it serves
+_names = itertools.count()
+
+
+def save_model(module: torch.nn.Module, path, *, example_inputs=None):
+    """Scripts (or, given ``example_inputs``, traces) ``module`` and saves it for the workers.
+
+    Workers load the file with libtorch, so the model must be TorchScript-compatible;
+    models that script poorly can be traced with ``example_inputs`` (a tensor or a tuple
+    of tensors). Parameters must be float32 on the CPU. Returns ``path``.
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise errors.InvalidArgumentError(
+            f"save_model needs a torch.nn.Module, got {type(module).__name__}"
+        )
+    for name, p in module.named_parameters():
+        if p.dtype != torch.float32 or p.device.type != "cpu":
+            raise errors.InvalidArgumentError(
+                f"parameter {name} is {p.dtype} on {p.device}; shmgrad engines hold float32 CPU "
+                "parameters: call module.float().cpu() first"
+            )
+    try:
+        if example_inputs is not None:
+            inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+            scripted = torch.jit.trace(module, inputs)
+        else:
+            scripted = torch.jit.script(module)
+    except Exception as exc:  # scripting errors come in many types
+        raise errors.InvalidArgumentError(
+            f"cannot convert {type(module).__name__} to TorchScript ({exc}); "
+            "pass example_inputs=... to trace it instead of scripting"
+        ) from exc
+    torch.jit.save(scripted, os.fspath(path))
+    return path
+
+
+class Server:
+    """An engine this process started, with no trainer attached: what ``shmgrad serve``
+    does, from Python (:func:`serve`). Trainers attach by name
+    (``shmgrad.attach(server.name)``), one at a time, and may come and go. The engine stops
+    with :meth:`stop`, at the end of a ``with`` block, or when this process exits.
+
+    Attributes: ``name``, ``pid`` (the coordinator's process), ``mode`` (``"script"`` or
+    ``"eager"``) and ``mode_reason`` (why).
+    """
+
+    def __init__(self, launcher: Launcher, mode: str, mode_reason: str, files: Optional[str]):
+        self._launcher = launcher
+        self._files = files  # the saved model or the eager job: removed at stop
+        self.name = launcher.options.name
+        self.mode, self.mode_reason = mode, mode_reason
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self._launcher.pid
+
+    def log(self) -> str:
+        """What the coordinator and its workers have printed so far (readable after
+        :meth:`stop` too)."""
+        return self._launcher.log()
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S):
+        """Stops the engine: SIGTERM, SIGKILL after ``timeout`` seconds. Idempotent."""
+        try:
+            self._launcher.stop(timeout)
+        finally:
+            if self._files is not None:
+                shutil.rmtree(self._files, ignore_errors=True)
+                self._files = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def __repr__(self):
+        return f"Server(name={self.name!r}, pid={self.pid}, mode={self.mode!r})"
+
+
+def serve(
+    *,
+    model,
+    workers: int,
+    loss,
+    dataset=None,
+    mode: str = "auto",
+    collate_fn=None,
+    forward=None,
+    name: Optional[str] = None,
+    threads_per_worker: int = DEFAULTS["threads_per_worker"],
+    max_workers: Optional[int] = None,
+    max_batch: int = DEFAULTS["max_batch"],
+    input_capacity_mb: int = DEFAULTS["input_capacity_mb"],
+    startup_timeout: float = DEFAULTS["startup_timeout"],
+    compile=False,
+) -> Server:
+    """Starts an engine and returns once it serves, without attaching to it: a
+    :class:`Server`. The arguments are :class:`Engine`'s (which is this, plus a trainer
+    attached). Raises what :class:`Engine` raises at start-up; nothing is left behind."""
+    loss_names = _C.loss_names()
+    compile_opts = eager.compile_options(compile)
+    if isinstance(model, torch.nn.Module):
+        model, wrapped = eager.compiled_original(model)  # torch.compile(module) given
+        if wrapped is not None and compile_opts is None:
+            compile_opts = wrapped
+    mode, mode_reason = eager.choose_mode(
+        mode,
+        model=model,
+        loss=loss,
+        dataset=dataset,
+        collate_fn=collate_fn,
+        forward=forward,
+        loss_names=loss_names,
+        compile=compile_opts is not None,
+    )
+    if mode == "script":
+        _check_arguments(workers=workers, loss=loss, max_workers=max_workers)
+    else:
+        eager.check_loss(loss, loss_names)
+        _check_arguments(workers=workers, loss=loss_names[0], max_workers=max_workers)
+    name = name or f"py{os.getpid()}-{next(_names)}"
+    _C.check_engine_name(name)
+    eager_job = None
+    if mode == "eager":
+        eager_job = eager.prepare_job(
+            model=model,
+            loss=loss,
+            dataset=dataset,
+            collate_fn=collate_fn,
+            forward=forward,
+            loss_names=loss_names,
+            compile=compile_opts,
+        )
+        files = eager_job.directory
+        serve_dataset = dataset if isinstance(dataset, str) else None  # into the segment
+        model_path, serve_loss = eager_job.holder_path, loss_names[0]
+    else:
+        files, model_path = _model_file(model)
+        serve_loss, serve_dataset = loss, dataset
+    options = ServeOptions(
+        name=name,
+        model_path=model_path,
+        workers=workers,
+        loss=serve_loss,
+        dataset=serve_dataset,
+        threads_per_worker=threads_per_worker,
+        max_workers=max_workers,
+        max_batch=max_batch,
+        input_capacity_mb=input_capacity_mb,
+        startup_timeout=startup_timeout,
+        eager_job=eager_job,
+    )
+    server = Server(Launcher(options), mode, mode_reason, files)
+    try:
+        server._launcher.start()
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def _model_file(model):
+    """``(directory to remove at stop or None, the TorchScript file serve loads)``:
+    ``model`` itself, or a module saved into a temporary directory that lives as long as
+    the engine (replacement workers load it again)."""
+    if isinstance(model, torch.nn.Module):
+        directory = tempfile.mkdtemp(prefix="shmgrad-model-")
+        try:
+            return directory, save_model(model, os.path.join(directory, "model.pt"))
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+    if isinstance(model, (str, os.PathLike)):
+        path = os.fspath(model)
+        if not os.path.isfile(path):
+            raise errors.EngineNotFoundError(
+                f"model file {path!r} does not exist; save one with "
+                "shmgrad.save_model(module, path)"
+            )
+        return None, path
+    raise errors.InvalidArgumentError(
+        f"model must be a torch.nn.Module or a TorchScript file path, got {type(model).__name__}"
+    )
+
+
+class Engine(Client):
+    """A shmgrad engine this process starts: ``shmgrad serve`` runs in the background, and
+    this object is the trainer attached to it (the API of :class:`Client`).
+
+    The engine stops when :meth:`close` is called, when the ``with`` block ends, or when
+    this process exits. Only one trainer holds an engine at a time.
+
+    Args (keyword-only):
+        model: a ``torch.nn.Module`` (saved with :func:`save_model`) or the path of a
+            TorchScript file.
+        workers: number of worker processes.
+        loss: ``"cross_entropy"``, ``"nll"`` or ``"mse"`` (summed over the batch), or, with
+            eager workers, any callable ``loss(outputs, targets)`` that returns the loss
+            summed over the batch (an ``nn`` loss with ``reduction="sum"``).
+        dataset: ``None``, ``"fashion-mnist"``, ``"fashion-mnist:test"`` or
+            ``"npy:INPUTS.npy,TARGETS.npy"`` (loaded once into shared memory, read there by
+            every worker), or, with eager workers, any map-style
+            ``torch.utils.data.Dataset`` (each worker holds a copy; per-example transforms
+            run in the workers). Addressed by index in :meth:`gradient`.
+        mode: ``"script"``: TorchScript workers (C++); ``"eager"``: Python workers running
+            the module as it is; ``"auto"`` (default): TorchScript for a TorchScript file
+            or module, and for a module that scripts when the loss is a name and the
+            dataset a spec string or None, on a torch that does not deprecate TorchScript
+            (before 2.10); eager otherwise (also with a spec string). ``engine.mode`` and
+            ``status().worker_kind`` say which, ``engine.mode_reason`` and
+            ``status().mode_reason`` why.
+        seed: eager workers seed Python's ``random``, NumPy and torch with
+            :func:`shmgrad.example_seed` ``(step_seed, i)`` before ``dataset[i]``, where
+            ``step_seed`` is ``gradient(..., seed=S)`` or derived from this seed and the
+            step count.
+        collate_fn: eager: builds a batch from ``[dataset[i] for i in shard]`` (default
+            ``torch.utils.data.default_collate``).
+        forward: eager: ``forward(model, batch) -> summed loss`` replaces
+            ``loss(model(batch[0]), batch[1])`` (several inputs, losses that need more).
+        name: engine name (default: a unique one); others attach by it.
+        threads_per_worker: intra-op threads of each worker (default 1).
+        max_workers: gradient slots, the most workers :meth:`resize` can ask for.
+        max_batch: most examples in one step.
+        input_capacity_mb: shared memory for explicit batches (``inputs=``, ``targets=``).
+        startup_timeout: seconds to wait for every worker to load the model.
+        min_examples_per_worker: default for :meth:`gradient` (fewer workers take part in a
+            small batch: idle workers cost nothing).
+        max_examples_per_pass: default for :meth:`gradient` (bounds worker memory).
+        process_group: a ``torch.distributed`` process group with one trainer per node
+            (e.g. ``torch.distributed.group.WORLD``): this engine is then one node of
+            several, and :meth:`gradient` returns the gradient of the global batch (see
+            docs/MULTINODE.md). Construction waits for every node's engine, refuses a node
+            whose model differs and gives every node rank 0's parameters.
+        bucket_cap_mb: across nodes, all-reduce the gradient in buckets of this many MiB
+            (default: one call on the whole buffer).
+        compile: eager workers apply ``torch.compile`` to their own copy of the model:
+            ``True`` (its defaults) or a dict of its options. A module already wrapped by
+            ``torch.compile`` is taken as ``compile=True`` on the module it wraps (bind
+            either). Each worker compiles when it first meets a shape, inside that step
+            (warm up before timing); gradients stay exact.
+
+    Raises what ``serve`` reported when it could not start (InvalidArgumentError for a
+    file that is not TorchScript or an unknown dataset, NoSpaceError when /dev/shm is too
+    small, WorkerError when a worker could not load the model, ...), or an Error quoting
+    its output if it died without reporting.
+    """
+
+    _server = None
+
+    def __init__(
+        self,
+        *,
+        model,
+        workers: int,
+        loss,
+        dataset=None,
+        mode: str = "auto",
+        seed: int = 0,
+        collate_fn=None,
+        forward=None,
+        name: Optional[str] = None,
+        threads_per_worker: int = DEFAULTS["threads_per_worker"],
+        max_workers: Optional[int] = None,
+        max_batch: int = DEFAULTS["max_batch"],
+        input_capacity_mb: int = DEFAULTS["input_capacity_mb"],
+        startup_timeout: float = DEFAULTS["startup_timeout"],
+        min_examples_per_worker: int = 1,
+        max_examples_per_pass: int = 0,
+        process_group=None,
+        bucket_cap_mb: Optional[float] = None,
+        compile=False,
+    ):
+        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+            raise errors.InvalidArgumentError(f"seed must be an int >= 0, got {seed!r}")
+        server = serve(
+            model=model,
+            workers=workers,
+            loss=loss,
+            dataset=dataset,
+            mode=mode,
+            collate_fn=collate_fn,
+            forward=forward,
+            name=name,
+            threads_per_worker=threads_per_worker,
+            max_workers=max_workers,
+            max_batch=max_batch,
+            input_capacity_mb=input_capacity_mb,
+            startup_timeout=startup_timeout,
+            compile=compile,
+        )
+        try:
+            trainer = _C.Trainer.attach(server.name, timeout=ATTACH_TIMEOUT_S)
+        except BaseException:
+            server.stop()
+            raise
+        self._server = server
+        self.mode, self.mode_reason = server.mode, server.mode_reason
+        try:
+            super().__init__(
+                server.name,
+                trainer,
+                seed=seed,
+                min_examples_per_worker=min_examples_per_worker,
+                max_examples_per_pass=max_examples_per_pass,
+                process_group=process_group,
+                bucket_cap_mb=bucket_cap_mb,
+            )
+        except BaseException:
+            server.stop()
+            raise
+
+    def log(self) -> str:
+        """What the engine's coordinator and workers have printed so far: worker restarts,
+        retired workers that had to be killed (readable after :meth:`close` too)."""
+        return "" if self._server is None else self._server.log()
+
+    def close(self, *, timeout: float = STOP_TIMEOUT_S):
+        """Releases the engine and stops it (SIGTERM, SIGKILL after ``timeout`` seconds).
+        Idempotent.
+
+        Bound modules keep working tensors (the shared memory stays mapped while they
+        exist), but further gradients need a new engine.
+        """
+        try:
+            super().close()
+        finally:
+            if self._server is not None:
+                self._server.stop(timeout)
+
+
+def _check_arguments(*, workers, loss, max_workers):
+    losses = _C.loss_names()
+    if loss not in losses:
+        raise errors.InvalidArgumentError(f"unknown loss {loss!r}: use one of {', '.join(losses)}")
+    if not isinstance(workers, int) or workers < 1:
+        raise errors.InvalidArgumentError(f"workers must be a positive int, got {workers!r}")
+    if max_workers is not None and (not isinstance(max_workers, int) or max_workers < workers):
+        raise errors.InvalidArgumentError(
+            f"max_workers must be an int >= workers ({workers}), got {max_workers!r}"
+        )

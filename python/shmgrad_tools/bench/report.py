@@ -1,0 +1,382 @@
+"""What ``shmgrad bench`` reports: the issue's targets checked on the measurements, the
+Markdown tables, the plot, and the JSON-safe form of the records."""
+
+import math
+
+LABELS = {
+    "single-1t": "single process, 1 thread",
+    "single": "single process, N threads",
+    "shmgrad": "shmgrad, N workers",
+    "eager": "shmgrad eager, N workers",
+    "compiled": "shmgrad eager, torch.compile'd, N workers",
+    "ddp": "DDP gloo, N processes",
+    "dask": "Dask deep-copy, N threads",
+}
+
+
+# -- targets (issue 5) ----------------------------------------------------------------
+def evaluate_targets(records, reductions):
+    """The issue's targets, checked on what was measured: a list of dicts."""
+    out = []
+    for r in records:
+        if (
+            r["system"] == "shmgrad"
+            and "overhead_median" in r
+            and r["model"] in ("cnn", "wrn")
+            and r["batch"] == 128
+        ):
+            out.append(
+                {
+                    "target": "shmgrad overhead < 5% (CNN, WRN at batch 128)",
+                    "config": f"{r['model']} b{r['batch']} N={r['workers']}",
+                    "value": f"{r['overhead_median'] * 100:.1f}%",
+                    "met": r["overhead_median"] < 0.05,
+                }
+            )
+    for r in reductions:
+        if "ratio" in r:
+            out.append(
+                {
+                    "target": "reduction > 70% of memcpy bandwidth",
+                    "config": f"N={r['workers']} P={r['floats']}",
+                    "value": f"{r['reduce_gbps_median']:.1f} vs {r['memcpy_gbps_median']:.1f} "
+                    f"GB/s = {r['ratio'] * 100:.0f}%",
+                    "met": r["ratio"] > 0.70,
+                }
+            )
+    memcpy = {
+        (r["workers"], r["floats"]): r["memcpy_gbps_median"]
+        for r in reductions
+        if "memcpy_gbps_median" in r
+    }
+    for r in records:
+        bw = memcpy.get((r["workers"], r["params"]))
+        if r["system"] == "shmgrad" and "reduce_phase_gbps" in r and bw:
+            r["reduce_phase_vs_memcpy"] = r["reduce_phase_gbps"] / bw
+            out.append(
+                {
+                    "target": "engine's reduce phase (GradientStats.reduce_seconds) > 70% "
+                    "of memcpy bandwidth",
+                    "config": f"{r['model']} b{r['batch']} N={r['workers']} P={r['params']}",
+                    "value": f"{r['reduce_phase_gbps']:.1f} vs {bw:.1f} GB/s = "
+                    f"{r['reduce_phase_vs_memcpy'] * 100:.0f}%",
+                    "met": r["reduce_phase_vs_memcpy"] > 0.70,
+                }
+            )
+    for r in records:
+        if (
+            r["system"] == "eager"
+            and "overhead_median" in r
+            and r["model"] == "cnn"
+            and r["batch"] == 128
+        ):
+            out.append(
+                {
+                    "target": "eager workers: engine's share of the step < 5% (CNN, batch 128)",
+                    "config": f"{r['model']} b{r['batch']} N={r['workers']}",
+                    "value": f"{r['overhead_median'] * 100:.1f}%",
+                    "met": r["overhead_median"] < 0.05,
+                }
+            )
+        if (
+            r["system"] == "ddp"
+            and "ratio_to_eager" in r
+            and r["model"] in ("cnn", "wrn")
+            and r["batch"] >= 128
+            and r["workers"] == 2
+        ):
+            out.append(
+                {
+                    "target": "eager workers no slower than DDP-gloo (CNN, WRN, batch >= 128, N=2)",
+                    "config": f"{r['model']} b{r['batch']} N={r['workers']}",
+                    "value": f"ddp/eager = {r['ratio_to_eager']:.3f}x",
+                    "met": r["ratio_to_eager"] >= 1.0,
+                }
+            )
+    for r in records:
+        if r["system"] in ("ddp", "dask") and "ratio_to_shmgrad" in r:
+            out.append(
+                {
+                    "target": f"shmgrad faster than {r['system']}",
+                    "config": f"{r['model']} b{r['batch']} N={r['workers']}",
+                    "value": f"{r['system']}/shmgrad = {r['ratio_to_shmgrad']:.3f}x",
+                    "met": r["ratio_to_shmgrad"] > 1.0,
+                }
+            )
+    return out
+
+
+def evaluate_node_targets(records):
+    """--nodes: shmgrad's nodes (one worker each) no slower than DDP with as many ranks."""
+    out = []
+    for r in records:
+        paired = r["system"] == "ddp-paired"
+        for workers, ratio in r.get("ratio_to_nodes", {}).items():
+            if workers != "1":
+                continue
+            out.append(
+                {
+                    "target": f"{r['nodes']} shmgrad nodes of 1 worker no slower than "
+                    f"DDP-gloo with {r['nodes']} ranks",
+                    "config": f"{r['model']} b{r['batch']}" + (", paired" if paired else ""),
+                    "value": f"ddp/shmgrad-nodes = {ratio:.3f}x"
+                    + (
+                        f" (per-step ratios: median {r['paired_ratio_median']:.3f}x)"
+                        if paired
+                        else ""
+                    ),
+                    "met": ratio >= 1.0,
+                }
+            )
+    return out
+
+
+# -- reporting ------------------------------------------------------------------------
+def fmt_ms(s):
+    return "-" if s is None else (f"{s * 1e3:.3f}" if s < 0.01 else f"{s * 1e3:.1f}")
+
+
+def table(records, reductions, targets):
+    """The results as Markdown tables."""
+    lines = [
+        "| model | batch | N | system | median ms | min ms | max ms | IQR ms | steps "
+        "| vs shmgrad | notes |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    order = {
+        "single-1t": 0,
+        "single": 1,
+        "shmgrad": 2,
+        "eager": 3,
+        "compiled": 4,
+        "ddp": 5,
+        "dask": 6,
+    }
+    rows = sorted(
+        records, key=lambda r: (r["model"], r["batch"], r["workers"], order.get(r["system"], 9))
+    )
+    seen_1t = set()
+    for r in rows:
+        key = (r["model"], r["batch"])
+        if r["system"] == "single-1t":
+            if key in seen_1t:
+                continue
+            seen_1t.add(key)
+        if "error" in r:
+            lines.append(
+                f"| {r['model']} | {r['batch']} | {r['workers']} | {r['system']} | "
+                f"FAILED | | | | | | {r['error'][:80]} |"
+            )
+            continue
+        if r["system"] == "single-1t":
+            by_n = r.get("ratio_to_shmgrad_by_n", {})
+            ratio = ", ".join(f"N={n}: {v:.2f}x" for n, v in by_n.items()) or "-"
+        else:
+            ratio = f"{r['ratio_to_shmgrad']:.2f}x" if "ratio_to_shmgrad" in r else "-"
+        notes = []
+        if r["system"] in ("shmgrad", "eager", "compiled"):
+            notes.append(f"overhead {r['overhead_median'] * 100:.1f}%")
+            notes.append(f"slowest worker f+b {fmt_ms(r['compute_max_median_s'])} ms")
+            notes.append(
+                f"reduce phase {fmt_ms(r['reduce_median_s'])} ms "
+                f"({r['reduce_phase_gbps']:.1f} GB/s)"
+            )
+        if r["system"] in ("single", "single-1t"):
+            notes.append(f"{r['threads']} thread{'s' if r['threads'] > 1 else ''}")
+        if "ratio_to_eager" in r:
+            notes.append(f"vs eager {r['ratio_to_eager']:.2f}x")
+        if r.get("grad_rel_err") is not None and r["system"] != "single-1t":
+            notes.append(f"grad rel. diff {r['grad_rel_err']:.1e}")
+        iqr = r["q3_s"] - r["q1_s"]
+        lines.append(
+            f"| {r['model']} | {r['batch']} | "
+            f"{r['workers'] if r['system'] != 'single-1t' else '-'} "
+            f"| {r['system']} | {fmt_ms(r['median_s'])} | {fmt_ms(r['min_s'])} | "
+            f"{fmt_ms(r['max_s'])} | {fmt_ms(iqr)} | {r['n']} | {ratio} | {'; '.join(notes)} |"
+        )
+    if reductions:
+        lines += [
+            "",
+            "| reduce N | floats P | reduce GB/s (median) | min-max | memcpy GB/s "
+            "(median) | min-max | reduce/memcpy |",
+            "|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in reductions:
+            if "error" in r:
+                lines.append(
+                    f"| {r['workers']} | {r['floats']} | FAILED | | | | {r['error'][:60]} |"
+                )
+                continue
+            lines.append(
+                f"| {r['workers']} | {r['floats']} | {r['reduce_gbps_median']:.2f} | "
+                f"{r['reduce_gbps_min']:.1f}-{r['reduce_gbps_max']:.1f} | "
+                f"{r['memcpy_gbps_median']:.2f} | {r['memcpy_gbps_min']:.1f}-"
+                f"{r['memcpy_gbps_max']:.1f} | {r['ratio'] * 100:.0f}% |"
+            )
+    return "\n".join(lines + targets_table(targets)) + "\n"
+
+
+def targets_table(targets):
+    """The evaluated targets as Markdown lines (none without targets)."""
+    if not targets:
+        return []
+    lines = ["", "| target | configuration | measured | met |", "|---|---|---|---|"]
+    for t in targets:
+        lines.append(
+            f"| {t['target']} | {t['config']} | {t['value']} | {'yes' if t['met'] else 'NO'} |"
+        )
+    return lines
+
+
+def fmt_bytes(b):
+    return "-" if b is None else f"{b / 1e3:,.1f} kB"
+
+
+def nodes_table(records, targets):
+    """--nodes: the results as Markdown tables."""
+    lines = [
+        "| model | batch | system | workers | median ms | min ms | max ms | IQR ms | steps "
+        "| DDP / this | all-reduce share | all-reduce ms | sent per node per step "
+        "(ring) | loopback per node per step | notes |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    order = {
+        "single-1t": 0,
+        "shmgrad": 1,
+        "shmgrad-nodes": 2,
+        "ddp": 3,
+        "shmgrad-nodes-paired": 4,
+        "ddp-paired": 5,
+    }
+    ddp = {(r["model"], r["batch"]): r for r in records if r["system"] == "ddp" and "median_s" in r}
+    ddp_paired = {
+        (r["model"], r["batch"], r["workers"]): r
+        for r in records
+        if r["system"] == "ddp-paired" and "median_s" in r
+    }
+    for r in sorted(
+        records, key=lambda r: (r["model"], r["batch"], order.get(r["system"], 9), r["workers"])
+    ):
+        system = r["system"]
+        workers = (
+            f"{r['workers']} per node x {r['nodes']}"
+            if system.startswith("shmgrad-nodes")
+            else f"{r['nodes']} ranks"
+            if system.startswith("ddp")
+            else str(r["workers"])
+        )
+        if "error" in r:
+            lines.append(
+                f"| {r['model']} | {r['batch']} | {system} | {workers} | FAILED | | | "
+                f"| | | | | | | {r['error'][:80]} |"
+            )
+            continue
+        d = (
+            ddp_paired.get((r["model"], r["batch"], r["workers"]))
+            if system.endswith("-paired")
+            else ddp.get((r["model"], r["batch"]))
+        )
+        ratio = f"{d['median_s'] / r['median_s']:.2f}x" if d is not None else "-"
+        notes = []
+        if system == "ddp-paired":
+            notes.append(f"run in turn with shmgrad-nodes-paired of {r['workers']} per node")
+        if system == "shmgrad-nodes-paired" and d is not None:
+            notes.append(
+                f"run in turn with ddp-paired; per-step DDP / shmgrad: median "
+                f"{d['paired_ratio_median']:.3f}x"
+            )
+        if r.get("grad_rel_err") is not None and system != "single-1t":
+            notes.append(f"grad rel. diff {r['grad_rel_err']:.1e}")
+        if system.startswith("shmgrad-nodes"):
+            notes.append(
+                f"slowest worker f+b {fmt_ms(r['compute_max_median_s'])} ms; "
+                f"all-reduced {fmt_bytes(r['allreduce_bytes'])} a step"
+            )
+        share = (
+            f"{r['allreduce_share_median'] * 100:.1f}%" if "allreduce_share_median" in r else "-"
+        )
+        lines.append(
+            f"| {r['model']} | {r['batch']} | {system} | {workers} | {fmt_ms(r['median_s'])} "
+            f"| {fmt_ms(r['min_s'])} | {fmt_ms(r['max_s'])} | {fmt_ms(r['q3_s'] - r['q1_s'])} "
+            f"| {r['n']} | {ratio} | {share} | {fmt_ms(r.get('allreduce_median_s'))} "
+            f"| {fmt_bytes(r.get('sent_bytes_per_node_step'))} "
+            f"| {fmt_bytes(r.get('loopback_bytes_per_node_step'))} | {'; '.join(notes)} |"
+        )
+    return "\n".join(lines + targets_table(targets)) + "\n"
+
+
+def plot(records, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in records))
+    batches = sorted(set(r["batch"] for r in records))
+    width = max(9.0, 4.2 * len(batches))
+    height = 3.4 * len(models) + 0.9
+    fig, axes = plt.subplots(len(models), len(batches), squeeze=False, figsize=(width, height))
+    styles = {
+        "single-1t": ("tab:gray", "--", ""),
+        "single": ("tab:blue", "-", "o"),
+        "shmgrad": ("tab:red", "-", "s"),
+        "eager": ("tab:orange", "-", "v"),
+        "compiled": ("tab:brown", "-", "^"),
+        "ddp": ("tab:green", "-", "^"),
+        "dask": ("tab:purple", "-", "D"),
+    }
+    for i, m in enumerate(models):
+        for j, b in enumerate(batches):
+            ax = axes[i][j]
+            rs = [r for r in records if r["model"] == m and r["batch"] == b and "median_s" in r]
+            ns = sorted(set(r["workers"] for r in rs if r["system"] != "single-1t"))
+            for system, (color, ls, marker) in styles.items():
+                pts = sorted((r["workers"], r) for r in rs if r["system"] == system)
+                if system == "single-1t" and pts and ns:
+                    r = pts[0][1]
+                    ax.plot(
+                        [ns[0], ns[-1]],
+                        [r["median_s"] * 1e3] * 2,
+                        color=color,
+                        ls=ls,
+                        label=LABELS[system],
+                    )
+                    continue
+                if not pts:
+                    continue
+                xs = [n for n, _ in pts]
+                ys = [r["median_s"] * 1e3 for _, r in pts]
+                lo = [(r["median_s"] - r["min_s"]) * 1e3 for _, r in pts]
+                hi = [(r["max_s"] - r["median_s"]) * 1e3 for _, r in pts]
+                ax.errorbar(
+                    xs,
+                    ys,
+                    yerr=[lo, hi],
+                    color=color,
+                    ls=ls,
+                    marker=marker,
+                    capsize=3,
+                    label=LABELS[system],
+                )
+            ax.set_title(f"{m}, batch {b}")
+            ax.set_xlabel("workers N")
+            ax.set_ylabel("step time, ms (median, min-max)")
+            ax.set_yscale("log")
+            if ns:
+                ax.set_xticks(ns)
+            ax.grid(True, which="both", alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8)
+    fig.tight_layout(rect=(0, 0.75 / height, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def jsonable(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    return x

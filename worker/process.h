@@ -1,0 +1,65 @@
+// What every worker process does around its compute, whatever computes its shards (the
+// TorchScript replica in worker_loop.cc, or an eager Python module through
+// python/worker_binding.cc): die with the coordinator, keep freed memory in the heap, and
+// the engine's thread settings. Written once for both kinds of worker (and the next).
+// Header only: each user already links libtorch.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <malloc.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdint>
+#include <limits>
+
+#include "ipc/error.h"
+
+namespace shmgrad::worker {
+
+// libtorch has no caching allocator on the CPU: every step frees and re-allocates its
+// activations. glibc would hand large freed blocks back to the kernel (brk, munmap) and
+// fault them in again, zeroed, on the next step: system calls and page faults in the hot
+// path. Workers keep freed memory in the heap instead and hold their peak step memory
+// (bounded by max_examples_per_pass), as a caching allocator would. Any process can have
+// the same settings from glibc's environment variables (shmgrad.heap_environment()).
+struct HeapSetting {
+  int param;        // mallopt's
+  const char* env;  // glibc's variable for the same setting, read at process start
+  int value;
+};
+inline constexpr HeapSetting kHeapSettings[] = {
+    {M_MMAP_MAX, "MALLOC_MMAP_MAX_", 0},
+    {M_TRIM_THRESHOLD, "MALLOC_TRIM_THRESHOLD_", std::numeric_limits<int>::max()},
+    {M_TOP_PAD, "MALLOC_TOP_PAD_", 16 << 20},
+};
+
+inline void keepFreedMemory() {
+  for (const HeapSetting& s : kHeapSettings) {
+    // mallopt returns 1 on success and 0 (errno unset) on a bad parameter.
+    SHMGRAD_SYSCHECK(mallopt(s.param, s.value) == 1 ? 0 : (errno = EINVAL, -1), s.env);
+  }
+}
+
+// Dies with the coordinator (SIGKILL when it exits). False when it is gone already: the
+// getppid() check covers the race in which it died before the prctl.
+inline bool dieWithParent(int parent_pid) {
+  SHMGRAD_SYSCHECK(prctl(PR_SET_PDEATHSIG, SIGKILL), "prctl(PR_SET_PDEATHSIG)");
+  return getppid() == parent_pid;
+}
+
+// The engine's threads_per_worker intra-op threads, and one inter-op thread: the worker's
+// parallelism is the engine's processes, not a second pool.
+inline void configureThreads(uint32_t threads) {
+  at::set_num_threads(static_cast<int>(std::max<uint32_t>(1, threads)));
+  try {
+    at::set_num_interop_threads(1);
+  } catch (const std::exception&) {
+    // Already set (the pool started): harmless.
+  }
+}
+
+}  // namespace shmgrad::worker
