@@ -213,3 +213,36 @@ def test_augment_tiny(tmp_path):
     ), r
     for loop in ("workers", "trainer"):
         assert _finite_positive(r["examples_per_s"][loop]), r
+
+
+def test_breakdown_tiny(tmp_path):
+    """`python3 -m shmgrad_tools.bench.breakdown` (BENCHMARKS.md's fixed cost of a step)
+    runs, through the public GradientStats fields, and its parts add up to each step."""
+    out = tmp_path / "breakdown.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shmgrad_tools.bench.breakdown",
+            "--model",
+            "tiny",
+            "--batch",
+            "8",
+            "--workers",
+            "1,2",
+            "--steps",
+            "20",
+            "--warmup",
+            "5",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    medians = json.loads(out.read_text())["medians_us"]
+    assert len(medians) == 2
+    for parts in medians.values() if isinstance(medians, dict) else medians:
+        assert parts["total"] > 0 and 0 <= parts["fixed"] <= parts["total"]

@@ -51,11 +51,11 @@ PARTS = (
 
 def step_parts(dt, st):
     """The parts of one step (seconds) from the Python-side time and the stats."""
-    ws = st._native.workers  # (slot, examples, loss, compute, reduce, wait, nf, nf)
-    compute = max(w[3] for w in ws)
-    barrier = max(w[5] for w in ws)
-    reduce = max(w[4] for w in ws)
-    worker_span = max(w[3] + w[5] + w[4] for w in ws)
+    per_worker = list(zip(st.compute_seconds, st.wait_seconds, st.reduce_seconds_per_worker))
+    compute = max(c for c, _, _ in per_worker)
+    barrier = max(w for _, w, _ in per_worker)
+    reduce = max(r for _, _, r in per_worker)
+    worker_span = max(c + w + r for c, w, r in per_worker)
     return {
         "python": dt - st.wall_seconds,
         "prepare": st.prepare_seconds,
