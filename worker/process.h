@@ -37,7 +37,22 @@ inline constexpr HeapSetting kHeapSettings[] = {
     {M_TOP_PAD, "MALLOC_TOP_PAD_", 16 << 20},
 };
 
+// Under AddressSanitizer or ThreadSanitizer their allocator replaces glibc's, and mallopt
+// does not apply (it returns 0): the sanitizer builds skip it.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+inline constexpr bool kGlibcAllocator = false;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+inline constexpr bool kGlibcAllocator = false;
+#else
+inline constexpr bool kGlibcAllocator = true;
+#endif
+#else
+inline constexpr bool kGlibcAllocator = true;
+#endif
+
 inline void keepFreedMemory() {
+  if (!kGlibcAllocator) return;
   for (const HeapSetting& s : kHeapSettings) {
     // mallopt returns 1 on success and 0 (errno unset) on a bad parameter.
     SHMGRAD_SYSCHECK(mallopt(s.param, s.value) == 1 ? 0 : (errno = EINVAL, -1), s.env);
