@@ -43,10 +43,7 @@ volatile sig_atomic_t g_signal = 0;
 
 void onSignal(int sig) { g_signal = sig; }
 
-// `shmgrad-worker describe MODEL OUT` exits with this when the model cannot be loaded
-// (not TorchScript, a torch that cannot read it, a parameter that is not float32): its
-// message is then the error to report (tools/worker_main.cc).
-constexpr int kExitDescribeRejected = 2;
+constexpr int kExitDescribeRejected = config::kExitDescribeRejected;
 
 class Coordinator {
  public:
@@ -180,6 +177,14 @@ class Coordinator {
     SHMGRAD_SYSCHECK(sigaction(SIGPIPE, &ignore, nullptr), "sigaction(SIGPIPE)");
   }
 
+  // execv's argument vector over `args` (which must outlive it), NULL-terminated.
+  static std::vector<char*> argvOf(std::vector<std::string>& args) {
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    return argv;
+  }
+
   // Runs `shmgrad-worker describe PATH OUT` (fork + exec, bounded by the start-up
   // timeout) and reads what it wrote: the coordinator itself loads no model.
   ModelDescription describeWithWorker(const std::string& path) {
@@ -198,9 +203,7 @@ class Coordinator {
     SHMGRAD_SYSCHECK(pipe2(pipefd, O_CLOEXEC), "pipe2");
     std::string bin = workerBinary();
     std::vector<std::string> args = {bin, "describe", path, out};
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
+    std::vector<char*> argv = argvOf(args);
     const pid_t pid = static_cast<pid_t>(SHMGRAD_SYSCHECK(fork(), "fork"));
     if (pid == 0) {
       dup2(pipefd[1], STDERR_FILENO);
@@ -213,12 +216,15 @@ class Coordinator {
     const uint64_t deadline =
         ipc::monotonicNs() + static_cast<uint64_t>(opt_.startup_timeout_s * 1e9);
     SHMGRAD_SYSCHECK(fcntl(pipefd[0], F_SETFL, O_NONBLOCK), "fcntl(O_NONBLOCK)");
-    int status = 0;
-    bool exited = false;
-    while (!exited) {
+    auto drain = [&] {
       char buf[4096];
       long n;
       while ((n = read(pipefd[0], buf, sizeof(buf))) > 0) text.append(buf, static_cast<size_t>(n));
+    };
+    int status = 0;
+    bool exited = false;
+    while (!exited) {
+      drain();
       exited = SHMGRAD_SYSCHECK(waitpid(pid, &status, WNOHANG), "waitpid") == pid;
       if (!exited && ipc::monotonicNs() > deadline) {
         SHMGRAD_SYSCHECK_OK(kill(pid, SIGKILL), "kill", ESRCH);
@@ -229,9 +235,7 @@ class Coordinator {
       }
       if (!exited) std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
-    long n;
-    char buf[4096];
-    while ((n = read(pipefd[0], buf, sizeof(buf))) > 0) text.append(buf, static_cast<size_t>(n));
+    drain();
     close(pipefd[0]);
     while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();
     if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return readModelFile(out);
@@ -270,9 +274,7 @@ class Coordinator {
         eager() ? std::vector<std::string>{opt_.python, "-m",   "shmgrad._eager_worker",
                                            opt_.name,   slot_s, parent_s}
                 : std::vector<std::string>{bin, "run", opt_.name, slot_s, parent_s};
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
+    std::vector<char*> argv = argvOf(args);
     // Thread pools sized before libtorch and OpenBLAS start in the worker.
     std::vector<std::string> env_s;
     for (char** e = environ; *e != nullptr; ++e) {

@@ -33,6 +33,10 @@ constexpr uint64_t kMaxCapacityBytes = uint64_t{1} << 44;
 // A process that could not exec its program exits with this, as a shell reports a command
 // it cannot run (the coordinator's forked worker, `shmgrad`'s exec of Python).
 constexpr int kExitCannotExec = 127;
+// `shmgrad-worker describe MODEL OUT` exits with this when the model cannot be used (not
+// TorchScript, a torch that cannot read it, a parameter that is not float32); its message
+// on stderr is then the error `shmgrad serve` reports.
+constexpr int kExitDescribeRejected = 2;
 
 // -- environment tunables (NCCL_PARAM's model: declared once, with the default) ------------
 struct Tunable {

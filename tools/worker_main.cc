@@ -12,6 +12,7 @@
 #include <string>
 
 #include "engine/model_file.h"
+#include "ipc/config.h"
 #include "ipc/error.h"
 #include "ipc/layout.h"
 #include "worker/replica.h"
@@ -19,7 +20,7 @@
 
 namespace {
 
-constexpr int kExitRejected = 2;  // engine/coordinator.cc, kExitDescribeRejected
+constexpr int kExitRejected = shmgrad::config::kExitDescribeRejected;
 
 int describe(const std::string& model, const std::string& out) {
   shmgrad::engine::ModelDescription d;
