@@ -189,6 +189,11 @@ std::vector<torch::Tensor> Trainer::gradientViews() const {
   return views(seg_->reduced());
 }
 
+std::vector<torch::Tensor> Trainer::accumulatorViews() const {
+  checkUsable();
+  return views(seg_->accum());
+}
+
 torch::Tensor Trainer::parameterBuffer() const {
   checkUsable();
   auto keep = seg_;
@@ -327,6 +332,69 @@ GradientStats Trainer::gradient(const torch::Tensor& inputs, const torch::Tensor
   return run(B, o, static_cast<uint32_t>(ipc::BatchKind::kExplicit), start, deadline);
 }
 
+GradientStats Trainer::gradient(const std::vector<torch::Tensor>& leaves,
+                                const std::string& structure, const GradientOptions& o) {
+  checkUsable();
+  ipc::SegmentHeader* h = seg_->header();
+  SHMGRAD_CHECK(lease_, ErrorKind::kInvalidArgument, "this trainer attached without a lease");
+  checkStepOptions(o);
+  SHMGRAD_CHECK(h->worker_kind == static_cast<uint32_t>(ipc::WorkerKind::kEager),
+                ErrorKind::kInvalidArgument,
+                "a structured batch (batch=) needs eager workers: this engine runs TorchScript "
+                "workers; give inputs= and targets=, or start it with mode='eager'");
+  SHMGRAD_CHECK(!leaves.empty() && leaves.size() <= ipc::kMaxLeaves, ErrorKind::kInvalidArgument,
+                "a batch holds 1 to ", ipc::kMaxLeaves, " tensors, got ", leaves.size());
+  SHMGRAD_CHECK(structure.size() < ipc::kStructureLen, ErrorKind::kInvalidArgument,
+                "the batch's structure takes ", structure.size(), " bytes to describe, over ",
+                ipc::kStructureLen - 1, ": use fewer or shorter keys");
+  const int64_t B = leaves[0].defined() && leaves[0].dim() > 0 ? leaves[0].size(0) : 0;
+  std::vector<torch::Tensor> data;
+  uint64_t offsets[ipc::kMaxLeaves];
+  uint64_t pos = 0;
+  for (size_t k = 0; k < leaves.size(); ++k) {
+    const torch::Tensor& t = leaves[k];
+    SHMGRAD_CHECK(
+        t.defined() && t.dim() >= 1 && t.dim() <= ipc::kMaxDims + 1, ErrorKind::kInvalidArgument,
+        "batch tensor ", k, " needs a first (batch) dimension and at most ", ipc::kMaxDims + 1,
+        " dimensions, got shape ", t.defined() ? shapeText(t.sizes()) : std::string("None"));
+    SHMGRAD_CHECK(t.size(0) == B, ErrorKind::kInvalidArgument, "batch tensor ", k, " has ",
+                  t.size(0), " rows but the first has ", B,
+                  ": every tensor of a batch has the examples along its first dimension");
+    SHMGRAD_CHECK(worker::leafTypeOf(t.scalar_type()) != 0, ErrorKind::kInvalidArgument,
+                  "batch tensor ", k, " has dtype ", t.scalar_type(),
+                  ", which shmgrad cannot carry (float32/64, float16, bfloat16, "
+                  "int64/32/16/8, uint8, bool)");
+    data.push_back(t.device().is_cpu() ? t.detach().contiguous() : t.detach().cpu().contiguous());
+    offsets[k] = pos;
+    pos = ipc::alignUp(pos + static_cast<uint64_t>(t.numel()) * t.element_size(), ipc::kAlign);
+  }
+  SHMGRAD_CHECK(B >= 1, ErrorKind::kInvalidArgument, "empty batch: give at least one example");
+  SHMGRAD_CHECK(B <= h->max_batch, ErrorKind::kInvalidArgument, "batch of ", B,
+                " examples exceeds the engine's --max-batch ", h->max_batch);
+  SHMGRAD_CHECK(pos <= h->req_inputs.size, ErrorKind::kInvalidArgument, "the batch's ", pos,
+                " bytes exceed the engine's input capacity of ", h->req_inputs.size,
+                " bytes; split the batch or restart with a larger input_capacity_mb");
+  const uint64_t start = ipc::monotonicNs();
+  const uint64_t deadline = deadlineFor(o);
+  waitIdle(deadline);
+  ipc::StepRequest& r = h->request;
+  uint8_t* base = seg_->region<uint8_t>(h->req_inputs);
+  for (size_t k = 0; k < data.size(); ++k) {
+    const torch::Tensor& t = data[k];
+    std::memcpy(base + offsets[k], t.data_ptr(),
+                static_cast<uint64_t>(t.numel()) * t.element_size());
+    ipc::LeafEntry& leaf = r.leaves[k];
+    std::memset(&leaf, 0, sizeof(leaf));
+    leaf.type = worker::leafTypeOf(t.scalar_type());
+    leaf.example_shape.ndim = static_cast<uint32_t>(t.dim() - 1);
+    for (int64_t d = 1; d < t.dim(); ++d) leaf.example_shape.dims[d - 1] = t.size(d);
+    leaf.offset = offsets[k];
+  }
+  r.num_leaves = static_cast<uint32_t>(data.size());
+  std::memcpy(r.structure, structure.c_str(), structure.size() + 1);
+  return run(B, o, static_cast<uint32_t>(ipc::BatchKind::kStructured), start, deadline);
+}
+
 // After an aborted or timed-out step, workers of that step may still be computing.
 // They never count in a later step's barriers (epoch tags), but they still read the
 // request region: wait for them before it is overwritten. Bounded by the caller's
@@ -356,6 +424,12 @@ void Trainer::checkStepOptions(const GradientOptions& o) const {
                 "max_examples_per_pass must be >= 0 (0: one pass)");
   SHMGRAD_CHECK(o.max_retries >= 0, ErrorKind::kInvalidArgument, "max_retries must be >= 0");
   SHMGRAD_CHECK(o.timeout_seconds > 0, ErrorKind::kInvalidArgument, "timeout must be > 0 seconds");
+  SHMGRAD_CHECK(std::isfinite(o.prev_count) && o.prev_count >= 0, ErrorKind::kInvalidArgument,
+                "prev_count must be a finite number >= 0");
+  SHMGRAD_CHECK(o.accumulate == ipc::Accumulate::kFresh ||
+                    o.accumulate == ipc::Accumulate::kReducedToAccum ||
+                    o.accumulate == ipc::Accumulate::kAccumToReduced,
+                ErrorKind::kInvalidArgument, "unknown accumulate mode");
   const int32_t holder = seg_->header()->control.trainer_pid.load();
   SHMGRAD_CHECK(holder == getpid(), ErrorKind::kBusy, "this trainer no longer holds engine '",
                 name_, "' (held by pid ", holder, "); attach again");
@@ -417,6 +491,10 @@ uint32_t Trainer::publish(int64_t B, const GradientOptions& o, uint32_t kind,
   r.max_examples_per_pass = o.max_examples_per_pass;
   r.seed = o.seed;
   r.train_mode = o.train ? 1 : 0;
+  r.buffer_rule =
+      static_cast<uint32_t>(o.average_buffers ? ipc::BufferRule::kMean : ipc::BufferRule::kFirst);
+  r.accumulate = static_cast<uint32_t>(o.accumulate);
+  r.prev_count = o.prev_count;
   for (uint32_t k = 0; k < p.n; ++k) {
     r.participants[k] = p.slots[k];
     h->workers[p.slots[k]].assigned_rank.store(k, std::memory_order_relaxed);
@@ -479,6 +557,7 @@ void Trainer::collect(uint32_t e, const Participants& p, int64_t B, const Gradie
   const ipc::SegmentHeader* h = seg_->header();
   stats->num_examples = B;
   stats->loss_sum = 0;
+  stats->count = 0;
   stats->reduce_seconds = 0;
   stats->nonfinite = false;
   stats->workers.clear();
@@ -499,6 +578,7 @@ void Trainer::collect(uint32_t e, const Participants& p, int64_t B, const Gradie
     ws.slot = p.slots[k];
     ws.examples = w.examples;
     ws.loss_sum = w.loss_sum;
+    ws.count = w.count;
     ws.compute_seconds = w.compute_ns / 1e9;
     ws.reduce_seconds = w.reduce_ns / 1e9;
     ws.wait_seconds = w.barrier_wait_ns / 1e9;
@@ -506,10 +586,15 @@ void Trainer::collect(uint32_t e, const Participants& p, int64_t B, const Gradie
     ws.nonfinite_grad = w.nonfinite_grad.load() != 0;
     stats->nonfinite = stats->nonfinite || ws.nonfinite_loss || ws.nonfinite_grad;
     stats->loss_sum += ws.loss_sum;
+    stats->count += ws.count;
     stats->reduce_seconds = std::max(stats->reduce_seconds, ws.reduce_seconds);
     stats->workers.push_back(ws);
   }
-  stats->loss = o.mean ? stats->loss_sum / static_cast<double>(B) : stats->loss_sum;
+  SHMGRAD_CHECK(!o.mean || (std::isfinite(stats->count) && stats->count > 0),
+                ErrorKind::kInvalidArgument, "the batch's count is ", stats->count,
+                ": a mean needs a count > 0 (does forward return (loss_sum, 0), every target "
+                "padding?); the reduced gradient of this step is not valid");
+  stats->loss = o.mean ? stats->loss_sum / stats->count : stats->loss_sum;
   if (stats->nonfinite && o.raise_on_nonfinite) {
     std::ostringstream os;
     for (const auto& w : stats->workers) {

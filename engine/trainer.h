@@ -46,6 +46,14 @@ struct GradientOptions {
   // example_seed(seed, i)) and whether the model runs in train mode.
   uint64_t seed = 0;
   bool train = true;
+  // After the step the shared buffers (BatchNorm statistics) hold the participants'
+  // average weighted by their examples (true), or the first participant's (DDP's rule).
+  bool average_buffers = true;
+  // Add to the previous result instead of replacing it (ipc::Accumulate): the reduction
+  // writes the buffer that does not hold it. prev_count: with mean, the count the
+  // previous result is the mean over.
+  ipc::Accumulate accumulate = ipc::Accumulate::kFresh;
+  double prev_count = 0;
 };
 
 // A gradient call's statistics, each record written once (ipc/record.h): the structs,
@@ -56,6 +64,7 @@ struct GradientOptions {
   X(int, slot, "")                                                       \
   X(int64_t, examples, "")                                               \
   X(double, loss_sum, "")                                                \
+  X(double, count, "its weight in a mean: examples, or forward's count") \
   X(double, compute_seconds, "forward + backward")                       \
   X(double, reduce_seconds, "its slice of the reduction")                \
   X(double, wait_seconds, "waiting for the other workers after compute") \
@@ -70,7 +79,8 @@ struct WorkerStepStats {
 #define SHMGRAD_GRADIENT_STATS_FIELDS(X)                                                \
   X(int64_t, num_examples, "")                                                          \
   X(double, loss_sum, "")                                                               \
-  X(double, loss, "loss_sum, or loss_sum / num_examples with mean")                     \
+  X(double, count, "the mean's denominator: num_examples, or forward's counts summed")  \
+  X(double, loss, "loss_sum, or loss_sum / count with mean")                            \
   X(double, wall_seconds, "this call, entry to return")                                 \
   X(double, prepare_seconds, "entry to publish: checks, batch copy, stale workers")     \
   X(double, step_seconds, "publish to the last reducer's done")                         \
@@ -116,6 +126,9 @@ class Trainer {
   // a module's buffers to them so that it evaluates with the workers' statistics.
   std::vector<std::pair<std::string, torch::Tensor>> bufferViews() const;
   torch::Tensor gradientBuffer() const;
+  // The second reduced gradient, which accumulating steps alternate with the first
+  // (GradientOptions::accumulate), as per-parameter views.
+  std::vector<torch::Tensor> accumulatorViews() const;
   int64_t datasetSize() const;
   int workerCount() const;  // worker processes ready now
   // Physical cores this trainer counts when it decides whether a step's processes may
@@ -131,6 +144,12 @@ class Trainer {
   // The same for an explicit batch: inputs [B, ...] (float), targets [B] (int64 class
   // labels) or [B, ...] (float, for mse).
   GradientStats gradient(const torch::Tensor& inputs, const torch::Tensor& targets,
+                         const GradientOptions& options = {});
+
+  // The same for a structured batch (eager workers): `leaves`, the batch's tensors, each
+  // [B, ...] with the same B, any dtype of ipc::LeafType, and `structure`, how they nest
+  // (a string the eager workers parse, shorter than ipc::kStructureLen).
+  GradientStats gradient(const std::vector<torch::Tensor>& leaves, const std::string& structure,
                          const GradientOptions& options = {});
 
   // Releases the lease and unmaps (views made earlier keep their mapping alive).

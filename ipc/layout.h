@@ -10,6 +10,8 @@
 //   header.params       float32 parameters, each tensor 64-byte aligned
 //   header.slots        num_slots gradient slots, each laid out like params
 //   header.reduced      the reduced gradient, laid out like params
+//   header.accum        a second reduced gradient, laid out like params: accumulating
+//                       steps read one and write the other (retry-safe)
 //   header.req_indices  int64 dataset indices of the current step
 //   header.req_inputs   inputs of an explicit batch (float32, or int64 for eager workers)
 //   header.req_targets  targets of an explicit batch (int64 or float32)
@@ -30,7 +32,7 @@
 namespace shmgrad::ipc {
 
 constexpr uint64_t kMagic = 0x31444152474d4853ull;  // "SHMGRAD1", little endian
-constexpr uint32_t kLayoutVersion = 6;
+constexpr uint32_t kLayoutVersion = 7;
 constexpr uint64_t kAlign = 64;  // every region and tensor starts on a cache line
 constexpr uint32_t kAlignFloats = kAlign / sizeof(float);
 constexpr uint32_t kMaxWorkers = 64;            // gradient slots in one segment, at most
@@ -93,7 +95,38 @@ inline uint64_t dtypeSize(uint32_t v) {
 }
 inline uint64_t dtypeSize(DType v) { return dtypeSize(static_cast<uint32_t>(v)); }
 
-enum class BatchKind : uint32_t { kIndices = 1, kExplicit = 2 };
+// kStructured: an explicit batch of several tensors (a dict, tuple or list of them, nested,
+// as a tokenizer or a collate_fn makes it) for eager workers: StepRequest::leaves.
+enum class BatchKind : uint32_t { kIndices = 1, kExplicit = 2, kStructured = 3 };
+
+// The element types a structured batch's tensors may have, stored in the segment.
+enum class LeafType : uint32_t {
+  kFloat32 = 1,
+  kInt64 = 2,
+  kFloat64 = 3,
+  kFloat16 = 4,
+  kBFloat16 = 5,
+  kInt32 = 6,
+  kInt16 = 7,
+  kInt8 = 8,
+  kUInt8 = 9,
+  kBool = 10
+};
+// Bytes per element of a leaf type read from shared memory; 0 for an unknown one.
+inline uint64_t leafTypeSize(uint32_t v) {
+  constexpr uint64_t kSizes[] = {0, 4, 8, 8, 2, 2, 4, 2, 1, 1, 1};
+  return v < sizeof(kSizes) / sizeof(kSizes[0]) ? kSizes[v] : 0;
+}
+constexpr uint32_t kMaxLeaves = 64;       // tensors in one structured batch, at most
+constexpr uint32_t kStructureLen = 2048;  // its structure's description, NUL-terminated
+
+// How a step publishes the shared buffers (BufferEntry).
+enum class BufferRule : uint32_t { kMean = 0, kFirst = 1 };
+
+// Where a step's reduction writes. kFresh: reduced = scale * sum(slots). The other two
+// add to the previous result without overwriting it (so a retried step adds once):
+// out = a * prev + b * sum(slots), prev and out being reduced and accum, or the reverse.
+enum class Accumulate : uint32_t { kFresh = 0, kReducedToAccum = 1, kAccumToReduced = 2 };
 
 // Which program the workers run: the C++ TorchScript replica, or Python (an eager
 // nn.Module, any loss, a torch Dataset the workers hold; python/shmgrad/_eager_worker.py).
@@ -124,10 +157,12 @@ struct ParamEntry {
 };
 
 // One buffer tensor of the model (BatchNorm's running statistics, ...), shared so that
-// the trainer's module evaluates with them. Float32 and int64 buffers are shared; the rule
-// is DDP's: after a step they hold the step's first participant's values (it copies its
-// own into the region after the compute barrier; every participant loads them into its
-// module before computing).
+// the trainer's module evaluates with them. Float32 and int64 buffers are shared. Every
+// participant loads them into its module before computing; after the compute barrier the
+// step's first participant publishes the step's values, by the request's BufferRule:
+// kMean, float32 buffers averaged over the participants weighted by their examples (each
+// copies its own into the scratch after its slot's gradient before the barrier), int64
+// ones (batch counts) the first participant's; kFirst, the first participant's (DDP's rule).
 struct BufferEntry {
   char name[kNameLen];  // dotted path ("bn1.running_mean"), NUL-terminated
   Shape shape;
@@ -163,6 +198,8 @@ struct alignas(64) WorkerRecord {
   uint64_t start_ns;         // CLOCK_MONOTONIC when it saw the step (wake-up latency)
   int64_t examples;          // examples in this worker's shard
   double loss_sum;           // sum of the loss over the shard
+  double count;              // the shard's weight in a mean: examples, or the counts
+                             // (tokens) its loss sums over; finite and >= 0
   uint64_t compute_ns;       // forward + backward
   uint64_t reduce_ns;        // its slice of the reduction
   uint64_t barrier_wait_ns;  // time spent waiting for the others
@@ -171,6 +208,15 @@ struct alignas(64) WorkerRecord {
       nonfinite_grad;              // 1 when its slot holds a NaN or infinity (set by reducers)
   char error_type[kErrorTypeLen];  // the exception's type ("TypeError"), "" if none
   char error_text[kErrorLen];      // its message and, from Python, the traceback's last frames
+};
+
+// One tensor of a structured batch: B examples of `example_shape`, at `offset` bytes
+// into the req_inputs region (a multiple of kAlign).
+struct LeafEntry {
+  uint32_t type;  // LeafType
+  uint32_t reserved;
+  Shape example_shape;
+  uint64_t offset;
 };
 
 // The step request. Written only by the lease-holding trainer, and only while no
@@ -203,7 +249,19 @@ struct StepRequest {
   // before dataset[i]) and the trainer module's mode (1: train, 0: eval).
   uint64_t seed;
   uint32_t train_mode;
+  uint32_t buffer_rule;  // BufferRule
+  uint32_t accumulate;   // Accumulate
   uint32_t reserved2;
+  // Accumulating with a mean: the count the previous result is the mean over. The
+  // reducers take a = prev_count / (prev_count + C) and b = 1 / (prev_count + C), C the
+  // step's count (the participants' counts); a sum takes a = b = 1.
+  double prev_count;
+  // kStructured: the tensors (the rows of each lie in req_inputs) and how they nest, a
+  // string the eager workers parse (python/shmgrad/_batch.py); never trusted unchecked.
+  uint32_t num_leaves;
+  uint32_t reserved3;
+  char structure[kStructureLen];
+  LeafEntry leaves[kMaxLeaves];
   uint8_t participants[kMaxWorkers];  // slot ids, rank order
 };
 
@@ -265,14 +323,18 @@ struct alignas(64) SegmentHeader {
   Region buffers;        // the shared buffers' bytes
   Region params;         // param_floats floats
   Region slots;          // num_slots * slot_stride bytes
-  uint64_t slot_stride;  // bytes between slots, >= param_floats*4, multiple of kAlign
-  Region reduced;        // param_floats floats
-  Region req_indices;    // int64[max_batch]
-  Region req_inputs;     // inputs of an explicit batch (input_dtype)
-  Region req_targets;    // targets of an explicit batch
-  Region data_inputs;    // dataset inputs (float32), size 0 without dataset
-  Region data_targets;   // dataset targets (DType data_target_dtype)
-  Region device;         // kDeviceReserved bytes for CUDA IPC handles
+  // Bytes between slots, a multiple of kAlign: each slot holds the gradient
+  // (param_floats floats) and then, at slotBufferOffset(), a copy of the shared buffers'
+  // bytes (BufferRule::kMean).
+  uint64_t slot_stride;
+  Region reduced;       // param_floats floats
+  Region accum;         // param_floats floats (Accumulate)
+  Region req_indices;   // int64[max_batch]
+  Region req_inputs;    // inputs of an explicit batch (input_dtype)
+  Region req_targets;   // targets of an explicit batch
+  Region data_inputs;   // dataset inputs (float32), size 0 without dataset
+  Region data_targets;  // dataset targets (DType data_target_dtype)
+  Region device;        // kDeviceReserved bytes for CUDA IPC handles
   // Dataset description (valid when data_count > 0).
   int64_t data_count;          // examples
   Shape data_example_shape;    // shape of one input
@@ -291,5 +353,10 @@ static_assert(std::atomic<uint64_t>::is_always_lock_free, "counters must be lock
 static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "futex word layout");
 
 inline uint64_t alignUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+
+// Where a slot's copy of the shared buffers starts, in bytes from the slot's start.
+inline uint64_t slotBufferOffset(uint64_t param_floats) {
+  return alignUp(param_floats * sizeof(float), kAlign);
+}
 
 }  // namespace shmgrad::ipc

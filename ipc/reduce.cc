@@ -78,6 +78,26 @@ void reduceSlice(float* out, const float* const* in, uint32_t n, uint64_t begin,
 }
 
 SHMGRAD_MULTIVERSION
+void accumulateBlock(float* __restrict out, const float* __restrict prev, float a,
+                     const float* const* in, uint32_t n, uint64_t b, uint64_t e, float scale) {
+  // The sum of the slots first (as reduceBlock), then one pass folds in the previous result.
+  reduceBlock(out, in, n, b, e, scale);
+  for (uint64_t i = b; i < e; ++i) out[i] += a * prev[i];
+}
+
+void accumulateSlice(float* out, const float* prev, float a, const float* const* in, uint32_t n,
+                     uint64_t begin, uint64_t end, float scale) {
+  for (uint64_t b = begin; b < end; b += kBlock) {
+    accumulateBlock(out, prev, a, in, n, b, std::min(end, b + kBlock), scale);
+  }
+}
+
+SHMGRAD_MULTIVERSION
+void scaleSlice(float* data, uint64_t begin, uint64_t end, float scale) {
+  for (uint64_t i = begin; i < end; ++i) data[i] *= scale;
+}
+
+SHMGRAD_MULTIVERSION
 bool anyNonFinite(const float* data, uint64_t begin, uint64_t end) {
   // An exponent of all ones is inf or NaN. An integer OR-reduction vectorises (a float
   // sum would be one serial chain of dependent adds).

@@ -32,6 +32,19 @@ inline float meanScale(int64_t count) {
 void reduceSlice(float* out, const float* const* in, uint32_t n, uint64_t begin, uint64_t end,
                  float scale);
 
+// out[i] = a * prev[i] + b * (in[0][i] + ... + in[n-1][i]) for i in [begin, end): an
+// accumulating step (prev and out are different buffers, so a retried step adds once).
+// n >= 1. Allocates nothing.
+void accumulateSlice(float* out, const float* prev, float a, const float* const* in, uint32_t n,
+                     uint64_t begin, uint64_t end, float b);
+
+// data[i] *= scale for i in [begin, end).
+void scaleSlice(float* data, uint64_t begin, uint64_t end, float scale);
+
+// The factor that turns a sum into a mean over `count`, a weight that need not be a
+// whole number (tokens in a mean over tokens): the step's examples give meanScale's.
+inline float meanScaleOf(double count) { return static_cast<float>(1.0 / count); }
+
 // True if any of data[begin, end) is NaN or infinite.
 bool anyNonFinite(const float* data, uint64_t begin, uint64_t end);
 

@@ -184,9 +184,10 @@ Layout computeLayout(const SegmentSpec& spec) {
   }
   l.buffers = take(buffer_bytes);
   l.params = take(l.param_floats * sizeof(float));
-  l.slot_stride = alignUp(l.param_floats * sizeof(float), kAlign);
+  l.slot_stride = alignUp(slotBufferOffset(l.param_floats) + buffer_bytes, kAlign);
   l.slots = take(l.slot_stride * spec.num_slots);
   l.reduced = take(l.param_floats * sizeof(float));
+  l.accum = take(l.param_floats * sizeof(float));
   l.req_indices = take(static_cast<uint64_t>(spec.max_batch) * sizeof(int64_t));
   l.req_inputs = take(alignUp(spec.input_bytes, kAlign));
   l.req_targets = take(alignUp(spec.target_bytes, kAlign));
@@ -237,19 +238,22 @@ void validateHeader(const SegmentHeader* h, uint64_t size) {
   checkRegion("buffers_table", h->buffers_table, size, sizeof(BufferEntry) * h->num_buffers);
   checkRegion("buffers", h->buffers, size, 0);
   checkRegion("params", h->params, size, pbytes);
-  SHMGRAD_CHECK(h->slot_stride >= pbytes && h->slot_stride % kAlign == 0 && h->slot_stride <= size,
+  SHMGRAD_CHECK(h->slot_stride >= slotBufferOffset(h->param_floats) + h->buffers.size &&
+                    h->slot_stride % kAlign == 0 && h->slot_stride <= size,
                 ErrorKind::kCorrupt, "segment header: slot_stride ", h->slot_stride);
   checkRegion("slots", h->slots, size, h->slot_stride * h->num_slots);
   checkRegion("reduced", h->reduced, size, pbytes);
+  checkRegion("accum", h->accum, size, pbytes);
   checkRegion("req_indices", h->req_indices, size, static_cast<uint64_t>(h->max_batch) * 8);
   checkRegion("req_inputs", h->req_inputs, size, 0);
   checkRegion("req_targets", h->req_targets, size, 0);
   checkRegion("device", h->device, size, 0);
   {
     // No two regions may overlap: a worker writing its slot must never touch another.
-    Region all[] = {h->params_table, h->params,     h->slots,         h->reduced,
-                    h->req_indices,  h->req_inputs, h->req_targets,   h->data_inputs,
-                    h->data_targets, h->device,     h->buffers_table, h->buffers};
+    Region all[] = {h->params_table, h->params,       h->slots,      h->reduced,
+                    h->accum,        h->req_indices,  h->req_inputs, h->req_targets,
+                    h->data_inputs,  h->data_targets, h->device,     h->buffers_table,
+                    h->buffers};
     const size_t n = sizeof(all) / sizeof(all[0]);
     for (size_t i = 0; i < n; ++i) {
       for (size_t j = i + 1; j < n; ++j) {
@@ -426,6 +430,7 @@ void Segment::writeHeader(const SegmentSpec& spec, const Layout& l, uint8_t* bas
   h->slots = l.slots;
   h->slot_stride = l.slot_stride;
   h->reduced = l.reduced;
+  h->accum = l.accum;
   h->req_indices = l.req_indices;
   h->req_inputs = l.req_inputs;
   h->req_targets = l.req_targets;

@@ -70,8 +70,8 @@ struct Layout {
   uint64_t param_floats = 0;
   std::vector<uint64_t> param_offsets;   // in floats
   std::vector<uint64_t> buffer_offsets;  // in bytes from the buffers region
-  Region params_table, buffers_table, buffers, params, slots, reduced, req_indices, req_inputs,
-      req_targets, data_inputs, data_targets, device;
+  Region params_table, buffers_table, buffers, params, slots, reduced, accum, req_indices,
+      req_inputs, req_targets, data_inputs, data_targets, device;
   uint64_t slot_stride = 0;
 };
 Layout computeLayout(const SegmentSpec& spec);
@@ -117,6 +117,11 @@ class Segment {
     return reinterpret_cast<float*>(base_ + header_->slots.offset + i * header_->slot_stride);
   }
   float* reduced() const { return region<float>(header_->reduced); }
+  float* accum() const { return region<float>(header_->accum); }
+  // Slot i's copy of the shared buffers, laid out like buffers() (BufferRule::kMean).
+  uint8_t* slotBuffers(uint32_t i) const {
+    return reinterpret_cast<uint8_t*>(slot(i)) + slotBufferOffset(header_->param_floats);
+  }
   const BufferEntry* bufferTable() const { return region<BufferEntry>(header_->buffers_table); }
   uint8_t* buffers() const { return region<uint8_t>(header_->buffers); }
 

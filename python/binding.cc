@@ -97,8 +97,12 @@ py::list lossNames() {
 
 shmgrad::GradientOptions makeOptions(bool mean, double timeout, int max_retries,
                                      int64_t min_examples_per_worker, int64_t max_examples_per_pass,
-                                     bool raise_on_nonfinite, uint64_t seed, bool train) {
+                                     bool raise_on_nonfinite, uint64_t seed, bool train,
+                                     bool average_buffers, uint32_t accumulate, double prev_count) {
   shmgrad::GradientOptions o;
+  o.average_buffers = average_buffers;
+  o.accumulate = static_cast<shmgrad::ipc::Accumulate>(accumulate);
+  o.prev_count = prev_count;
   o.seed = seed;
   o.train = train;
   o.mean = mean;
@@ -187,6 +191,7 @@ PYBIND11_MODULE(_C, m) {
       .def("parameter_buffer", &shmgrad::Trainer::parameterBuffer)
       .def("buffer_views", &shmgrad::Trainer::bufferViews)
       .def("gradient_buffer", &shmgrad::Trainer::gradientBuffer)
+      .def("accumulator_views", &shmgrad::Trainer::accumulatorViews)
       .def("dataset_size", &shmgrad::Trainer::datasetSize)
       .def("worker_count", &shmgrad::Trainer::workerCount)
       .def("slot_count", &shmgrad::Trainer::slotCount)
@@ -199,13 +204,14 @@ PYBIND11_MODULE(_C, m) {
           [](shmgrad::Trainer& t, std::optional<at::Tensor> indices,
              std::optional<at::Tensor> inputs, std::optional<at::Tensor> targets, bool mean,
              double timeout, int max_retries, int64_t min_epw, int64_t max_epp,
-             bool raise_nonfinite, uint64_t seed, bool train) {
+             bool raise_nonfinite, uint64_t seed, bool train, bool average_buffers,
+             uint32_t accumulate, double prev_count) {
             SHMGRAD_CHECK(inputs.has_value() == targets.has_value() &&
                               indices.has_value() != inputs.has_value(),
                           shmgrad::ErrorKind::kInvalidArgument,
                           "give either indices or both inputs and targets");
             auto o = makeOptions(mean, timeout, max_retries, min_epw, max_epp, raise_nonfinite,
-                                 seed, train);
+                                 seed, train, average_buffers, accumulate, prev_count);
             shmgrad::GradientStats s;
             {
               py::gil_scoped_release nogil;
@@ -216,7 +222,25 @@ PYBIND11_MODULE(_C, m) {
           py::arg("indices"), py::arg("inputs"), py::arg("targets"), py::arg("mean"),
           py::arg("timeout"), py::arg("max_retries"), py::arg("min_examples_per_worker"),
           py::arg("max_examples_per_pass"), py::arg("raise_on_nonfinite"), py::arg("seed") = 0,
-          py::arg("train") = true);
+          py::arg("train") = true, py::arg("average_buffers") = true, py::arg("accumulate") = 0,
+          py::arg("prev_count") = 0.0)
+      .def(
+          "gradient_structured",
+          // A structured batch (eager workers): its tensors and how they nest.
+          [](shmgrad::Trainer& t, const std::vector<at::Tensor>& leaves,
+             const std::string& structure, bool mean, double timeout, int max_retries,
+             int64_t min_epw, int64_t max_epp, bool raise_nonfinite, uint64_t seed, bool train,
+             bool average_buffers, uint32_t accumulate, double prev_count) {
+            auto o = makeOptions(mean, timeout, max_retries, min_epw, max_epp, raise_nonfinite,
+                                 seed, train, average_buffers, accumulate, prev_count);
+            py::gil_scoped_release nogil;
+            return t.gradient(leaves, structure, o);
+          },
+          py::arg("leaves"), py::arg("structure"), py::arg("mean"), py::arg("timeout"),
+          py::arg("max_retries"), py::arg("min_examples_per_worker"),
+          py::arg("max_examples_per_pass"), py::arg("raise_on_nonfinite"), py::arg("seed"),
+          py::arg("train"), py::arg("average_buffers"), py::arg("accumulate"),
+          py::arg("prev_count"));
 
   // The client side of a running engine (engine/control.h).
   m.def(

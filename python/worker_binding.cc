@@ -30,24 +30,27 @@ struct PyShard {
   bool grads_in_reduced = false;  // this worker is alone: .grad must view the reduced buffer
   uint64_t seed = 0;
   bool train = true;
-  std::string kind;  // "indices" or "explicit"
+  bool average_buffers = true;  // BufferRule::kMean
+  std::string kind;             // "indices", "explicit" or "structured"
   torch::Tensor indices, inputs, targets;
+  std::vector<torch::Tensor> leaves;  // structured: the batch's tensors, this shard's rows
+  std::string structure;              // structured: how they nest (python/shmgrad/_batch.py)
 };
 
 // Calls the Python compute functions: begin(shard) once per shard, then
 // compute_pass(shard, begin, end) per pass (the protocol makes the passes). A pass returns
-// its loss sum (a float), or a (type, text) pair describing an exception it caught (text:
-// message and traceback); begin returns None or such a pair.
+// (loss sum, count) as floats, or a (type, text) pair of strings describing an exception
+// it caught (text: message and traceback); begin returns None or such a pair.
 class PyShardComputer : public worker::ShardComputer {
  public:
   PyShardComputer(py::function begin, py::function pass, py::function publish,
                   const ipc::Segment& seg)
       : begin_(std::move(begin)), pass_(std::move(pass)), publish_(std::move(publish)), seg_(seg) {}
 
-  void publishBuffers() override {
+  void publishBuffers(uint8_t* dst) override {
     py::gil_scoped_acquire gil;
     try {
-      publish_();
+      publish_(dst != seg_.buffers());  // False: the shared buffers; True: this slot's copy
     } catch (py::error_already_set& e) {
       throw worker::ShardError(py::str(e.type().attr("__name__")).cast<std::string>(), e.what());
     }
@@ -65,9 +68,16 @@ class PyShardComputer : public worker::ShardComputer {
     shard_.grads_in_reduced = s.grads == seg_.reduced();
     shard_.seed = s.seed;
     shard_.train = s.train;
+    shard_.average_buffers = s.buffer_rule == ipc::BufferRule::kMean;
     if (s.kind == ipc::BatchKind::kIndices) {
       shard_.kind = "indices";
       shard_.indices = torch::from_blob(const_cast<int64_t*>(s.indices), {s.size()}, torch::kInt64);
+    } else if (s.kind == ipc::BatchKind::kStructured) {
+      shard_.kind = "structured";
+      shard_.structure = s.structure;
+      for (uint32_t k = 0; k < s.num_leaves; ++k) {
+        shard_.leaves.push_back(worker::leafView(s.leaf_data[k], s.size(), s.leaves[k]));
+      }
     } else {
       shard_.kind = "explicit";
       shard_.inputs = worker::examplesView(s.inputs, s.size(), *s.example_shape, s.input_dtype);
@@ -77,10 +87,11 @@ class PyShardComputer : public worker::ShardComputer {
     call(begin_, py::cast(&shard_, py::return_value_policy::reference));
   }
 
-  double computePass(const worker::Shard&, int64_t begin, int64_t end) override {
+  worker::PassResult computePass(const worker::Shard&, int64_t begin, int64_t end) override {
     py::gil_scoped_acquire gil;
-    return call(pass_, py::cast(&shard_, py::return_value_policy::reference), begin, end)
-        .cast<double>();
+    auto t = call(pass_, py::cast(&shard_, py::return_value_policy::reference), begin, end)
+                 .cast<py::tuple>();
+    return {t[0].cast<double>(), t[1].cast<double>()};
   }
 
  private:
@@ -89,7 +100,8 @@ class PyShardComputer : public worker::ShardComputer {
   static py::object call(const py::function& fn, Args&&... args) {
     try {
       py::object out = fn(std::forward<Args>(args)...);
-      if (py::isinstance<py::tuple>(out)) {
+      if (py::isinstance<py::tuple>(out) && py::len(out) == 2 &&
+          py::isinstance<py::str>(out.cast<py::tuple>()[0])) {
         auto t = out.cast<py::tuple>();
         throw worker::ShardError(py::str(t[0]).cast<std::string>(),
                                  py::str(t[1]).cast<std::string>());
@@ -168,10 +180,13 @@ void bindEagerWorker(py::module_& m) {
       .def_readonly("grads_in_reduced", &PyShard::grads_in_reduced)
       .def_readonly("seed", &PyShard::seed)
       .def_readonly("train", &PyShard::train)
+      .def_readonly("average_buffers", &PyShard::average_buffers)
       .def_readonly("kind", &PyShard::kind)
       .def_readonly("indices", &PyShard::indices)
       .def_readonly("inputs", &PyShard::inputs)
-      .def_readonly("targets", &PyShard::targets);
+      .def_readonly("targets", &PyShard::targets)
+      .def_readonly("leaves", &PyShard::leaves)
+      .def_readonly("structure", &PyShard::structure);
 
   py::class_<EagerParticipant>(m, "StepParticipant")
       .def(py::init<const std::string&, uint32_t, int>(), py::arg("name"), py::arg("slot"),
@@ -208,12 +223,22 @@ void bindEagerWorker(py::module_& m) {
              auto keep = p.seg_;
              return worker::sharedBufferViews(*p.seg_, [keep](void*) {});
            })
-      .def("serve", &EagerParticipant::serve, py::arg("begin"), py::arg("compute_pass"),
-           py::arg("publish_buffers"),
-           "Serves steps until the engine stops, the slot is retired or the coordinator dies; "
-           "returns the exit code. begin(shard) once per shard, compute_pass(shard, begin, "
-           "end) per pass of the shard (the protocol makes the passes) and publish_buffers() "
-           "(the step's first participant, after the compute barrier) run with the GIL held.");
+      .def(
+          "slot_buffer_views",
+          [](const EagerParticipant& p) {
+            auto keep = p.seg_;
+            return worker::sharedBufferViews(
+                *p.seg_, [keep](void*) {}, p.seg_->slotBuffers(p.slot_));
+          },
+          "this slot's copy of the shared buffers (averaged over the participants by the first)")
+      .def(
+          "serve", &EagerParticipant::serve, py::arg("begin"), py::arg("compute_pass"),
+          py::arg("publish_buffers"),
+          "Serves steps until the engine stops, the slot is retired or the coordinator dies; "
+          "returns the exit code. begin(shard) once per shard, compute_pass(shard, begin, "
+          "end) per pass of the shard (the protocol makes the passes) and publish_buffers(to_slot) "
+          "(to_slot: False, the step's first participant after the compute barrier; True, every "
+          "participant before it, when the buffers are averaged) run with the GIL held.");
 }
 
 }  // namespace shmgrad

@@ -42,7 +42,7 @@ class FakeComputer : public ShardComputer {
  public:
   FakeComputer(const Segment& seg, std::atomic<int>* calls) : seg_(seg), calls_(calls) {}
   void beginShard(const Shard&) override { calls_->fetch_add(1); }
-  double computePass(const Shard& s, int64_t begin, int64_t end) override {
+  worker::PassResult computePass(const Shard& s, int64_t begin, int64_t end) override {
     passes.fetch_add(1);
     const uint64_t floats = seg_.header()->param_floats;
     double loss = 0;
@@ -60,9 +60,10 @@ class FakeComputer : public ShardComputer {
       loss += static_cast<double>(i);
     }
     last_grads = s.grads;
-    return loss;
+    return {loss, count_per_example * static_cast<double>(end - begin)};
   }
   int64_t fail_on = -1;
+  double count_per_example = 1;  // the pass's count: a weighted mean's denominator
   float* last_grads = nullptr;
   std::atomic<int> passes{0};
 
@@ -184,6 +185,49 @@ INSTANTIATE_TEST_SUITE_P(WorkersBatchesMean, StepProtocolTest,
                          ::testing::Combine(::testing::Values(1u, 2u, 3u),
                                             ::testing::Values(int64_t{1}, int64_t{7}, int64_t{40}),
                                             ::testing::Bool()));
+
+// A mean over counts other than the examples (tokens): 1 / (sum of the counts), with
+// one participant (backward's 1/B rescaled) and several.
+TEST(StepProtocolCountTest, MeanDividesByTheParticipantsCounts) {
+  for (uint32_t workers : {1u, 3u}) {
+    Engine engine(workers);
+    for (uint32_t i = 0; i < workers; ++i) engine.computer(i).count_per_example = 2.5;
+    std::vector<int64_t> ids = {1, 5, 8, 13, 21, 34, 2};
+    GradientOptions o;
+    o.timeout_seconds = 20;
+    o.mean = true;
+    GradientStats s = engine.trainer().gradient(indexTensor(ids), o);
+    EXPECT_DOUBLE_EQ(s.count, 2.5 * ids.size());
+    std::vector<float> want = engine.expected(ids, false);
+    for (float& v : want) v /= 2.5f * ids.size();
+    EXPECT_LT(engine.maxRelError(want), 1e-6) << workers << " workers";
+  }
+}
+
+// Accumulating steps write the other buffer: reduced -> accum -> reduced, the mean over
+// the union of the micro-batches, and the previous result left intact.
+TEST(StepProtocolAccumulateTest, MicroBatchesGiveTheMeanOfTheirUnion) {
+  Engine engine(2);
+  GradientOptions o;
+  o.timeout_seconds = 20;
+  o.mean = true;
+  std::vector<int64_t> a = {3, 4, 5, 6, 7}, b = {10, 20, 30}, c = {40};
+  engine.trainer().gradient(indexTensor(a), o);
+  std::vector<float> first(engine.segment().reduced(),
+                           engine.segment().reduced() + engine.segment().header()->param_floats);
+  o.accumulate = ipc::Accumulate::kReducedToAccum;
+  o.prev_count = 5;
+  engine.trainer().gradient(indexTensor(b), o);
+  // The previous result is untouched; the union's mean is in accum.
+  EXPECT_TRUE(std::equal(first.begin(), first.end(), engine.segment().reduced()));
+  o.accumulate = ipc::Accumulate::kAccumToReduced;
+  o.prev_count = 8;
+  engine.trainer().gradient(indexTensor(c), o);  // one example: one participant
+  std::vector<int64_t> all = a;
+  all.insert(all.end(), b.begin(), b.end());
+  all.insert(all.end(), c.begin(), c.end());
+  EXPECT_LT(engine.maxRelError(engine.expected(all, true)), 1e-6);
+}
 
 TEST(StepProtocolAloneTest, TheOnlyParticipantWritesTheReducedBufferDirectly) {
   Engine engine(2);

@@ -18,6 +18,38 @@ inline torch::ScalarType torchType(ipc::DType t) {
   return t == ipc::DType::kInt64 ? torch::kInt64 : torch::kFloat32;
 }
 
+// A structured batch's leaf type as a torch dtype, and back (kUndefined / 0: not one).
+inline torch::ScalarType leafTorchType(uint32_t t) {
+  constexpr torch::ScalarType kTypes[] = {torch::ScalarType::Undefined,
+                                          torch::kFloat32,
+                                          torch::kInt64,
+                                          torch::kFloat64,
+                                          torch::kFloat16,
+                                          torch::kBFloat16,
+                                          torch::kInt32,
+                                          torch::kInt16,
+                                          torch::kInt8,
+                                          torch::kUInt8,
+                                          torch::kBool};
+  return t < sizeof(kTypes) / sizeof(kTypes[0]) ? kTypes[t] : torch::ScalarType::Undefined;
+}
+inline uint32_t leafTypeOf(torch::ScalarType t) {
+  for (uint32_t v = 1; v <= static_cast<uint32_t>(ipc::LeafType::kBool); ++v) {
+    if (leafTorchType(v) == t) return v;
+  }
+  return 0;
+}
+
+// n examples of leaf's shape and type at `data`: [n, *example] over the segment.
+inline torch::Tensor leafView(const void* data, int64_t n, const ipc::LeafEntry& leaf) {
+  int64_t dims[ipc::kMaxDims + 1];
+  dims[0] = n;
+  for (uint32_t d = 0; d < leaf.example_shape.ndim; ++d) dims[d + 1] = leaf.example_shape.dims[d];
+  return torch::from_blob(const_cast<void*>(data),
+                          c10::IntArrayRef(dims, leaf.example_shape.ndim + 1),
+                          leafTorchType(leaf.type));
+}
+
 // n examples of `example`'s shape and `dtype` at `data` (a request region or a dataset):
 // one tensor [n, *example] over the segment, nothing copied. Shapes on the stack.
 inline torch::Tensor examplesView(const void* data, int64_t n, const ipc::Shape& example,
@@ -62,16 +94,19 @@ inline std::vector<torch::Tensor> parameterShapedViews(
 }
 
 // One tensor per entry of the segment's buffer table (BatchNorm statistics...), in
-// table order, with the names. `keep` (may be empty) is held by every tensor's deleter,
+// table order, with the names, over `base`: the shared buffers (nullptr) or a slot's copy
+// of them (Segment::slotBuffers). `keep` (may be empty) is held by every tensor's deleter,
 // to keep the mapping alive while a view exists.
 inline std::vector<std::pair<std::string, torch::Tensor>> sharedBufferViews(
-    const ipc::Segment& segment, std::function<void(void*)> keep = [](void*) {}) {
+    const ipc::Segment& segment, std::function<void(void*)> keep = [](void*) {},
+    uint8_t* base = nullptr) {
+  if (base == nullptr) base = segment.buffers();
   std::vector<std::pair<std::string, torch::Tensor>> out;
   const ipc::BufferEntry* table = segment.bufferTable();
   for (uint32_t i = 0; i < segment.header()->num_buffers; ++i) {
     const ipc::BufferEntry& b = table[i];
     std::vector<int64_t> shape(b.shape.dims, b.shape.dims + b.shape.ndim);
-    out.emplace_back(b.name, torch::from_blob(segment.buffers() + b.offset, shape, keep,
+    out.emplace_back(b.name, torch::from_blob(base + b.offset, shape, keep,
                                               torchType(static_cast<ipc::DType>(b.dtype))));
   }
   return out;

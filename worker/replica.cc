@@ -117,6 +117,10 @@ Replica::Replica(const ipc::Segment& segment, uint32_t slot)
   // Buffers: this replica keeps its own; the shared ones are loaded before and published
   // after a step. Matched by name and order against the engine's table.
   for (auto& nv : sharedBufferViews(segment)) shared_buffers_.push_back(nv.second);
+  for (auto& nv : sharedBufferViews(
+           segment, [](void*) {}, segment.slotBuffers(slot_))) {
+    slot_buffers_.push_back(nv.second);
+  }
   const ipc::BufferEntry* btable = segment.bufferTable();
   size_t b = 0;
   for (const auto& nb : module_.named_buffers(/*recurse=*/true)) {
@@ -138,9 +142,10 @@ void Replica::loadBuffers() {
   for (size_t i = 0; i < buffers_.size(); ++i) buffers_[i].copy_(shared_buffers_[i]);
 }
 
-void Replica::publishBuffers() {
+void Replica::publishBuffers(uint8_t* dst) {
   torch::NoGradGuard no_grad;
-  for (size_t i = 0; i < buffers_.size(); ++i) shared_buffers_[i].copy_(buffers_[i]);
+  auto& out = dst == segment_.buffers() ? shared_buffers_ : slot_buffers_;
+  for (size_t i = 0; i < buffers_.size(); ++i) out[i].copy_(buffers_[i]);
 }
 
 void Replica::bindGradients(float* base) {

@@ -53,7 +53,9 @@ class Replica {
   // stores its own into the shared ones (the step's first participant, after the compute
   // barrier): DDP's rule, the buffers after a step are those of the first participant.
   void loadBuffers();
-  void publishBuffers();
+  // Into the shared buffers, or into this slot's copy of them (dst as in
+  // ShardComputer::publishBuffers).
+  void publishBuffers(uint8_t* dst);
 
   const std::vector<torch::Tensor>& parameters() const { return params_; }
   torch::jit::Module& module() { return module_; }
@@ -64,7 +66,8 @@ class Replica {
   torch::jit::Module module_;
   std::vector<torch::Tensor> params_;
   float* grads_base_ = nullptr;
-  std::vector<torch::Tensor> buffers_, shared_buffers_;  // own, and the segment's views
+  // Own, the segment's views, and views of this slot's copy (BufferRule::kMean).
+  std::vector<torch::Tensor> buffers_, shared_buffers_, slot_buffers_;
   ipc::LossKind loss_;
 };
 

@@ -126,6 +126,7 @@ void StepParticipant::runStep(uint32_t e, ShardComputer& computer) {
   me_.error_text[0] = '\0';
   me_.examples = 0;
   me_.loss_sum = 0;
+  me_.count = 0;
   me_.nonfinite_loss = 0;
   me_.nonfinite_grad.store(0, std::memory_order_relaxed);
   me_.reduce_ns = 0;
@@ -136,6 +137,14 @@ void StepParticipant::runStep(uint32_t e, ShardComputer& computer) {
   Shard shard;
   const bool valid = prepareShard(e, &shard);
   if (valid) computePhase(shard, computer);
+  if (valid && h_->num_buffers > 0 && shard.buffer_rule == ipc::BufferRule::kMean &&
+      me_.error == 0) {
+    try {
+      computer.publishBuffers(seg_.slotBuffers(slot_));  // averaged by rank 0 below
+    } catch (const std::exception& ex) {
+      setError("", ex.what());
+    }
+  }
   const uint64_t t1 = ipc::monotonicNs();
   me_.compute_ns = t1 - t0;
   me_.result_epoch = e;
@@ -146,10 +155,14 @@ void StepParticipant::runStep(uint32_t e, ShardComputer& computer) {
     const uint64_t t2 = ipc::monotonicNs();
     me_.barrier_wait_ns = t2 - t1;
     if (shard.rank == 0 && h_->num_buffers > 0) {
-      try {
-        computer.publishBuffers();
-      } catch (const std::exception& ex) {
-        setError("", ex.what());
+      if (shard.buffer_rule == ipc::BufferRule::kMean) {
+        averageBuffers(shard);
+      } else {
+        try {
+          computer.publishBuffers(seg_.buffers());
+        } catch (const std::exception& ex) {
+          setError("", ex.what());
+        }
       }
     }
     reducePhase(shard);
@@ -171,12 +184,16 @@ bool StepParticipant::prepareShard(uint32_t e, Shard* s) {
   const uint32_t rank = me_.assigned_rank.load(std::memory_order_acquire);
   bool valid = n >= 1 && n <= h_->num_slots && rank < n && r.num_examples >= 1 &&
                r.num_examples <= h_->max_batch && r.epoch == e &&
-               (r.kind == static_cast<uint32_t>(ipc::BatchKind::kIndices) ||
-                r.kind == static_cast<uint32_t>(ipc::BatchKind::kExplicit)) &&
-               r.max_examples_per_pass >= 0 && std::isfinite(r.scale);
+               r.kind >= static_cast<uint32_t>(ipc::BatchKind::kIndices) &&
+               r.kind <= static_cast<uint32_t>(ipc::BatchKind::kStructured) &&
+               r.max_examples_per_pass >= 0 && std::isfinite(r.scale) &&
+               r.buffer_rule <= static_cast<uint32_t>(ipc::BufferRule::kFirst) &&
+               r.accumulate <= static_cast<uint32_t>(ipc::Accumulate::kAccumToReduced) &&
+               std::isfinite(r.prev_count) && r.prev_count >= 0;
   for (uint32_t k = 0; valid && k < n; ++k) valid = r.participants[k] < h_->num_slots;
   if (!valid) {
-    setError("", "corrupt step request (participants, rank, batch size or kind out of range)");
+    setError("",
+             "corrupt step request (participants, rank, batch size, kind or rules out of range)");
     return false;
   }
   const int64_t B = r.num_examples;
@@ -186,9 +203,12 @@ bool StepParticipant::prepareShard(uint32_t e, Shard* s) {
   ipc::shardBounds(B, n, rank, &s->begin, &s->end);
   s->max_examples_per_pass = r.max_examples_per_pass;
   s->kind = static_cast<ipc::BatchKind>(r.kind);
+  s->buffer_rule = static_cast<ipc::BufferRule>(r.buffer_rule);
+  s->accumulate = static_cast<ipc::Accumulate>(r.accumulate);
   // Alone, this worker's gradient is the result: backward writes into the reduced
-  // buffer and applies the mean's scale itself, and there is nothing to reduce.
-  const bool alone = n == 1;
+  // buffer and applies the mean's scale itself, and there is nothing to reduce. Not when
+  // accumulating: the previous result must stay intact until the step is done.
+  const bool alone = n == 1 && s->accumulate == ipc::Accumulate::kFresh;
   s->grads = alone ? seg_.reduced() : seg_.slot(slot_);
   s->grad_scale = alone ? r.scale : 1.0f;
   s->seed = r.seed;
@@ -219,6 +239,30 @@ void resolveBatch(const ipc::Segment& seg, Shard* s) {
     s->indices = idx;
     return;
   }
+  const uint64_t B = static_cast<uint64_t>(r.num_examples);
+  if (s->kind == ipc::BatchKind::kStructured) {
+    SHMGRAD_CHECK(r.num_leaves >= 1 && r.num_leaves <= ipc::kMaxLeaves &&
+                      std::memchr(r.structure, '\0', ipc::kStructureLen) != nullptr,
+                  ErrorKind::kCorrupt, "step request: structured batch header");
+    const uint8_t* base = seg.region<uint8_t>(h->req_inputs);
+    for (uint32_t k = 0; k < r.num_leaves; ++k) {
+      const ipc::LeafEntry& leaf = r.leaves[k];
+      const uint64_t esize = ipc::leafTypeSize(leaf.type);
+      SHMGRAD_CHECK(esize != 0, ErrorKind::kCorrupt, "step request: leaf ", k, " type ", leaf.type);
+      const uint64_t numel = ipc::checkedNumel(ErrorKind::kCorrupt, "step request: leaf shape",
+                                               leaf.example_shape.dims, leaf.example_shape.ndim);
+      const uint64_t row = numel * esize;
+      SHMGRAD_CHECK(leaf.offset % ipc::kAlign == 0 && leaf.offset <= h->req_inputs.size &&
+                        (row == 0 || B <= (h->req_inputs.size - leaf.offset) / row),
+                    ErrorKind::kCorrupt, "step request: leaf ", k,
+                    " lies outside the input region");
+      s->leaf_data[k] = base + leaf.offset + static_cast<uint64_t>(s->begin) * row;
+    }
+    s->num_leaves = r.num_leaves;
+    s->leaves = r.leaves;
+    s->structure = r.structure;
+    return;
+  }
   const uint64_t in_size = ipc::dtypeSize(r.input_dtype), tg_size = ipc::dtypeSize(r.target_dtype);
   SHMGRAD_CHECK(in_size != 0 && tg_size != 0, ErrorKind::kCorrupt,
                 "step request: unknown input or target dtype");
@@ -226,7 +270,6 @@ void resolveBatch(const ipc::Segment& seg, Shard* s) {
                                               r.example_shape.dims, r.example_shape.ndim);
   const uint64_t tg_numel = ipc::checkedNumel(ErrorKind::kCorrupt, "step request: target shape",
                                               r.target_shape.dims, r.target_shape.ndim);
-  const uint64_t B = static_cast<uint64_t>(r.num_examples);
   SHMGRAD_CHECK(in_numel == 0 || B <= h->req_inputs.size / (in_numel * in_size),
                 ErrorKind::kCorrupt, "step request: inputs larger than the input region");
   SHMGRAD_CHECK(tg_numel == 0 || B <= h->req_targets.size / (tg_numel * tg_size),
@@ -256,10 +299,18 @@ void StepParticipant::computePhase(const Shard& shard, ShardComputer& computer) 
     computer.beginShard(s);
     const int64_t n = s.size();
     const int64_t pass = s.max_examples_per_pass > 0 ? s.max_examples_per_pass : n;
-    double loss = 0;
-    for (int64_t b = 0; b < n; b += pass) loss += computer.computePass(s, b, std::min(n, b + pass));
+    double loss = 0, count = 0;
+    for (int64_t b = 0; b < n; b += pass) {
+      const PassResult r = computer.computePass(s, b, std::min(n, b + pass));
+      loss += r.loss_sum;
+      count += r.count;
+    }
     me_.loss_sum = loss;
+    me_.count = count;
     me_.nonfinite_loss = std::isfinite(loss) ? 0 : 1;
+    SHMGRAD_CHECK(std::isfinite(count) && count >= 0, ErrorKind::kInvalidArgument,
+                  "the shard's count is ", count,
+                  ": forward must return (loss_sum, count) with a finite count >= 0");
   } catch (const ShardError& ex) {
     setError(ex.type().c_str(), ex.what());
   } catch (const std::exception& ex) {
@@ -280,12 +331,37 @@ bool StepParticipant::barrier(std::atomic<uint32_t>& word, uint32_t e, uint32_t 
       barrier_spin_ns_, &barrier_spin_);
 }
 
+// The step's count (the participants' counts, after the compute barrier): the same sum,
+// in rank order, in every reducer. 0 when a count read from the segment is not a finite
+// number >= 0 (the trainer then refuses the step).
+double StepParticipant::stepCount(const Shard& shard) const {
+  const ipc::StepRequest& r = h_->request;
+  double total = 0;
+  for (uint32_t k = 0; k < shard.participants; ++k) {
+    const double c = h_->workers[r.participants[k]].count;
+    if (!std::isfinite(c) || c < 0) return 0;
+    total += c;
+  }
+  return total;
+}
+
 void StepParticipant::reducePhase(const Shard& shard) {
   const ipc::StepRequest& r = h_->request;
   const uint32_t n = shard.participants;
-  if (n == 1) {
-    // The gradient is already in the reduced buffer (prepareShard); only look for
+  const bool mean = r.reduction_scale_is_mean != 0;
+  // A mean over the step's examples is r.scale; over counts that differ from them (a
+  // mean over tokens), 1 / count. 0 for a count of 0: the trainer refuses that step.
+  const double count = mean ? stepCount(shard) : 0;
+  const bool by_examples = !mean || count == static_cast<double>(r.num_examples);
+  const float scale = by_examples ? r.scale : count > 0 ? ipc::meanScaleOf(count) : 0.0f;
+  if (n == 1 && shard.accumulate == ipc::Accumulate::kFresh) {
+    // The gradient is already in the reduced buffer (prepareShard), scaled by r.scale;
+    // only a mean over counts other than the examples rescales it. Then look for
     // non-finite values, as the reducers of a larger step do.
+    if (!by_examples) {
+      ipc::scaleSlice(shard.grads, 0, h_->param_floats,
+                      count > 0 ? static_cast<float>(r.num_examples / count) : 0.0f);
+    }
     if (ipc::anyNonFinite(shard.grads, 0, h_->param_floats)) {
       me_.nonfinite_grad.store(1, std::memory_order_relaxed);
     }
@@ -296,13 +372,64 @@ void StepParticipant::reducePhase(const Shard& shard) {
   const float* ins[ipc::kMaxWorkers];
   for (uint32_t k = 0; k < n; ++k) ins[k] = seg_.slot(r.participants[k]);
   float* out = seg_.reduced();
-  ipc::reduceSlice(out, ins, n, b, end, r.scale);
+  if (shard.accumulate == ipc::Accumulate::kFresh) {
+    ipc::reduceSlice(out, ins, n, b, end, scale);
+  } else {
+    // out = a * prev + b * sum: the previous result is left intact (a retry adds once).
+    const bool into_accum = shard.accumulate == ipc::Accumulate::kReducedToAccum;
+    const float* prev = into_accum ? seg_.reduced() : seg_.accum();
+    out = into_accum ? seg_.accum() : seg_.reduced();
+    float a = 1.0f, s = 1.0f;
+    if (mean) {
+      const double total = r.prev_count + count;
+      a = total > 0 ? static_cast<float>(r.prev_count / total) : 0.0f;
+      s = total > 0 ? ipc::meanScaleOf(total) : 0.0f;
+    }
+    ipc::accumulateSlice(out, prev, a, ins, n, b, end, s);
+  }
   if (ipc::anyNonFinite(out, b, end)) {
     // Name the culprits: whose slot holds the non-finite values in this slice.
     for (uint32_t k = 0; k < n; ++k) {
       if (ipc::anyNonFinite(ins[k], b, end)) {
         h_->workers[r.participants[k]].nonfinite_grad.store(1, std::memory_order_relaxed);
       }
+    }
+  }
+}
+
+// The step's first participant, BufferRule::kMean: the shared float32 buffers become the
+// participants' copies averaged with their examples as weights; int64 ones (batch counts)
+// take this participant's. Every copy was written before the compute barrier.
+void StepParticipant::averageBuffers(const Shard& shard) {
+  const ipc::StepRequest& r = h_->request;
+  const uint32_t n = shard.participants;
+  double total = 0;
+  for (uint32_t k = 0; k < n; ++k)
+    total += static_cast<double>(h_->workers[r.participants[k]].examples);
+  if (total <= 0) return;
+  const ipc::BufferEntry* table = seg_.bufferTable();
+  uint8_t* shared = seg_.buffers();
+  for (uint32_t i = 0; i < h_->num_buffers; ++i) {
+    const ipc::BufferEntry& e = table[i];  // validated on attach (validateHeader)
+    if (e.dtype != static_cast<uint32_t>(ipc::DType::kFloat32)) {
+      std::memcpy(shared + e.offset, seg_.slotBuffers(slot_) + e.offset, e.nbytes);
+      continue;
+    }
+    // first + sum_k w_k (copy_k - first), in double: exactly the first copy where every
+    // copy agrees (eval mode leaves the statistics as loaded), however uneven the weights.
+    auto copy = [&](uint32_t k) {
+      return reinterpret_cast<const float*>(seg_.slotBuffers(r.participants[k]) + e.offset);
+    };
+    float* out = reinterpret_cast<float*>(shared + e.offset);
+    const float* first = copy(0);
+    const uint64_t m = e.nbytes / sizeof(float);
+    for (uint64_t j = 0; j < m; ++j) {
+      double delta = 0;
+      for (uint32_t k = 1; k < n; ++k) {
+        const double w = static_cast<double>(h_->workers[r.participants[k]].examples) / total;
+        delta += w * (static_cast<double>(copy(k)[j]) - first[j]);
+      }
+      out[j] = static_cast<float>(first[j] + delta);
     }
   }
 }

@@ -62,6 +62,15 @@ struct Shard {
   // module in train (true) or eval mode, as the trainer's module is.
   uint64_t seed = 0;
   bool train = true;
+  // kStructured: num_leaves tensors, leaf k's rows of this shard at leaf_data[k] (checked
+  // to lie inside req_inputs), described by leaves[k]; `structure` is NUL-terminated.
+  uint32_t num_leaves = 0;
+  const ipc::LeafEntry* leaves = nullptr;
+  const void* leaf_data[ipc::kMaxLeaves] = {};
+  const char* structure = nullptr;
+
+  ipc::BufferRule buffer_rule = ipc::BufferRule::kMean;
+  ipc::Accumulate accumulate = ipc::Accumulate::kFresh;
 
   int64_t size() const { return end - begin; }
 };
@@ -79,6 +88,13 @@ class ShardError : public std::runtime_error {
   std::string type_;
 };
 
+// What one pass computed: the loss summed over its examples, and its weight in a mean
+// (its examples, or the count its loss sums over: tokens that are not padding).
+struct PassResult {
+  double loss_sum = 0;
+  double count = 0;
+};
+
 // The compute phase of one kind of worker.
 class ShardComputer {
  public:
@@ -89,14 +105,17 @@ class ShardComputer {
   virtual void beginShard(const Shard& shard) = 0;
   // Forward and backward over the shard's examples [begin, end) (relative to the shard),
   // the loss times shard.grad_scale, gradients accumulated into shard.grads. Returns the
-  // loss summed over those examples, before grad_scale. The protocol calls it once per
-  // pass of at most max_examples_per_pass examples. Throws std::exception when the model
-  // rejects the input; what() reaches the trainer as a WorkerError.
-  virtual double computePass(const Shard& shard, int64_t begin, int64_t end) = 0;
-  // The step's first participant, after the compute barrier (every participant has
-  // loaded the shared buffers by then): store this worker's buffers into the shared
-  // ones. Nothing to do for a model without buffers.
-  virtual void publishBuffers() {}
+  // loss summed over those examples, before grad_scale, and their count. The protocol
+  // calls it once per pass of at most max_examples_per_pass examples. Throws
+  // std::exception when the model rejects the input; what() reaches the trainer as a
+  // WorkerError.
+  virtual PassResult computePass(const Shard& shard, int64_t begin, int64_t end) = 0;
+  // Store this worker's shared-buffer values (BatchNorm statistics) into `dst`, laid out
+  // like the segment's buffers region: the shared buffers themselves (the step's first
+  // participant, after the compute barrier, when every participant has loaded them), or
+  // this slot's copy (BufferRule::kMean, before the barrier). Nothing to do for a model
+  // without buffers.
+  virtual void publishBuffers(uint8_t* /*dst*/) {}
 };
 
 // One worker slot's side of the protocol.
@@ -130,6 +149,8 @@ class StepParticipant {
   void computePhase(const Shard& shard, ShardComputer& computer);
   bool barrier(std::atomic<uint32_t>& word, uint32_t e, uint32_t n);
   void reducePhase(const Shard& shard);
+  void averageBuffers(const Shard& shard);
+  double stepCount(const Shard& shard) const;
   void completeStep(uint32_t e, uint32_t n);
   void setError(const char* type, const char* text);
   bool stopRequested();

@@ -37,12 +37,14 @@ class ScriptShardComputer : public ShardComputer {
     shardTensors(s, &inputs_, &targets_);
   }
 
-  double computePass(const Shard& s, int64_t begin, int64_t end) override {
-    return replica_.accumulate(inputs_.narrow(0, begin, end - begin),
-                               targets_.narrow(0, begin, end - begin), s.grad_scale);
+  PassResult computePass(const Shard& s, int64_t begin, int64_t end) override {
+    // A loss by name is a sum over the examples: each counts once in a mean.
+    return {replica_.accumulate(inputs_.narrow(0, begin, end - begin),
+                                targets_.narrow(0, begin, end - begin), s.grad_scale),
+            static_cast<double>(end - begin)};
   }
 
-  void publishBuffers() override { replica_.publishBuffers(); }
+  void publishBuffers(uint8_t* dst) override { replica_.publishBuffers(dst); }
 
  private:
   void bindDataset() { std::tie(data_inputs_, data_targets_) = datasetViews(seg_); }
@@ -57,6 +59,9 @@ class ScriptShardComputer : public ShardComputer {
       *targets = data_targets_.index_select(0, idx);
       return;
     }
+    SHMGRAD_CHECK(s.kind == ipc::BatchKind::kExplicit, ErrorKind::kInvalidArgument,
+                  "TorchScript workers take inputs and targets, not a structured batch (batch=): "
+                  "start the engine with eager workers (mode='eager' and forward=)");
     *inputs = examplesView(s.inputs, n, *s.example_shape, s.input_dtype);
     *targets = examplesView(s.targets, n, *s.target_shape, s.target_dtype);
   }

@@ -11,10 +11,12 @@ import torch
 
 from . import errors, multinode
 from ._native import _C, DEFAULTS
-from ._eager import compiled_original, shared_buffers, step_seed
+from ._eager import compiled_original, has_batchnorm, shared_buffers, step_seed
 from ._status import EngineStatus, read_status
 
 REDUCTIONS = ("sum", "mean")
+BUFFER_RULES = ("average", "first")  # how a step publishes BatchNorm statistics
+STATE_VERSION = 1  # Client.state_dict()'s format
 RESIZE_POLL_S = 0.01  # how often resize() looks at the ready worker count
 
 
@@ -22,10 +24,11 @@ class GradientStats:
     """What one :meth:`Client.gradient` call did. Fields are read from the native result
     only when asked for, so a training loop that ignores them pays nothing for them.
 
-    ``num_examples``, ``loss`` (the sum, or the mean with ``reduction="mean"``),
+    ``num_examples``, ``count`` (the mean's denominator: ``num_examples``, or the sum of the
+    counts ``forward`` returned), ``loss`` (the sum, or the mean with ``reduction="mean"``),
     ``loss_sum``, ``wall_seconds`` (the call, as the engine timed it), ``reduce_seconds``
-    (slowest worker's slice), ``retries``, ``nonfinite``; per worker that took part, in
-    rank order: ``compute_seconds``, ``reduce_seconds_per_worker``, ``wait_seconds``,
+    (slowest worker's slice), ``retries``, ``nonfinite``; per worker that took part, in rank
+    order: ``compute_seconds``, ``reduce_seconds_per_worker``, ``wait_seconds``,
     ``worker_examples``, ``worker_slots``, ``nonfinite_workers``; ``workers`` is how many.
     Where the wall time went: ``prepare_seconds`` (checks, batch copy), ``step_seconds``
     (publish to the end of the reduction), ``wake_seconds`` (publish to the last worker
@@ -114,6 +117,15 @@ class GradientStats:
         )
 
 
+def _check_buffers(buffers: str) -> str:
+    if buffers not in BUFFER_RULES:
+        raise errors.InvalidArgumentError(
+            f"buffers must be 'average' (the workers' BatchNorm statistics averaged) or "
+            f"'first' (the first worker's, DDP's rule), got {buffers!r}"
+        )
+    return buffers
+
+
 class Client:
     """A trainer attached to a running engine; :func:`attach` makes one.
 
@@ -144,9 +156,11 @@ class Client:
         max_examples_per_pass: int = 0,
         process_group=None,
         bucket_cap_mb: Optional[float] = None,
+        buffers: str = "average",
     ):
         """Wraps ``trainer``, a native ``_C.Trainer`` attached to engine ``name``. Use
         :func:`attach` (or :class:`shmgrad.Engine`) rather than this."""
+        self.buffers = _check_buffers(buffers)
         self.name = name
         self.seed = seed  # eager workers' step seeds derive from it
         self._steps = 0  # gradient calls so far
@@ -166,7 +180,14 @@ class Client:
         self._eager_workers = self.mode == "eager"
         self._param_info = [(n, tuple(s)) for n, s in trainer.parameters()]
         self._param_views = trainer.parameter_views()
-        self._grad_views = trainer.gradient_views()
+        # The two reduced gradients: a step writes the first, and accumulating steps
+        # alternate (each reads the previous result and writes the other one).
+        self._grad_sets = (trainer.gradient_views(), trainer.accumulator_views())
+        self._current = 0  # the set that holds the last result
+        self._last_count = 0.0  # what the last result is the sum or mean over
+        self._last_mean = None  # its reduction; None: no result yet
+        self._has_batchnorm = False
+        self._warned_passes = False
         if process_group is not None:
             try:
                 self._nodes = multinode.NodeGroup(
@@ -200,10 +221,36 @@ class Client:
         self._views_handed_out = True
         return list(self._param_views)
 
+    @property
+    def _grad_views(self):
+        return self._grad_sets[self._current]
+
     def gradient_tensors(self):
-        """Tensors aliasing the engine's reduced gradient (filled by :meth:`gradient`)."""
+        """Tensors aliasing the engine's reduced gradient, as the last :meth:`gradient`
+        left it (an accumulating call leaves it in the engine's other buffer: ask again
+        after one)."""
         self._views_handed_out = True
         return list(self._grad_views)
+
+    def state_dict(self) -> dict:
+        """What this client needs to continue a run identically after a restart: the seed
+        and the step count that the eager workers' step seeds derive from. Save it with
+        the model's and the optimizer's; :meth:`load_state_dict` on a new engine."""
+        return {"version": STATE_VERSION, "seed": self.seed, "steps": self._steps}
+
+    def load_state_dict(self, state: dict):
+        """Continues from :meth:`state_dict`'s state: the next :meth:`gradient` draws the
+        step seed the saved run's next call would have drawn."""
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise errors.InvalidArgumentError(
+                f"not a shmgrad engine state (version {STATE_VERSION}): {state!r:.80}; save one "
+                "with engine.state_dict()"
+            )
+        seed, steps = state.get("seed"), state.get("steps")
+        for name, v in (("seed", seed), ("steps", steps)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise errors.InvalidArgumentError(f"engine state: {name} must be an int >= 0")
+        self.seed, self._steps = seed, steps
 
     def bind(self, module: torch.nn.Module) -> torch.nn.Module:
         """Makes ``module``'s parameters views of the engine's shared parameters (their
@@ -247,8 +294,10 @@ class Client:
                 p.data = view
                 p.grad = grad
         self._bind_buffers(module)
+        self._current = 0
         self._bound = [p for _, p in named]
         self._bound_module = module
+        self._has_batchnorm = has_batchnorm(module)
         if self._nodes is not None:
             self._nodes.broadcast_parameters()  # every node takes rank 0's values
         return given
@@ -287,14 +336,30 @@ class Client:
         max_examples_per_pass: Optional[int] = None,
         raise_on_nonfinite: bool = False,
         seed: Optional[int] = None,
+        accumulate: bool = False,
+        batch=None,
     ) -> GradientStats:
         """Computes the gradient of the loss over a batch into the reduced gradient (and so
         into the ``.grad`` of a bound module).
 
         Give either ``indices`` (positions in the engine's dataset: a sequence, array or
         integer tensor) or ``inputs`` and ``targets`` (tensors with a batch dimension;
-        class labels as integers for cross_entropy/nll, float targets for mse).
-        ``reduction="sum"`` gives the gradient of the summed loss, ``"mean"`` of its mean.
+        class labels as integers for cross_entropy/nll, float targets for mse), or, with
+        eager workers, ``batch``: a dict, tuple or list (nested) of tensors with the
+        examples along their first dimension, as a tokenizer or a ``collate_fn`` makes
+        it; the engine splits it along that dimension, keeps every dtype, and hands each
+        worker's ``forward(model, shard)`` (or ``loss(model(b[0]), b[1])`` for a pair)
+        the same structure.
+        ``reduction="sum"`` gives the gradient of the summed loss, ``"mean"`` of its mean
+        (over the examples, or over the counts ``forward`` returned with its loss).
+
+        ``accumulate=True`` adds this batch's gradient to the previous calls' instead of
+        replacing it, as ``loss.backward()`` adds to ``.grad``: several micro-batches give
+        the gradient of their union (with ``reduction="mean"``, the mean over all their
+        examples or counts). It adds to the results since the last call without
+        ``accumulate``, or since ``optimizer.zero_grad()`` set ``.grad`` to None (or zeroed
+        it). Every call of one accumulation takes the same ``reduction``. A micro-batch
+        retried after a worker died is added once. One node only.
 
         .. warning:: Blocks until every worker has finished its slice of the reduction
            (a synchronisation point of all workers), an error is raised, or ``timeout``
@@ -327,6 +392,21 @@ class Client:
             )
         mean = reduction == "mean"
         nodes = self._nodes  # across nodes the mean is taken after the all-reduce
+        mode, prev_count = 0, 0.0  # ipc::Accumulate: a fresh result in the first set
+        if accumulate and self._accumulating_onto():
+            if nodes is not None:
+                raise errors.InvalidArgumentError(
+                    "accumulate=True works on one node; across nodes, give each node its "
+                    "share of the whole batch in one gradient() call"
+                )
+            if self._last_mean != mean:
+                raise errors.InvalidArgumentError(
+                    f"accumulate=True adds to a result of reduction="
+                    f"{'mean' if self._last_mean else 'sum'!r}: give the same reduction to "
+                    "every call of one accumulation"
+                )
+            mode = 1 if self._current == 0 else 2
+            prev_count = self._last_count
         mepw = (
             self.min_examples_per_worker
             if min_examples_per_worker is None
@@ -341,6 +421,15 @@ class Client:
             raise errors.InvalidArgumentError(f"seed must be an int in [0, 2^64), got {seed!r}")
         self._steps += 1
         train = self._bound_module.training if self._bound_module is not None else True
+        if mepp > 0 and train and self._has_batchnorm and not self._warned_passes:
+            self._warned_passes = True
+            warnings.warn(
+                f"engine {self.name!r}: max_examples_per_pass={mepp} splits each worker's "
+                "shard into passes, and BatchNorm in train mode normalises each pass with its "
+                "own statistics: the gradient differs from one pass over the shard (and the "
+                "running statistics are updated once per pass)",
+                stacklevel=2,
+            )
         args = (
             mean and nodes is None,
             float(timeout),
@@ -350,8 +439,25 @@ class Client:
             bool(raise_on_nonfinite),
             seed,
             train,
+            self.buffers == "average",
+            mode,
+            prev_count,
         )
-        if indices is not None:
+        if batch is not None:
+            if indices is not None or inputs is not None or targets is not None:
+                raise errors.InvalidArgumentError(
+                    "give one of indices, inputs and targets, or batch"
+                )
+            from ._batch import flatten
+
+            leaves, structure = flatten(batch)
+            first = leaves[0]
+            empty = nodes is not None and first.dim() > 0 and first.shape[0] == 0
+
+            def local_step():
+                return t.gradient_structured(leaves, structure, *args)
+
+        elif indices is not None:
             if inputs is not None or targets is not None:
                 raise errors.InvalidArgumentError(
                     "give either indices or inputs and targets, not both"
@@ -395,6 +501,11 @@ class Client:
             stats = GradientStats(local_step())
         else:
             stats = GradientStats(*nodes.gradient(None if empty else local_step, mean))
+        if mode == 0:
+            self._current, self._last_count = 0, stats.count
+        else:
+            self._current, self._last_count = 1 - self._current, prev_count + stats.count
+        self._last_mean = mean
         if self._bound:
             self._relink_grads()
         elif not self._views_handed_out and not self._warned_unbound:
@@ -406,6 +517,17 @@ class Client:
                 stacklevel=2,
             )
         return stats
+
+    def _accumulating_onto(self) -> bool:
+        """Whether an accumulating call has a result to add to: one since the last
+        fresh call, unless optimizer.zero_grad() dropped (.grad None) or zeroed it."""
+        if self._last_mean is None:
+            return False
+        views = self._grad_views
+        if self._bound:
+            if any(p.grad is None for p in self._bound):
+                return False  # zero_grad(set_to_none=True): start afresh
+        return any(bool(v.any()) for v in views)  # zero_grad(set_to_none=False) zeroes it
 
     def _relink_grads(self):
         # optimizer.zero_grad(set_to_none=True) (the default in newer PyTorch) drops every
@@ -523,6 +645,7 @@ def attach(
     max_examples_per_pass: int = 0,
     process_group=None,
     bucket_cap_mb: Optional[float] = None,
+    buffers: str = "average",
 ) -> Client:
     """Attaches to an engine started with ``shmgrad serve --name NAME``.
 
@@ -533,9 +656,10 @@ def attach(
     ``process_group``: a ``torch.distributed`` group with one trainer per node (this
     node's engine is then one of several; collective, see :class:`Client`);
     ``bucket_cap_mb``: all-reduce the gradient in buckets of this many MiB (default: one
-    call on the whole buffer).
+    call on the whole buffer); ``buffers``: as :class:`shmgrad.Engine`'s.
     """
     _C.check_engine_name(name)
+    _check_buffers(buffers)
     trainer = _C.Trainer.attach(name, timeout=timeout)
     return Client(
         name,
@@ -545,4 +669,5 @@ def attach(
         max_examples_per_pass=max_examples_per_pass,
         process_group=process_group,
         bucket_cap_mb=bucket_cap_mb,
+        buffers=buffers,
     )

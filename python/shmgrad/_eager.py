@@ -6,6 +6,7 @@ parameter file that tells ``shmgrad serve`` the layout of the shared parameters.
 The worker side is :mod:`shmgrad._eager_worker`. docs/DESIGN.md, "Eager workers".
 """
 
+import copy
 import os
 import pickle
 import random
@@ -98,27 +99,185 @@ def _named_loss(name):
     return table[name]
 
 
-def check_loss(loss, loss_names) -> None:
-    """Refuses a loss that cannot be summed over the batch, naming the fix."""
+LOSS_REDUCTIONS = ("sum", "mean")
+
+
+def check_loss(loss, loss_names, *, forward=None, loss_reduction=None) -> Optional[str]:
+    """Refuses a loss that is neither a sum nor a mean over the batch, naming the fix.
+    Returns the loss's reduction when it is known without running it ("sum" or "mean":
+    declared with ``loss_reduction=``, a name, or an ``nn`` loss's ``reduction``), None
+    when it must be found out on a batch (:func:`probe_reduction`)."""
+    if loss_reduction is not None and loss_reduction not in LOSS_REDUCTIONS:
+        raise errors.InvalidArgumentError(
+            f"loss_reduction must be 'sum' or 'mean' (what the loss callable or forward "
+            f"returns for a batch), got {loss_reduction!r}"
+        )
+    if loss is None:
+        if forward is None:
+            raise errors.InvalidArgumentError(
+                "give loss= (a name or a callable loss(outputs, targets)), or forward= "
+                "(forward(model, batch) -> the batch's loss)"
+            )
+        return loss_reduction
     if isinstance(loss, str):
         if loss not in loss_names:
             raise errors.InvalidArgumentError(
                 f"unknown loss {loss!r}: use one of {', '.join(loss_names)}, or pass a callable "
-                "loss(outputs, targets) that returns the loss summed over the batch"
+                "loss(outputs, targets)"
             )
-        return
+        if forward is None and loss_reduction == "mean":
+            raise errors.InvalidArgumentError(
+                f"the loss {loss!r} is summed over the batch: drop loss_reduction='mean' (ask "
+                "engine.gradient(..., reduction='mean') for the mean)"
+            )
+        return loss_reduction if forward is not None else "sum"
     if not callable(loss):
         raise errors.InvalidArgumentError(
             f"loss must be a name ({', '.join(loss_names)}) or a callable, got "
             f"{type(loss).__name__}"
         )
     reduction = getattr(loss, "reduction", None)
-    if isinstance(loss, torch.nn.Module) and reduction is not None and reduction != "sum":
-        raise errors.InvalidArgumentError(
-            f"the loss {type(loss).__name__}(reduction={reduction!r}) is not summed over the "
-            f"batch: create it with reduction='sum' (e.g. {type(loss).__name__}(reduction='sum')) "
-            "and ask engine.gradient(..., reduction='mean') for the mean"
+    if forward is None and isinstance(loss, torch.nn.Module) and reduction is not None:
+        if reduction not in LOSS_REDUCTIONS:
+            raise errors.InvalidArgumentError(
+                f"the loss {type(loss).__name__}(reduction={reduction!r}) does not reduce the "
+                f"batch to one number: create it with reduction='mean' (or 'sum')"
+            )
+        if loss_reduction is not None and loss_reduction != reduction:
+            raise errors.InvalidArgumentError(
+                f"loss_reduction={loss_reduction!r} contradicts the loss "
+                f"{type(loss).__name__}(reduction={reduction!r}): drop loss_reduction="
+            )
+        return reduction
+    return loss_reduction
+
+
+# How far the loss of a batch given twice may be from twice (a sum) or once (a mean) its
+# loss, relative: float32 sums over a duplicated batch round differently.
+PROBE_TOLERANCE = 1e-3
+
+
+def _map_tensors(batch, fn):
+    """The batch's structure rebuilt (new dicts and lists: a forward that pops from its
+    batch cannot change the caller's) with fn applied to every tensor."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, dict):
+        return {k: _map_tensors(v, fn) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*(_map_tensors(v, fn) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_map_tensors(v, fn) for v in batch)
+    if hasattr(batch, "keys") and hasattr(batch, "__getitem__"):  # a Mapping (BatchEncoding)
+        return {k: _map_tensors(batch[k], fn) for k in batch.keys()}
+    return batch
+
+
+def _duplicated(batch):
+    """The batch twice over, along the first dimension of every tensor in it."""
+    return _map_tensors(batch, lambda t: torch.cat([t, t]) if t.dim() > 0 else t)
+
+
+def call_loss(model, loss, forward, batch):
+    """What the loss of ``batch`` is for the job: ``forward(model, batch)``, or
+    ``loss(model(batch[0]), batch[1])``."""
+    if forward is not None:
+        return forward(model, batch)
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        raise TypeError(
+            f"the batch is a {type(batch).__name__}, but the default loss call is "
+            "loss(model(batch[0]), batch[1]): start the engine with forward=lambda model, "
+            "batch: ... (e.g. model(**batch).loss)"
         )
+    return loss(model(batch[0]), batch[1])
+
+
+def probe_reduction(model, loss, forward, batch) -> str:
+    """Finds out whether the job's loss is the batch's sum or its mean: the loss of the
+    batch given twice is twice its loss for a sum and the same for a mean (the model in
+    eval mode, no gradient). Raises InvalidArgumentError, naming ``loss_reduction=``, for
+    a loss that is neither or cannot be told (a loss of 0)."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            # Each call gets its own copy of the structure (a forward may pop labels).
+            twice_batch = _duplicated(batch)
+            once = call_loss(model, loss, forward, _map_tensors(batch, lambda t: t))
+            twice = call_loss(model, loss, forward, twice_batch)
+    finally:
+        model.train(was_training)
+    if isinstance(once, (tuple, list)):
+        return "weighted"  # (loss_sum, count): a sum with its own count
+    if not isinstance(once, torch.Tensor) or once.numel() != 1:
+        raise errors.InvalidArgumentError(
+            "the loss must be one number for the batch, its sum or its mean; got "
+            + (
+                f"a tensor of shape {tuple(once.shape)}"
+                if isinstance(once, torch.Tensor)
+                else type(once).__name__
+            )
+        )
+    a, b = float(once), float(twice)
+    if a != 0 and abs(b - 2 * a) <= PROBE_TOLERANCE * abs(2 * a):
+        return "sum"
+    if a != 0 and abs(b - a) <= PROBE_TOLERANCE * abs(a):
+        return "mean"
+    raise errors.InvalidArgumentError(
+        f"cannot tell whether the loss is the batch's sum or its mean (loss {a:.6g}, and "
+        f"{b:.6g} for the batch given twice): say which with Engine(..., "
+        "loss_reduction='sum' or 'mean'), or return (loss_sum, count) from forward="
+    )
+
+
+def _is_dataloader(obj) -> bool:
+    return isinstance(obj, torch.utils.data.DataLoader)
+
+
+def check_dataset(dataset, *, model, loss, forward, collate_fn, loss_reduction, seed: int = 0):
+    """Checks a torch Dataset once, in the trainer, before any worker starts: builds the
+    batch of its first two examples as a worker would and, with the default loss call, that
+    it is an (inputs, targets) pair. Returns the loss's reduction, found out on that batch
+    when ``loss_reduction`` is None (:func:`probe_reduction`)."""
+    size = len(dataset)
+    try:
+        batch = example_batch(dataset, range(min(2, size)), seed, collate_fn)
+    except Exception as exc:
+        raise errors.InvalidArgumentError(
+            f"building a batch of the dataset's first examples failed ({type(exc).__name__}: "
+            f"{exc}): every dataset[i] must work in the trainer too"
+            + (
+                ""
+                if collate_fn is not None
+                else ", and collate with default_collate (or give collate_fn=)"
+            )
+        ) from exc
+    if forward is None and not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        raise errors.InvalidArgumentError(
+            f"the dataset's examples make a batch of type {type(batch).__name__}"
+            + (f" (keys {list(batch)[:6]})" if isinstance(batch, dict) else "")
+            + ", but the default loss call is loss(model(batch[0]), batch[1]): give "
+            "forward=lambda model, batch: ... (e.g. model(**batch).loss), or a collate_fn= "
+            "that returns (inputs, targets)"
+        )
+    if loss_reduction is not None:
+        return loss_reduction
+    probe = copy.deepcopy(model)
+    try:
+        return probe_reduction(probe, resolve_loss(loss), forward, batch)
+    except errors.Error:
+        raise
+    except Exception as exc:
+        raise errors.InvalidArgumentError(
+            f"the loss of the dataset's first examples failed in the trainer "
+            f"({type(exc).__name__}: {exc}): check that "
+            + (
+                "forward(model, batch)"
+                if forward is not None
+                else "loss(model(batch[0]), batch[1])"
+            )
+            + " works on a batch that collate_fn builds"
+        ) from exc
 
 
 # -- mode --------------------------------------------------------------------------
@@ -149,7 +308,7 @@ def choose_mode(
     if mode not in MODES:
         raise errors.InvalidArgumentError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
     python_only = []
-    if not isinstance(loss, str):
+    if loss is not None and not isinstance(loss, str):
         python_only.append("a callable loss")
     if dataset is not None and not isinstance(dataset, str):
         python_only.append("a torch Dataset")
@@ -285,9 +444,13 @@ def prepare_job(
     forward: Optional[Callable],
     loss_names,
     compile: Optional[dict] = None,
+    loss_reduction: Optional[str] = None,
 ) -> EagerJob:
     """Checks and pickles the job once, into a private directory. ``compile``: options
-    of the ``torch.compile`` each worker applies to its copy of the model (None: none)."""
+    of the ``torch.compile`` each worker applies to its copy of the model (None: none).
+    ``loss_reduction``: "sum" or "mean" as declared; None: read from an ``nn`` loss, or
+    found out on the dataset's first examples, or, without a Dataset, by each worker on
+    its first shard."""
     try:
         import cloudpickle
     except ImportError as exc:  # pragma: no cover - tools/setup.sh installs it
@@ -301,7 +464,13 @@ def prepare_job(
             "model must be a torch.nn.Module or a TorchScript file path, got "
             f"{type(model).__name__}"
         )
-    check_loss(loss, loss_names)
+    loss_reduction = check_loss(loss, loss_names, forward=forward, loss_reduction=loss_reduction)
+    if _is_dataloader(dataset):
+        raise errors.InvalidArgumentError(
+            "dataset is a DataLoader; shmgrad's workers load the examples themselves: pass "
+            "dataset=loader.dataset, collate_fn=loader.collate_fn, and give each batch's "
+            "indices to engine.gradient(indices) (e.g. from a sampler)"
+        )
     if isinstance(dataset, str):
         # A spec string: the coordinator loads it into shared memory once, and every
         # worker reads its examples there (StepParticipant.dataset_views).
@@ -331,6 +500,15 @@ def prepare_job(
     ):
         if obj is not None:
             _pickle(what, obj, cloudpickle)
+    if dataset is not None:
+        loss_reduction = check_dataset(
+            dataset,
+            model=model,
+            loss=loss,
+            forward=forward,
+            collate_fn=collate_fn,
+            loss_reduction=loss_reduction,
+        )
     blob = _pickle(
         "job",
         {
@@ -340,6 +518,7 @@ def prepare_job(
             "collate_fn": collate_fn,
             "forward": forward,
             "compile": compile,
+            "loss_reduction": loss_reduction,
         },
         cloudpickle,
     )
@@ -366,3 +545,8 @@ def load_job(path: str) -> dict:
 
 def resolve_loss(loss):
     return _named_loss(loss) if isinstance(loss, str) else loss
+
+
+def has_batchnorm(module: torch.nn.Module) -> bool:
+    """Whether the module normalises with batch statistics in train mode."""
+    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in module.modules())

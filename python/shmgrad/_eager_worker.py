@@ -37,6 +37,9 @@ class ShardRunner:
         self._eager = eager
         self.model = job["model"]
         self.loss = eager.resolve_loss(job["loss"])
+        # "sum", "mean", "weighted" (forward returns (loss_sum, count)), or None: found
+        # out on this worker's first pass (eager.probe_reduction).
+        self.loss_reduction = job.get("loss_reduction")
         self.dataset = job["dataset"]
         # A dataset spec string (dataset="fashion-mnist"): tensors over the segment.
         self.segment_data = participant.dataset_views()
@@ -72,6 +75,7 @@ class ShardRunner:
                 f"has {[n for n, _ in shared][:5]}..."
             )
         self.buffers = [(own[n], view) for n, view in shared]
+        self.slot_buffers = [view for _, view in participant.slot_buffer_views()]
         self.model.train()
         # torch.compile'd in this worker: the compiled module runs the same parameters
         # (their .data and .grad are the shared views set above).
@@ -100,41 +104,72 @@ class ShardRunner:
             return (type(exc).__name__, describe(exc))
 
     def compute_pass(self, shard, start, stop):
-        """One pass over the shard's examples [start, stop): its summed loss, or (type
-        name, message with traceback) on an error. The protocol makes the passes."""
+        """One pass over the shard's examples [start, stop): (its loss sum, its count), or
+        (type name, message with traceback) on an error. The protocol makes the passes."""
         try:
             return self._compute_pass(shard, start, stop)
         except Exception as exc:  # any error of the user's code goes to the trainer
             return (type(exc).__name__, describe(exc))
 
-    def publish_buffers(self):
+    def publish_buffers(self, to_slot):
+        """This worker's buffers into the shared ones, or into its slot's copy (averaged
+        over the step's workers by the first)."""
         with self._torch.no_grad():
-            for own, shared in self.buffers:
-                shared.copy_(own)
+            if to_slot:
+                for (own, _), mine in zip(self.buffers, self.slot_buffers):
+                    mine.copy_(own)
+            else:
+                for own, shared in self.buffers:
+                    shared.copy_(own)
 
     def _compute_pass(self, shard, start, stop):
+        """Forward and backward of the loss summed over the pass: the loss as it is (a
+        sum), times the pass's examples (a mean), or forward's (loss_sum, count). Returns
+        (loss sum, count), the count being the pass's weight in a mean."""
         torch = self._torch
         batch = self._batch(shard, start, stop)
-        if self.forward is not None:
-            loss = self.forward(self.run_model, batch)
+        if self.loss_reduction is None:
+            self.loss_reduction = self._eager.probe_reduction(
+                self.model, self.loss, self.forward, batch
+            )
+        out = self._eager.call_loss(self.run_model, self.loss, self.forward, batch)
+        examples = stop - start
+        if isinstance(out, (tuple, list)):
+            if len(out) != 2:
+                raise TypeError(
+                    f"forward returned {len(out)} values; return the batch's loss (one number) "
+                    "or (loss_sum, count)"
+                )
+            loss, count = out
+            count = float(count.detach()) if isinstance(count, torch.Tensor) else float(count)
+            scale = 1.0
         else:
-            loss = self.loss(self.run_model(batch[0]), batch[1])
+            loss, count = out, float(examples)
+            scale = float(examples) if self.loss_reduction == "mean" else 1.0
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(
-                "the loss must be one number, the sum over the batch; got "
+                "the loss must be one number for the batch; got "
                 + (
                     f"a tensor of shape {tuple(loss.shape)}"
                     if isinstance(loss, torch.Tensor)
                     else type(loss).__name__
                 )
-                + " (use reduction='sum')"
+                + " (reduce it with .sum() or .mean(), and say which with loss_reduction=)"
             )
-        (loss * shard.grad_scale if shard.grad_scale != 1.0 else loss).backward()
-        return float(loss.detach())
+        scale *= shard.grad_scale
+        (loss * scale if scale != 1.0 else loss).backward()
+        loss_sum = float(loss.detach())
+        if self.loss_reduction == "mean" and not isinstance(out, (tuple, list)):
+            loss_sum *= examples
+        return (loss_sum, count)
 
     def _batch(self, shard, start, stop):
         if shard.kind == "explicit":
             return (shard.inputs[start:stop], shard.targets[start:stop])
+        if shard.kind == "structured":
+            from ._batch import unflatten
+
+            return unflatten(shard.structure, [t[start:stop] for t in shard.leaves])
         if self.dataset is None and self.segment_data is not None:
             idx = shard.indices[start:stop]
             return (

@@ -13,7 +13,7 @@ import torch
 from . import _eager as eager
 from . import errors
 from ._native import _C, DEFAULTS
-from ._client import Client
+from ._client import Client, _check_buffers
 from ._launcher import STOP_TIMEOUT_S, Launcher, ServeOptions
 
 ATTACH_TIMEOUT_S = 10.0  # attaching to an engine that has just reported it serves
@@ -100,7 +100,7 @@ def serve(
     *,
     model,
     workers: int,
-    loss,
+    loss=None,
     dataset=None,
     mode: str = "auto",
     collate_fn=None,
@@ -112,6 +112,7 @@ def serve(
     input_capacity_mb: int = DEFAULTS["input_capacity_mb"],
     startup_timeout: float = DEFAULTS["startup_timeout"],
     compile=False,
+    loss_reduction: Optional[str] = None,
 ) -> Server:
     """Starts an engine and returns once it serves, without attaching to it: a
     :class:`Server`. The arguments are :class:`Engine`'s (which is this, plus a trainer
@@ -133,9 +134,15 @@ def serve(
         compile=compile_opts is not None,
     )
     if mode == "script":
+        if loss_reduction not in (None, "sum"):
+            raise errors.InvalidArgumentError(
+                f"TorchScript workers sum the loss named {loss!r} over the batch: drop "
+                f"loss_reduction={loss_reduction!r} (ask gradient(..., reduction='mean') for "
+                "the mean)"
+            )
         _check_arguments(workers=workers, loss=loss, max_workers=max_workers)
     else:
-        eager.check_loss(loss, loss_names)
+        eager.check_loss(loss, loss_names, forward=forward, loss_reduction=loss_reduction)
         _check_arguments(workers=workers, loss=loss_names[0], max_workers=max_workers)
     name = name or f"py{os.getpid()}-{next(_names)}"
     _C.check_engine_name(name)
@@ -149,6 +156,7 @@ def serve(
             forward=forward,
             loss_names=loss_names,
             compile=compile_opts,
+            loss_reduction=loss_reduction,
         )
         files = eager_job.directory
         serve_dataset = dataset if isinstance(dataset, str) else None  # into the segment
@@ -214,8 +222,16 @@ class Engine(Client):
             TorchScript file.
         workers: number of worker processes.
         loss: ``"cross_entropy"``, ``"nll"`` or ``"mse"`` (summed over the batch), or, with
-            eager workers, any callable ``loss(outputs, targets)`` that returns the loss
-            summed over the batch (an ``nn`` loss with ``reduction="sum"``).
+            eager workers, any callable ``loss(outputs, targets)`` that returns the batch's
+            sum or mean (``F.cross_entropy(o, y)``, an ``nn`` loss module). Optional with
+            ``forward``.
+        loss_reduction: ``"sum"`` or ``"mean"``: what the loss callable (or ``forward``)
+            returns for a batch. Default: read from an ``nn`` loss module's
+            ``reduction``, else found out before training (the loss of the first examples
+            given twice doubles for a sum and stays for a mean, the model in eval mode),
+            and a loss that is neither is refused. With a mean each worker weights its
+            shard by its examples, so ``gradient(..., reduction="mean")`` is the whole
+            batch's mean however it is split.
         dataset: ``None``, ``"fashion-mnist"``, ``"fashion-mnist:test"`` or
             ``"npy:INPUTS.npy,TARGETS.npy"`` (loaded once into shared memory, read there by
             every worker), or, with eager workers, any map-style
@@ -234,8 +250,15 @@ class Engine(Client):
             step count.
         collate_fn: eager: builds a batch from ``[dataset[i] for i in shard]`` (default
             ``torch.utils.data.default_collate``).
-        forward: eager: ``forward(model, batch) -> summed loss`` replaces
-            ``loss(model(batch[0]), batch[1])`` (several inputs, losses that need more).
+        forward: eager: ``forward(model, batch) -> loss`` replaces
+            ``loss(model(batch[0]), batch[1])`` (dict batches, several inputs, losses that
+            need more): the batch's sum or mean (``loss_reduction``), or
+            ``(loss_sum, count)``, a weighted mean's parts (e.g. the loss summed over the
+            tokens that are not padding, and their number): ``reduction="mean"`` then
+            divides by the whole batch's count.
+        buffers: ``"average"`` (default): after each step the bound module's float
+            buffers (BatchNorm running statistics) are the average of the workers', weighted
+            by their examples; ``"first"``: the first worker's (DDP's rule).
         name: engine name (default: a unique one); others attach by it.
         threads_per_worker: intra-op threads of each worker (default 1).
         max_workers: gradient slots, the most workers :meth:`resize` can ask for.
@@ -271,7 +294,7 @@ class Engine(Client):
         *,
         model,
         workers: int,
-        loss,
+        loss=None,
         dataset=None,
         mode: str = "auto",
         seed: int = 0,
@@ -288,9 +311,12 @@ class Engine(Client):
         process_group=None,
         bucket_cap_mb: Optional[float] = None,
         compile=False,
+        loss_reduction: Optional[str] = None,
+        buffers: str = "average",
     ):
         if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
             raise errors.InvalidArgumentError(f"seed must be an int >= 0, got {seed!r}")
+        _check_buffers(buffers)
         server = serve(
             model=model,
             workers=workers,
@@ -306,6 +332,7 @@ class Engine(Client):
             input_capacity_mb=input_capacity_mb,
             startup_timeout=startup_timeout,
             compile=compile,
+            loss_reduction=loss_reduction,
         )
         try:
             trainer = _C.Trainer.attach(server.name, timeout=ATTACH_TIMEOUT_S)
@@ -323,6 +350,7 @@ class Engine(Client):
                 max_examples_per_pass=max_examples_per_pass,
                 process_group=process_group,
                 bucket_cap_mb=bucket_cap_mb,
+                buffers=buffers,
             )
         except BaseException:
             server.stop()

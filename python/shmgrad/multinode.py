@@ -49,22 +49,24 @@ DEAD_PEER_POLL_S = 0.02
 # all-reduced in one call: on loopback the two copies cost less than a second
 # collective's latency. A larger one is all-reduced in place.
 STAGED_MAX_BYTES = 256 * 1024
-# The small record all-reduced with each step's gradient: loss sum, non-finite count, then
-# each rank's examples, then each rank's "failed" flag (2 + 2 x nodes values).
-_LOSS_SUM, _NONFINITE, _COUNTS = 0, 1, 2
+# The small record all-reduced with each step's gradient: loss sum, non-finite count, the
+# mean's count (examples, or forward's counts), then each rank's examples, then each
+# rank's "failed" flag (3 + 2 x nodes values).
+_LOSS_SUM, _NONFINITE, _WEIGHT, _COUNTS = 0, 1, 2, 3
 _CHECKSUM_BYTES = 8
 _GPU_ONLY_BACKENDS = ("nccl",)
 
 
 class NodeStats:
     """The figures of one step across nodes, read through :class:`shmgrad.GradientStats`:
-    the global ``num_examples``, ``loss``, ``loss_sum``, ``nonfinite``, this node's
+    the global ``num_examples``, ``count``, ``loss``, ``loss_sum``, ``nonfinite``, this node's
     ``local_num_examples`` and ``local_loss_sum``, the all-reduce's ``allreduce_seconds``
     and ``allreduce_bytes`` (the buffers all-reduced: the whole reduced gradient, padding
     included, and the small record), and the number of ``nodes``."""
 
     __slots__ = (
         "num_examples",
+        "count",
         "loss",
         "loss_sum",
         "nonfinite",
@@ -86,8 +88,10 @@ class NodeStats:
         allreduce_seconds,
         allreduce_bytes,
         nodes,
+        count=None,
     ):
         self.num_examples = num_examples
+        self.count = num_examples if count is None else count
         self.loss = loss
         self.loss_sum = loss_sum
         self.nonfinite = nonfinite
@@ -227,6 +231,7 @@ class NodeGroup:
         f = self._fields
         f[:] = 0.0
         f[_COUNTS + self.rank] = native.num_examples
+        f[_WEIGHT] = native.count
         f[_LOSS_SUM] = native.loss_sum
         f[_NONFINITE] = 1.0 if native.nonfinite else 0.0
         f[self._failed + self.rank] = 1.0 if failure is not None else 0.0
@@ -249,8 +254,18 @@ class NodeGroup:
                 "empty batch: every node's share was empty; give at least one example"
             )
         loss_sum = float(f[_LOSS_SUM])
+        # The mean's denominator: the examples, or forward's counts where they differ
+        # (float32: whole counts exact to 2^24).
+        weight = float(f[_WEIGHT])
+        if weight == count:
+            weight = count
         if mean:
-            self._grad.mul_(_C.mean_scale(count))  # as the workers scale one node's
+            if weight <= 0:
+                raise errors.InvalidArgumentError(
+                    f"the global batch's count is {weight}: a mean needs a count > 0"
+                )
+            # As the workers scale one node's.
+            self._grad.mul_(_C.mean_scale(count) if weight == count else 1.0 / weight)
         if self._buffers:  # the statistics of the first node that computed (DDP: rank 0's)
             src = _global_rank(self._pg, int(counts.nonzero()[0][0]))
             self._collective(
@@ -260,7 +275,8 @@ class NodeGroup:
             seconds = time.perf_counter() - t0
         return native, NodeStats(
             num_examples=count,
-            loss=loss_sum / count if mean else loss_sum,
+            count=weight,
+            loss=loss_sum / weight if mean else loss_sum,
             loss_sum=loss_sum,
             nonfinite=bool(f[_NONFINITE] != 0),
             local_num_examples=native.num_examples,

@@ -195,7 +195,9 @@ def test_integer_inputs_keep_their_dtype_and_forward_replaces_the_loss():
             + 0.5 * m.emb.weight.pow(2).sum() / 8
         )
 
-    with shmgrad.Engine(model=model, loss="cross_entropy", workers=2, forward=forward) as engine:
+    # Per shard, the penalty is added once: neither the shard's sum nor its mean, so it
+    # must be declared (the engine would refuse it otherwise).
+    with shmgrad.Engine(model=model, workers=2, forward=forward, loss_reduction="sum") as engine:
         engine.bind(model)
         engine.gradient(inputs=ids, targets=y)
     total = sum(forward(ref, (ids[i : i + 4], y[i : i + 4])) for i in (0, 4))
@@ -235,8 +237,13 @@ def test_errors_in_dataset_model_and_loss_come_back_whole_and_engine_keeps_servi
 
 def test_bad_jobs_are_refused_with_the_fix():
     model = Unscriptable()
-    with pytest.raises(shmgrad.InvalidArgumentError, match="reduction='sum'"):
-        shmgrad.Engine(model=model, loss=nn.CrossEntropyLoss(), dataset=NoisyDataset(), workers=1)
+    with pytest.raises(shmgrad.InvalidArgumentError, match="reduction='mean'"):
+        shmgrad.Engine(
+            model=model,
+            loss=nn.CrossEntropyLoss(reduction="none"),
+            dataset=NoisyDataset(),
+            workers=1,
+        )
     import threading
 
     lock = threading.Lock()
@@ -412,7 +419,9 @@ def test_batchnorm_statistics_are_shared_with_the_first_participants_values(mode
     model = BatchNormNet()
     ref = BatchNormNet()
     ref.load_state_dict(model.state_dict())
-    with shmgrad.Engine(model=model, loss="cross_entropy", workers=2, mode=mode) as engine:
+    with shmgrad.Engine(
+        model=model, loss="cross_entropy", workers=2, mode=mode, buffers="first"
+    ) as engine:
         assert engine.mode == mode
         engine.bind(model)
         for step in range(3):

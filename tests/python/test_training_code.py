@@ -1,0 +1,455 @@
+"""Training code as people write it: mean losses, weighted (per-token) means, accumulation,
+resume, BatchNorm statistics, mixed precision and the checks at start. Every gradient is
+compared with one process's plain PyTorch."""
+
+import copy
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import shmgrad
+from conftest import Mlp, relative_error, reference_gradient
+from test_faults import STEP_TIMEOUT_S, GradientCall, SlowCnn, wait_until_busy
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def grads(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def data(n=48, d_in=20, classes=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, d_in, generator=g), torch.randint(0, classes, (n,), generator=g)
+
+
+class Pairs(torch.utils.data.Dataset):
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+# -- 1. mean losses --------------------------------------------------------------------
+@pytest.mark.parametrize("batch", ["dataset", "explicit"])
+def test_mean_loss_written_as_users_write_it_is_exact(batch):
+    """F.cross_entropy(o, y) (a mean) with 3 workers: found out (on the dataset at start,
+    or by each worker on its first shard) and weighted, so the mean is the batch's."""
+    torch.manual_seed(0)
+    model = Mlp()
+    x, y = data(50)
+    ref_mean = reference_gradient(model, "cross_entropy", x, y, reduction="mean")
+    ref_sum = reference_gradient(model, "cross_entropy", x, y, reduction="sum")
+    kwargs = {"dataset": Pairs(x, y)} if batch == "dataset" else {}
+    with shmgrad.Engine(
+        model=model, workers=3, loss=lambda o, t: F.cross_entropy(o, t), **kwargs
+    ) as engine:
+        engine.bind(model)
+        call = {"indices": list(range(50))} if batch == "dataset" else {"inputs": x, "targets": y}
+        st = engine.gradient(**call, reduction="mean")
+        assert relative_error(grads(model), ref_mean) < 1e-5
+        assert st.count == 50 and st.num_examples == 50
+        with torch.no_grad():
+            expected = float(F.cross_entropy(model(x), y))
+        assert abs(st.loss - expected) < 1e-5 * abs(expected)
+        engine.gradient(**call, reduction="sum")
+        assert relative_error(grads(model), ref_sum) < 1e-5
+
+
+def test_loss_module_with_mean_reduction_is_taken():
+    torch.manual_seed(1)
+    model = Mlp()
+    x, y = data(30)
+    ref = reference_gradient(model, "cross_entropy", x, y, reduction="mean")
+    with shmgrad.Engine(model=model, workers=2, loss=torch.nn.CrossEntropyLoss()) as engine:
+        engine.bind(model)
+        engine.gradient(inputs=x, targets=y, reduction="mean", max_examples_per_pass=4)
+        assert relative_error(grads(model), ref) < 1e-5
+
+
+def not_sum_nor_mean(o, t):
+    return F.cross_entropy(o, t, reduction="sum").sqrt()
+
+
+def test_loss_neither_sum_nor_mean_is_refused_at_start_naming_loss_reduction():
+    model = Mlp()
+    x, y = data(10)
+    with pytest.raises(shmgrad.InvalidArgumentError, match="loss_reduction="):
+        shmgrad.Engine(model=model, workers=2, loss=not_sum_nor_mean, dataset=Pairs(x, y))
+
+
+def test_loss_neither_sum_nor_mean_is_refused_by_the_workers_and_the_engine_serves():
+    """Without a Dataset the workers find out on their first shard: a WorkerError naming
+    loss_reduction=, and the engine keeps serving a declared loss."""
+    model = Mlp()
+    x, y = data(10)
+    with shmgrad.Engine(model=model, workers=2, loss=not_sum_nor_mean) as engine:
+        engine.bind(model)
+        with pytest.raises(shmgrad.WorkerError, match="loss_reduction="):
+            engine.gradient(inputs=x, targets=y)
+        assert len(engine.status().ready_workers) == 2
+
+
+def test_declared_loss_reduction_is_checked():
+    with pytest.raises(shmgrad.InvalidArgumentError, match="contradicts"):
+        shmgrad.Engine(
+            model=Mlp(), workers=1, loss=torch.nn.MSELoss(reduction="sum"), loss_reduction="mean"
+        )
+    with pytest.raises(shmgrad.InvalidArgumentError, match="'sum' or 'mean'"):
+        shmgrad.Engine(model=Mlp(), workers=1, loss=F.cross_entropy, loss_reduction="avg")
+    with pytest.raises(shmgrad.InvalidArgumentError, match="reduction='mean'"):
+        shmgrad.Engine(model=Mlp(), workers=1, loss=torch.nn.CrossEntropyLoss(reduction="none"))
+    with pytest.raises(shmgrad.InvalidArgumentError, match="forward="):
+        shmgrad.Engine(model=Mlp(), workers=1)
+
+
+# -- 2. weighted means -----------------------------------------------------------------
+PAD = 0
+VOCAB = 30
+
+
+class TinyLm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 16, padding_idx=PAD)
+        self.out = torch.nn.Linear(16, VOCAB)
+
+    def forward(self, ids):
+        return self.out(torch.tanh(self.emb(ids)))
+
+
+class Sentences(torch.utils.data.Dataset):
+    """Token sequences of lengths 2..20: very unequal shares of tokens per worker."""
+
+    def __init__(self, n=40, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        lengths = [2 + (i * 7) % 19 if i < n // 2 else 2 for i in range(n)]
+        self.items = [torch.randint(1, VOCAB, (k,), generator=g) for k in lengths]
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return {"ids": self.items[i]}
+
+
+def pad(examples):
+    ids = torch.nn.utils.rnn.pad_sequence([e["ids"] for e in examples], True, PAD)
+    return {"ids": ids[:, :-1], "labels": ids[:, 1:]}
+
+
+def token_loss(model, batch):
+    """The per-token loss summed over the tokens that are not padding, and their count."""
+    logits = model(batch["ids"])
+    labels = batch["labels"]
+    total = F.cross_entropy(
+        logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=PAD, reduction="sum"
+    )
+    return total, (labels != PAD).sum()
+
+
+@pytest.mark.parametrize("workers,passes", [(3, 0), (1, 0), (2, 3)])
+def test_token_weighted_mean_is_exact_across_unequal_shares(workers, passes):
+    torch.manual_seed(2)
+    model = TinyLm()
+    ds = Sentences()
+    batch = pad([ds[i] for i in range(len(ds))])
+    ref = copy.deepcopy(model)
+    logits = ref(batch["ids"])
+    F.cross_entropy(
+        logits.reshape(-1, VOCAB), batch["labels"].reshape(-1), ignore_index=PAD
+    ).backward()
+    tokens = int((batch["labels"] != PAD).sum())
+    with shmgrad.Engine(
+        model=model, workers=workers, dataset=ds, collate_fn=pad, forward=token_loss
+    ) as engine:
+        engine.bind(model)
+        st = engine.gradient(range(len(ds)), reduction="mean", max_examples_per_pass=passes)
+        assert st.count == tokens and st.num_examples == len(ds)
+        assert relative_error(grads(model), grads(ref)) < 1e-5
+        assert abs(st.loss - st.loss_sum / tokens) < 1e-12
+
+
+# -- 3. accumulation -------------------------------------------------------------------
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_accumulated_micro_batches_give_the_union(reduction):
+    torch.manual_seed(3)
+    model = Mlp()
+    x, y = data(60)
+    ref = reference_gradient(model, "cross_entropy", x, y, reduction=reduction)
+    with shmgrad.Engine(model=model, workers=2, loss="cross_entropy") as engine:
+        engine.bind(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        for _ in range(2):  # the second round starts after zero_grad(): afresh
+            opt.zero_grad()
+            for lo, hi in ((0, 7), (7, 30), (30, 60)):  # 7 examples: one worker alone
+                engine.gradient(
+                    inputs=x[lo:hi], targets=y[lo:hi], reduction=reduction, accumulate=True
+                )
+            assert relative_error(grads(model), ref) < 1e-5
+        opt.zero_grad(set_to_none=False)  # zeroed in place: also afresh
+        engine.gradient(inputs=x, targets=y, reduction=reduction, accumulate=True)
+        assert relative_error(grads(model), ref) < 1e-5
+        # A call without accumulate replaces; mixing reductions is refused.
+        engine.gradient(inputs=x[:30], targets=y[:30], reduction=reduction)
+        other = "sum" if reduction == "mean" else "mean"
+        with pytest.raises(shmgrad.InvalidArgumentError, match="same reduction"):
+            engine.gradient(inputs=x, targets=y, reduction=other, accumulate=True)
+
+
+def test_accumulating_step_retried_after_a_kill_is_added_once():
+    torch.manual_seed(4)
+    model = SlowCnn()
+    x, y = torch.randn(1001, 1, 28, 28), torch.randint(0, 5, (1001,))
+    ref = reference_gradient(model, "cross_entropy", x, y, reduction="mean")
+    with shmgrad.Engine(model=model, workers=3, loss="cross_entropy") as engine:
+        engine.bind(model)
+        engine.gradient(inputs=x[:100], targets=y[:100], reduction="mean")
+        before = engine.status()
+        call = GradientCall(
+            engine,
+            inputs=x[100:],
+            targets=y[100:],
+            reduction="mean",
+            accumulate=True,
+            timeout=STEP_TIMEOUT_S,
+        )
+        try:
+            wait_until_busy(engine.name, slot=1, after_epoch=before.step_epoch)
+            os.kill(before.worker(1).pid, signal.SIGKILL)
+        finally:
+            call.join()
+        assert call.result().retries == 1
+        assert relative_error(grads(model), ref) < 1e-5
+
+
+# -- 5. resume -------------------------------------------------------------------------
+def test_state_dict_round_trip_and_checks():
+    with shmgrad.Engine(model=Mlp(), workers=1, loss="cross_entropy", seed=7) as engine:
+        x, y = data(8)
+        engine.gradient_tensors()
+        for _ in range(3):
+            engine.gradient(inputs=x, targets=y)
+        state = engine.state_dict()
+        assert state["seed"] == 7 and state["steps"] == 3
+        engine.load_state_dict({"version": 1, "seed": 2, "steps": 10})
+        assert engine.state_dict()["steps"] == 10
+        with pytest.raises(shmgrad.InvalidArgumentError, match="state_dict"):
+            engine.load_state_dict({"seed": 1})
+
+
+@pytest.mark.parametrize("engine_state", [True, False])
+def test_resume_example_continues_bit_for_bit(engine_state):
+    """The example as written: equal bit for bit, and different without the engine's
+    state (the resumed steps would redraw the first steps' augmentations)."""
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "resume.py"), "--steps", "4"]
+        + ([] if engine_state else ["--skip-engine-state"]),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == (0 if engine_state else 1), out.stdout + out.stderr
+    assert ("equal bit for bit" in out.stdout) == engine_state, out.stdout
+
+
+# -- 6. BatchNorm statistics -----------------------------------------------------------
+class BnNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 8)
+        self.bn = torch.nn.BatchNorm1d(8)
+        self.out = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.bn(self.fc(x))))
+
+
+def shard_statistics(model, x, workers):
+    """Each worker's running statistics after its shard (shmgrad's split)."""
+    stats = []
+    for r in range(workers):
+        lo, hi = len(x) * r // workers, len(x) * (r + 1) // workers
+        m = copy.deepcopy(model).train()
+        m(x[lo:hi])
+        stats.append((hi - lo, m.bn.running_mean.clone(), m.bn.running_var.clone()))
+    return stats
+
+
+@pytest.mark.parametrize("rule", ["average", "first"])
+def test_batchnorm_statistics_after_a_step(rule):
+    torch.manual_seed(5)
+    model = BnNet()
+    x, y = torch.randn(30, 6) * 3 + 1, torch.randint(0, 3, (30,))
+    stats = shard_statistics(model, x, 3)
+    with shmgrad.Engine(model=model, workers=3, loss="cross_entropy", buffers=rule) as engine:
+        engine.bind(model)
+        engine.gradient(inputs=x, targets=y)
+        if rule == "average":
+            mean = sum(n * m for n, m, _ in stats) / len(x)
+            var = sum(n * v for n, _, v in stats) / len(x)
+        else:
+            _, mean, var = stats[0]
+        assert torch.allclose(model.bn.running_mean, mean, rtol=1e-5, atol=1e-6)
+        assert torch.allclose(model.bn.running_var, var, rtol=1e-5, atol=1e-6)
+        assert int(model.bn.num_batches_tracked) == 1
+    with pytest.raises(shmgrad.InvalidArgumentError, match="'average'"):
+        shmgrad.attach("no-such-engine", buffers="mean", timeout=0.1)
+
+
+def test_passes_that_split_batchnorm_batches_warn_once():
+    model = BnNet()
+    x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
+    with shmgrad.Engine(model=model, workers=2, loss="cross_entropy") as engine:
+        engine.bind(model)
+        with pytest.warns(UserWarning, match="BatchNorm"):
+            engine.gradient(inputs=x, targets=y, max_examples_per_pass=3)
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            engine.gradient(inputs=x, targets=y, max_examples_per_pass=3)
+
+
+# -- 7. errors at start ----------------------------------------------------------------
+def test_dataloader_and_dict_examples_are_refused_at_start():
+    x, y = data(8)
+    loader = torch.utils.data.DataLoader(Pairs(x, y), batch_size=4)
+    with pytest.raises(shmgrad.InvalidArgumentError, match="loader.dataset"):
+        shmgrad.Engine(model=Mlp(), workers=1, loss="cross_entropy", dataset=loader)
+    with pytest.raises(shmgrad.InvalidArgumentError, match="forward="):
+        shmgrad.Engine(model=Mlp(), workers=1, loss="cross_entropy", dataset=DictPairs(x, y))
+    # Examples that default_collate cannot stack: named where it happens, with the fix.
+    with pytest.raises(shmgrad.InvalidArgumentError, match="collate_fn="):
+        shmgrad.Engine(model=TinyLm(), workers=1, forward=token_loss, dataset=Sentences())
+
+
+class DictPairs(Pairs):
+    def __getitem__(self, i):
+        return {"x": self.x[i], "y": self.y[i]}
+
+
+def test_attached_client_has_a_mode():
+    server = shmgrad.serve(model=Mlp(), workers=1, loss=F.cross_entropy)
+    try:
+        with shmgrad.attach(server.name) as client:
+            assert client.mode == "eager"
+    finally:
+        server.stop()
+
+
+# -- 9. mixed precision ----------------------------------------------------------------
+def test_autocast_forward_gives_float32_gradients():
+    torch.manual_seed(6)
+    model = Mlp()
+    x, y = data(40)
+
+    def forward(m, batch):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = m(batch[0])
+        return F.cross_entropy(out.float(), batch[1], reduction="sum")
+
+    ref = copy.deepcopy(model)
+    forward(ref, (x, y)).backward()
+    with shmgrad.Engine(model=model, workers=2, forward=forward) as engine:
+        engine.bind(model)
+        engine.gradient(inputs=x, targets=y)
+        assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+        # bfloat16 products: the split changes the rounding, not the gradient.
+        assert relative_error(grads(model), grads(ref)) < 2e-2
+
+
+# -- 3. structured batches -------------------------------------------------------------
+class DictModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 8)
+        self.fc = torch.nn.Linear(8 + 3, 4)
+
+    def forward(self, ids, mask, extra):
+        h = (self.emb(ids) * mask.unsqueeze(-1)).sum(1) / mask.sum(1, keepdim=True)
+        return self.fc(torch.cat([h, extra["dense"].float()], 1))
+
+
+def dict_forward(model, batch):
+    # The worker sees the trainer's structure and dtypes.
+    assert batch["mask"].dtype == torch.bool and batch["extra"]["dense"].dtype == torch.float16
+    assert isinstance(batch["pair"], tuple) and isinstance(batch["extra"]["more"], list)
+    logits = model(batch["ids"], batch["mask"].float(), batch["extra"])
+    return F.cross_entropy(logits, batch["labels"])  # a mean
+
+
+def dict_batch(n=21, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 9, (n,), generator=g)
+    mask = torch.arange(9)[None, :] < lengths[:, None]
+    return {
+        "ids": torch.randint(1, VOCAB, (n, 9), generator=g) * mask,
+        "mask": mask,
+        "labels": torch.randint(0, 4, (n,), generator=g),
+        "extra": {"dense": torch.randn(n, 3, generator=g).half(), "more": [torch.zeros(n)]},
+        "pair": (torch.ones(n, 2, dtype=torch.int32), torch.zeros(n, dtype=torch.uint8)),
+    }
+
+
+def test_structured_batch_is_split_and_exact():
+    torch.manual_seed(8)
+    model = DictModel()
+    b = dict_batch()
+    ref = copy.deepcopy(model)
+    dict_forward(ref, b).backward()
+    with shmgrad.Engine(model=model, workers=3, forward=dict_forward) as engine:
+        engine.bind(model)
+        st = engine.gradient(batch=b, reduction="mean")
+        assert st.num_examples == 21 and st.workers == 3
+        assert relative_error(grads(model), grads(ref)) < 1e-5
+        # Bad batches: a clear error before anything runs, and the engine keeps serving.
+        bad = dict(b, labels=b["labels"][:5])
+        with pytest.raises(shmgrad.InvalidArgumentError, match="rows but the first has"):
+            engine.gradient(batch=bad)
+        with pytest.raises(shmgrad.InvalidArgumentError, match=r"batch\['name'\] is a str"):
+            engine.gradient(batch=dict(b, name="x"))
+        with pytest.raises(shmgrad.InvalidArgumentError, match="batch"):
+            engine.gradient(batch=b, indices=[0])
+        engine.gradient(batch=b, reduction="mean")
+        assert relative_error(grads(model), grads(ref)) < 1e-5
+
+
+def test_pair_batch_takes_the_default_loss_call():
+    torch.manual_seed(9)
+    model = Mlp()
+    x, y = data(17)
+    ref = reference_gradient(model, "cross_entropy", x, y)
+    with shmgrad.Engine(model=model, workers=2, loss="cross_entropy", mode="eager") as engine:
+        engine.bind(model)
+        engine.gradient(batch=(x, y))
+        assert relative_error(grads(model), ref) < 1e-5
+
+
+def popping_mean_loss(model, batch):
+    labels = batch.pop("labels")  # a common Hugging Face habit: the probe must allow it
+    logits = model(batch["ids"])
+    return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=PAD)
+
+
+def test_found_out_mean_with_a_forward_that_pops_from_its_batch():
+    torch.manual_seed(10)
+    model = TinyLm()
+    ds = Sentences(n=12)
+    ref = copy.deepcopy(model)
+    popping_mean_loss(ref, pad([ds[i] for i in range(12)])).backward()
+    with shmgrad.Engine(
+        model=model, workers=1, dataset=ds, collate_fn=pad, forward=popping_mean_loss
+    ) as engine:
+        engine.bind(model)
+        engine.gradient(range(12), reduction="mean")
+        assert relative_error(grads(model), grads(ref)) < 1e-5
