@@ -246,3 +246,27 @@ def test_breakdown_tiny(tmp_path):
     assert len(medians) == 2
     for parts in medians.values() if isinstance(medians, dict) else medians:
         assert parts["total"] > 0 and 0 <= parts["fixed"] <= parts["total"]
+
+
+def test_bf16_autocast_against_float32_eager(tmp_path):
+    """`--systems shmgrad,eager,bf16`: eager workers under bfloat16 autocast, reported
+    against the float32 eager workers of the same run."""
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [sys.executable, "-m", "shmgrad_tools.bench", "--quick", "--tiny", "--workers", "2"]
+        + ["--systems", "single,shmgrad,eager,bf16", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=str(tmp_path),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with open(out / "results.json") as f:
+        records = json.load(f)["results"]
+    (bf16,) = [r for r in records if r["system"] == "bf16"]
+    assert "error" not in bf16, bf16
+    assert _finite_positive(bf16["ratio_to_eager"]) and _finite_positive(bf16["median_s"])
+    # bfloat16 products: close to the float32 gradient, not equal to it.
+    assert bf16["grad_rel_err"] < 5e-2
+    with open(out / "results.md") as f:
+        assert "vs eager" in f.read()

@@ -8,6 +8,9 @@
            plain nn.Modules, the same explicit batches;
   compiled (not by default) eager workers that torch.compile their model
            (``compile=True``); compilation falls in the warm-up steps;
+  bf16     (not by default) eager workers whose forward runs under
+           ``torch.autocast("cpu", dtype=torch.bfloat16)`` (parameters and gradients
+           float32), against the float32 eager workers (``vs eager``);
   ddp      PyTorch DistributedDataParallel, gloo backend, N processes on 127.0.0.1
            (torch.multiprocessing spawn), each computing its shard and all-reducing;
   dask     the task-scheduler approach shmgrad replaces: a Dask ``distributed`` client
@@ -57,8 +60,9 @@ from shmgrad.testing import relative_error
 from . import models, report, runners
 from .timing import Budget, log, now, summarize
 
-SYSTEMS = ("single", "shmgrad", "eager", "compiled", "ddp", "dask", "reduce")
-DEFAULT_SYSTEMS = [s for s in SYSTEMS if s != "compiled"]  # compiling costs minutes
+SYSTEMS = ("single", "shmgrad", "eager", "compiled", "bf16", "ddp", "dask", "reduce")
+# Compiling costs minutes; bf16 is a comparison of its own (--systems eager,bf16).
+DEFAULT_SYSTEMS = [s for s in SYSTEMS if s not in ("compiled", "bf16")]
 LARGE_REDUCE_FLOATS = 16 * 1024 * 1024  # 64 MiB a slot: larger than most last-level caches
 
 
@@ -185,7 +189,8 @@ def build_parser():
         default=list(DEFAULT_SYSTEMS),
         help=f"what to measure, comma-separated (default "
         f"{','.join(DEFAULT_SYSTEMS)}; also: compiled, eager workers running "
-        "torch.compile'd models, compile time in the warm-up steps); "
+        "torch.compile'd models, compile time in the warm-up steps; bf16, eager workers "
+        "under torch.autocast bfloat16); "
         "ratios need shmgrad",
     )
     ap.add_argument(
@@ -408,6 +413,7 @@ def measure(args):
                 ("script", "shmgrad", False),
                 ("eager", "eager", False),
                 ("eager", "compiled", True),
+                ("eager", "bf16", False),
             ):
                 if system in systems:
                     engine_count += 1
@@ -427,6 +433,7 @@ def measure(args):
                             name,
                             mode=mode,
                             compile=compiled,
+                            autocast=system == "bf16",
                         ),
                         ref,
                     )
@@ -469,7 +476,7 @@ def measure(args):
     for r in records:
         key = (r["model"], r["batch"], r["workers"])
         s = shm.get(key)
-        if r["system"] in ("ddp", "compiled") and key in eager and "median_s" in r:
+        if r["system"] in ("ddp", "compiled", "bf16") and key in eager and "median_s" in r:
             r["ratio_to_eager"] = r["median_s"] / eager[key]["median_s"]
         if s is not None and "median_s" in r:
             r["ratio_to_shmgrad"] = r["median_s"] / s["median_s"]

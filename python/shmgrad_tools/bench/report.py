@@ -9,6 +9,7 @@ LABELS = {
     "shmgrad": "shmgrad, N workers",
     "eager": "shmgrad eager, N workers",
     "compiled": "shmgrad eager, torch.compile'd, N workers",
+    "bf16": "shmgrad eager, bfloat16 autocast, N workers",
     "ddp": "DDP gloo, N processes",
     "dask": "Dask deep-copy, N threads",
 }
@@ -149,8 +150,9 @@ def table(records, reductions, targets):
         "shmgrad": 2,
         "eager": 3,
         "compiled": 4,
-        "ddp": 5,
-        "dask": 6,
+        "bf16": 5,
+        "ddp": 6,
+        "dask": 7,
     }
     rows = sorted(
         records, key=lambda r: (r["model"], r["batch"], r["workers"], order.get(r["system"], 9))
@@ -174,7 +176,7 @@ def table(records, reductions, targets):
         else:
             ratio = f"{r['ratio_to_shmgrad']:.2f}x" if "ratio_to_shmgrad" in r else "-"
         notes = []
-        if r["system"] in ("shmgrad", "eager", "compiled"):
+        if r["system"] in ("shmgrad", "eager", "compiled", "bf16"):
             notes.append(f"overhead {r['overhead_median'] * 100:.1f}%")
             notes.append(f"slowest worker f+b {fmt_ms(r['compute_max_median_s'])} ms")
             notes.append(
@@ -322,6 +324,7 @@ def plot(records, path):
         "shmgrad": ("tab:red", "-", "s"),
         "eager": ("tab:orange", "-", "v"),
         "compiled": ("tab:brown", "-", "^"),
+        "bf16": ("tab:pink", "-", "x"),
         "ddp": ("tab:green", "-", "^"),
         "dask": ("tab:purple", "-", "D"),
     }

@@ -51,6 +51,14 @@ def run_single(model_name, batches, warmup, budget, threads, seed, deadline):
 
 
 # -- 2. shmgrad -----------------------------------------------------------------------
+def bf16_forward(model, batch):
+    """The bench's loss with the model under bfloat16 autocast (the bf16 system)."""
+    x, y = batch
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    return F.cross_entropy(out.float(), y, reduction="sum")
+
+
 def run_shmgrad(
     model_name,
     batches,
@@ -62,10 +70,12 @@ def run_shmgrad(
     engine_name,
     mode="script",
     compile=False,
+    autocast=False,
 ):
     """An engine of ``workers`` workers, TorchScript (``mode="script"``) or eager Python
     (``mode="eager"``: the same nn.Module run as it is, torch.compile'd in each worker
-    with ``compile``), fed the batches explicitly."""
+    with ``compile``, its forward under bfloat16 autocast with ``autocast``), fed the
+    batches explicitly."""
     models.set_threads(1)  # the trainer only copies the batch in and waits
     model = models.make_model(model_name, seed)
     batch = batches[0][0].shape[0]
@@ -80,6 +90,7 @@ def run_shmgrad(
                 model=model,
                 workers=workers,
                 loss="cross_entropy",
+                **({"forward": bf16_forward, "loss_reduction": "sum"} if autocast else {}),
                 name=engine_name,
                 mode=mode,
                 threads_per_worker=1,
@@ -113,7 +124,9 @@ def run_shmgrad(
             return dt
 
         label = (
-            "shmgrad" if mode == "script" else f"shmgrad ({mode}{', compiled' if compile else ''})"
+            "shmgrad"
+            if mode == "script"
+            else f"shmgrad ({mode}{', compiled' if compile else ''}{', bf16' if autocast else ''})"
         )
         times = timed_steps(batches, warmup, budget, deadline, label, step)
         return {
