@@ -47,6 +47,8 @@ def test_stress_short_run(tmp_path):
         assert run["resizes"] > 0, (kind, "the run must actually shrink and grow the engine")
         for key in ("wrong", "hangs", "leaked_segments", "leftover_workers"):
             assert run[key] == 0, (kind, key, run)
+    eager = counts["runs"]["eager"]
+    assert eager["structured_steps"] > 0 and eager["accumulated_steps"] > 0, eager
     assert counts["steps"] == 80
     assert counts["kills"] == sum(r["kills"] for r in counts["runs"].values())
 

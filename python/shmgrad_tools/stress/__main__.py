@@ -112,6 +112,11 @@ def report(label, c):
         f"{label}: {c.elapsed_s:.1f} s, trainer restarts {c.trainer_restarts}, "
         f"worker replacements {c.worker_replacements}, steps aborted {c.steps_aborted}, "
         f"shrink-and-grow {c.resizes}, errors after repeated deaths {c.errors}"
+        + (
+            f", structured batches {c.structured_steps}, accumulated {c.accumulated_steps}"
+            if c.structured_steps or c.accumulated_steps
+            else ""
+        )
     )
     print(
         f"steps {c.steps}, kills {c.kills}, recoveries {c.recoveries}, wrong gradients "

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import types
 import time
 
 import torch
@@ -59,6 +60,8 @@ class Counts:
     errors: int = 0  # WorkerErrors after repeated deaths: allowed
     trainer_restarts: int = 0
     resizes: int = 0  # shrink-and-grow-back pairs
+    structured_steps: int = 0  # eager: explicit batches given as gradient(batch=(x, y))
+    accumulated_steps: int = 0  # eager: a batch given as two accumulated micro-batches
     worker_replacements: int = 0  # the engine's worker_restarts over the run
     steps_aborted: int = 0  # the engine's steps_aborted over the run
     leaked_segments: int = 0
@@ -237,6 +240,35 @@ class StressRun:
                 lambda: self.trainer.gradient(idx, reduction=reduction, timeout=timeout, seed=seed),
             )
         x, y = torch.randn(batch, *INPUT_SHAPE), torch.randint(0, CLASSES, (batch,))
+        # Eager workers also take the batch as a structure, or in two accumulated
+        # micro-batches (the second added to the first, once however often it is retried).
+        form = self.rng.choice(("explicit", "structured", "accumulated"))
+        if self.workload.kind == "eager" and form == "structured":
+            self.counts.structured_steps += 1
+            return (
+                x,
+                y,
+                mean,
+                lambda: self.trainer.gradient(batch=(x, y), reduction=reduction, timeout=timeout),
+            )
+        if self.workload.kind == "eager" and form == "accumulated" and batch >= 2:
+            self.counts.accumulated_steps += 1
+            cut = self.rng.randint(1, batch - 1)
+
+            def accumulated():
+                first = self.trainer.gradient(
+                    inputs=x[:cut], targets=y[:cut], reduction=reduction, timeout=timeout
+                )
+                second = self.trainer.gradient(
+                    inputs=x[cut:],
+                    targets=y[cut:],
+                    reduction=reduction,
+                    timeout=timeout,
+                    accumulate=True,
+                )
+                return types.SimpleNamespace(retries=first.retries + second.retries)
+
+            return x, y, mean, accumulated
         return (
             x,
             y,
