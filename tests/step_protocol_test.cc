@@ -50,6 +50,8 @@ class FakeComputer : public ShardComputer {
       int64_t i;
       if (s.kind == ipc::BatchKind::kIndices) {
         i = s.indices[k];
+      } else if (s.kind == ipc::BatchKind::kStructured) {
+        i = static_cast<int64_t>(static_cast<const float*>(s.leaf_data[0])[k]);
       } else {
         i = static_cast<int64_t>(static_cast<const float*>(s.inputs)[k]);
       }
@@ -295,6 +297,68 @@ TEST(StepProtocolExplicitTest, ExplicitBatchesAreReadFromTheRequestRegions) {
   auto targets = torch::zeros({5}, torch::kInt64);
   engine.trainer().gradient(inputs, targets, o);
   EXPECT_LT(engine.maxRelError(engine.expected(ids, false)), 1e-6);
+}
+
+// A structured batch: its tensors one after the other in the input region, each shard
+// reading its rows of every one.
+TEST(StepProtocolStructuredTest, StructuredBatchesAreSplitAlongTheirFirstDimension) {
+  Engine engine(2);
+  // Structured batches are for eager workers; the fake compute phase plays one here.
+  engine.segment().header()->worker_kind = static_cast<uint32_t>(ipc::WorkerKind::kEager);
+  GradientOptions o;
+  o.timeout_seconds = 20;
+  std::vector<int64_t> ids = {3, 8, 1, 0, 12};
+  auto first = indexTensor(ids).to(torch::kFloat32).reshape({5, 1});
+  auto mask = torch::ones({5, 3}, torch::kBool);
+  GradientStats s = engine.trainer().gradient({first, mask}, "{\"t\":[0,1]}", o);
+  EXPECT_EQ(s.num_examples, 5);
+  EXPECT_LT(engine.maxRelError(engine.expected(ids, false)), 1e-6);
+  // Refused before anything is published: rows that differ, a dtype the engine cannot
+  // carry; the engine keeps serving.
+  EXPECT_THROW(engine.trainer().gradient({first, torch::ones({4})}, "x", o), Error);
+  EXPECT_THROW(engine.trainer().gradient({first.to(torch::kComplexFloat)}, "x", o), Error);
+  engine.trainer().gradient({first}, "x", o);
+  EXPECT_LT(engine.maxRelError(engine.expected(ids, false)), 1e-6);
+}
+
+// A leaf table that points outside the input region (as no trainer writes it) is the
+// worker's error, never a read out of bounds: hand-published here, past the trainer.
+TEST(StepProtocolStructuredTest, HostileLeafTableIsRefusedByTheWorkers) {
+  Engine engine(1);
+  engine.segment().header()->worker_kind = static_cast<uint32_t>(ipc::WorkerKind::kEager);
+  GradientOptions o;
+  o.timeout_seconds = 20;
+  auto first = torch::zeros({4, 1}, torch::kFloat32);
+  engine.trainer().gradient({first}, "x", o);  // a valid structured request to start from
+  ipc::SegmentHeader* h = engine.segment().header();
+  ipc::ControlBlock& c = h->control;
+  ipc::StepRequest& r = h->request;
+  const auto publish = [&] {
+    const uint32_t e = c.step_epoch.load() + 1;
+    r.epoch = e;
+    h->workers[0].assigned_rank.store(0);
+    h->workers[0].assigned_epoch.store(e);
+    c.compute_barrier.store(ipc::barrierTag(e));
+    c.reduce_barrier.store(ipc::barrierTag(e));
+    c.step_epoch.store(e);
+    ipc::futexWake(&c.step_epoch);
+    for (int i = 0; i < 2000 && c.done_epoch.load() != e; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    EXPECT_EQ(c.done_epoch.load(), e);
+    return std::string(h->workers[0].error_text);
+  };
+  r.leaves[0].offset = h->req_inputs.size;  // past the end
+  EXPECT_NE(publish().find("outside the input region"), std::string::npos);
+  r.leaves[0].offset = 0;
+  r.leaves[0].example_shape.dims[0] = int64_t{1} << 20;  // rows larger than the region
+  EXPECT_NE(publish().find("outside the input region"), std::string::npos);
+  r.leaves[0].example_shape.dims[0] = 1;
+  r.leaves[0].type = 99;
+  EXPECT_NE(publish().find("type"), std::string::npos);
+  r.leaves[0].type = static_cast<uint32_t>(ipc::LeafType::kFloat32);
+  r.num_leaves = ipc::kMaxLeaves + 1;
+  EXPECT_NE(publish().find("structured batch header"), std::string::npos);
 }
 
 TEST(StepProtocolExitTest, StopRequestEndsEveryParticipantWithTheStoppedCode) {

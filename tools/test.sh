@@ -33,8 +33,8 @@ trap 'bazel shutdown >/dev/null 2>&1 || true' EXIT  # leave no Bazel server behi
 FILTER='^(Loading|Analyzing|INFO: (Analyzed|Found|From)|\[)'
 stamp "C++ tests: bazel test //..."
 bazel test //... 2>&1 | grep -Ev "$FILTER"
-stamp "C++ tests under AddressSanitizer+UBSan: ipc, sync, replica, engine"
-bazel test --config=asan //tests:ipc_test //tests:sync_test //tests:replica_test //tests:engine_test 2>&1 | grep -Ev "$FILTER"
+stamp "C++ tests under AddressSanitizer+UBSan: ipc, sync, replica, engine, step protocol"
+bazel test --config=asan //tests:ipc_test //tests:sync_test //tests:replica_test //tests:engine_test //tests:step_protocol_test 2>&1 | grep -Ev "$FILTER"
 stamp "synchronisation under ThreadSanitizer (clang; GCC 12's libtsan crashes on this kernel)"
 TSAN_BASE="${SHMGRAD_TSAN_OUTPUT_BASE:-$HOME/.cache/shmgrad-bazel-tsan}"
 CC=clang bazel --output_base="$TSAN_BASE" \
