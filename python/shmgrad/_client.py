@@ -359,7 +359,8 @@ class Client:
         examples or counts). It adds to the results since the last call without
         ``accumulate``, or since ``optimizer.zero_grad()`` set ``.grad`` to None (or zeroed
         it). Every call of one accumulation takes the same ``reduction``. A micro-batch
-        retried after a worker died is added once. One node only.
+        retried after a worker died is added once. Across nodes each micro-batch is
+        all-reduced, then added by the trainer (one pass over the gradient).
 
         .. warning:: Blocks until every worker has finished its slice of the reduction
            (a synchronisation point of all workers), an error is raised, or ``timeout``
@@ -393,20 +394,24 @@ class Client:
         mean = reduction == "mean"
         nodes = self._nodes  # across nodes the mean is taken after the all-reduce
         mode, prev_count = 0, 0.0  # ipc::Accumulate: a fresh result in the first set
+        onto_nodes = False  # across nodes: added by the trainer after the all-reduce
         if accumulate and self._accumulating_onto():
-            if nodes is not None:
-                raise errors.InvalidArgumentError(
-                    "accumulate=True works on one node; across nodes, give each node its "
-                    "share of the whole batch in one gradient() call"
-                )
             if self._last_mean != mean:
                 raise errors.InvalidArgumentError(
                     f"accumulate=True adds to a result of reduction="
                     f"{'mean' if self._last_mean else 'sum'!r}: give the same reduction to "
                     "every call of one accumulation"
                 )
-            mode = 1 if self._current == 0 else 2
             prev_count = self._last_count
+            if nodes is None:
+                mode = 1 if self._current == 0 else 2
+            else:
+                # The all-reduce works on the first set: the previous (global) result
+                # moves to the second once, and each micro-batch is added to it there.
+                onto_nodes = True
+                if self._current == 0:
+                    for a, r in zip(self._grad_sets[1], self._grad_sets[0]):
+                        a.copy_(r)
         mepw = (
             self.min_examples_per_worker
             if min_examples_per_worker is None
@@ -501,7 +506,19 @@ class Client:
             stats = GradientStats(local_step())
         else:
             stats = GradientStats(*nodes.gradient(None if empty else local_step, mean))
-        if mode == 0:
+        if onto_nodes:
+            # accum = a * accum + b * (this micro-batch's global result): a = b = 1 for a
+            # sum; for a mean, weights by the previous count P and this one's C.
+            count = stats.count
+            acc, fresh = self._grad_sets[1], self._grad_sets[0]
+            if mean:
+                total = prev_count + count
+                torch._foreach_mul_(acc, prev_count / total)
+                torch._foreach_add_(acc, fresh, alpha=count / total)
+            else:
+                torch._foreach_add_(acc, fresh)
+            self._current, self._last_count = 1, prev_count + count
+        elif mode == 0:
             self._current, self._last_count = 0, stats.count
         else:
             self._current, self._last_count = 1 - self._current, prev_count + stats.count

@@ -258,6 +258,43 @@ def test_gradient_of_the_global_batch(npy_dataset, tmp_path, prefix, bucket_cap_
         assert r["after"][0] == 2 and relative_error(r["after"][1], ref) < 1e-5
 
 
+# Micro-batches: (share of rank 0, share of rank 1); one share empty in the second.
+MICRO_BATCHES = [
+    (list(range(0, 5)), list(range(5, 12))),
+    ([12, 13, 14], []),
+    (list(range(20, 24)), list(range(24, 33))),
+]
+
+
+def _accumulated(rank, spec, prefix):
+    torch.manual_seed(100)
+    model = Cnn()
+    out = {}
+    with _engine(rank, model, prefix, "acc", workers=2, dataset=spec) as engine:
+        engine.bind(model)
+        for reduction in ("sum", "mean"):
+            model.zero_grad()  # the first call starts afresh, as after any zero_grad()
+            for shares in MICRO_BATCHES:
+                st = engine.gradient(shares[rank], reduction=reduction, accumulate=True)
+            out[reduction] = (_grads(model), st.count)
+    return out
+
+
+def test_accumulated_micro_batches_across_nodes(npy_dataset, tmp_path, prefix):
+    spec, x, y = npy_dataset
+    with Ranks("accumulated", tmp_path, spec=spec, prefix=prefix) as ranks:
+        results = ranks.results()
+    torch.manual_seed(100)
+    model0 = Cnn()
+    union = torch.tensor([i for shares in MICRO_BATCHES for s in shares for i in s])
+    for reduction in ("sum", "mean"):
+        ref = reference_gradient(model0, "cross_entropy", x[union], y[union], reduction)
+        for rank, r in enumerate(results):
+            grads, count = r[reduction]
+            assert relative_error(grads, ref) < 1e-5, (rank, reduction)
+            assert count == len(MICRO_BATCHES[-1][0]) + len(MICRO_BATCHES[-1][1])
+
+
 # -- 2. bit-identical parameters after training ------------------------------------------
 SGD_STEPS = 20
 SGD_BATCH = 13  # shares of 6 and 7
@@ -604,6 +641,7 @@ def test_bench_nodes_tiny(tmp_path):
 
 
 SCENARIOS = {
+    "accumulated": _accumulated,
     "gradients": _gradients,
     "sgd": _sgd,
     "batchnorm": _batchnorm,
