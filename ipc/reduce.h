@@ -21,11 +21,10 @@ inline void shardBounds(int64_t total, uint32_t parts, uint32_t rank, int64_t* b
   *end = total * (rank + 1) / parts;
 }
 
-// The factor that turns a sum over `count` examples into their mean, as the gradient
-// (float32) is scaled: by the workers on one node, by the trainer across nodes.
-inline float meanScale(int64_t count) {
-  return static_cast<float>(1.0 / static_cast<double>(count));
-}
+// The factor that turns a sum over `count` into its mean, as the gradient (float32) is
+// scaled: by the workers on one node, by the trainer across nodes. The count is the
+// examples, or a weight that need not be a whole number (tokens in a mean over tokens).
+inline float meanScale(double count) { return static_cast<float>(1.0 / count); }
 
 // out[i] = scale * (in[0][i] + ... + in[n-1][i]) for i in [begin, end). n >= 1.
 // Allocates nothing; vectorised (AVX2 where the CPU has it, chosen at load time).
@@ -40,10 +39,6 @@ void accumulateSlice(float* out, const float* prev, float a, const float* const*
 
 // data[i] *= scale for i in [begin, end).
 void scaleSlice(float* data, uint64_t begin, uint64_t end, float scale);
-
-// The factor that turns a sum into a mean over `count`, a weight that need not be a
-// whole number (tokens in a mean over tokens): the step's examples give meanScale's.
-inline float meanScaleOf(double count) { return static_cast<float>(1.0 / count); }
 
 // True if any of data[begin, end) is NaN or infinite.
 bool anyNonFinite(const float* data, uint64_t begin, uint64_t end);

@@ -30,8 +30,7 @@ struct PyShard {
   bool grads_in_reduced = false;  // this worker is alone: .grad must view the reduced buffer
   uint64_t seed = 0;
   bool train = true;
-  bool average_buffers = true;  // BufferRule::kMean
-  std::string kind;             // "indices", "explicit" or "structured"
+  std::string kind;  // "indices", "explicit" or "structured"
   torch::Tensor indices, inputs, targets;
   std::vector<torch::Tensor> leaves;  // structured: the batch's tensors, this shard's rows
   std::string structure;              // structured: how they nest (python/shmgrad/_batch.py)
@@ -68,7 +67,6 @@ class PyShardComputer : public worker::ShardComputer {
     shard_.grads_in_reduced = s.grads == seg_.reduced();
     shard_.seed = s.seed;
     shard_.train = s.train;
-    shard_.average_buffers = s.buffer_rule == ipc::BufferRule::kMean;
     if (s.kind == ipc::BatchKind::kIndices) {
       shard_.kind = "indices";
       shard_.indices = torch::from_blob(const_cast<int64_t*>(s.indices), {s.size()}, torch::kInt64);
@@ -180,7 +178,6 @@ void bindEagerWorker(py::module_& m) {
       .def_readonly("grads_in_reduced", &PyShard::grads_in_reduced)
       .def_readonly("seed", &PyShard::seed)
       .def_readonly("train", &PyShard::train)
-      .def_readonly("average_buffers", &PyShard::average_buffers)
       .def_readonly("kind", &PyShard::kind)
       .def_readonly("indices", &PyShard::indices)
       .def_readonly("inputs", &PyShard::inputs)

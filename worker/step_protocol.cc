@@ -137,14 +137,15 @@ void StepParticipant::runStep(uint32_t e, ShardComputer& computer) {
   Shard shard;
   const bool valid = prepareShard(e, &shard);
   if (valid) computePhase(shard, computer);
-  if (valid && h_->num_buffers > 0 && shard.buffer_rule == ipc::BufferRule::kMean &&
-      me_.error == 0) {
+  const auto publish = [&](uint8_t* dst) {
     try {
-      computer.publishBuffers(seg_.slotBuffers(slot_));  // averaged by rank 0 below
+      computer.publishBuffers(dst);
     } catch (const std::exception& ex) {
       setError("", ex.what());
     }
-  }
+  };
+  const bool average = valid && h_->num_buffers > 0 && shard.buffer_rule == ipc::BufferRule::kMean;
+  if (average && me_.error == 0) publish(seg_.slotBuffers(slot_));  // averaged by rank 0 below
   const uint64_t t1 = ipc::monotonicNs();
   me_.compute_ns = t1 - t0;
   me_.result_epoch = e;
@@ -155,14 +156,10 @@ void StepParticipant::runStep(uint32_t e, ShardComputer& computer) {
     const uint64_t t2 = ipc::monotonicNs();
     me_.barrier_wait_ns = t2 - t1;
     if (shard.rank == 0 && h_->num_buffers > 0) {
-      if (shard.buffer_rule == ipc::BufferRule::kMean) {
+      if (average) {
         averageBuffers(shard);
       } else {
-        try {
-          computer.publishBuffers(seg_.buffers());
-        } catch (const std::exception& ex) {
-          setError("", ex.what());
-        }
+        publish(seg_.buffers());
       }
     }
     reducePhase(shard);
@@ -203,7 +200,8 @@ bool StepParticipant::prepareShard(uint32_t e, Shard* s) {
   ipc::shardBounds(B, n, rank, &s->begin, &s->end);
   s->max_examples_per_pass = r.max_examples_per_pass;
   s->kind = static_cast<ipc::BatchKind>(r.kind);
-  s->buffer_rule = static_cast<ipc::BufferRule>(r.buffer_rule);
+  // One participant's statistics are the average: it publishes them directly.
+  s->buffer_rule = n > 1 ? static_cast<ipc::BufferRule>(r.buffer_rule) : ipc::BufferRule::kFirst;
   s->accumulate = static_cast<ipc::Accumulate>(r.accumulate);
   // Alone, this worker's gradient is the result: backward writes into the reduced
   // buffer and applies the mean's scale itself, and there is nothing to reduce. Not when
@@ -349,11 +347,11 @@ void StepParticipant::reducePhase(const Shard& shard) {
   const ipc::StepRequest& r = h_->request;
   const uint32_t n = shard.participants;
   const bool mean = r.reduction_scale_is_mean != 0;
-  // A mean over the step's examples is r.scale; over counts that differ from them (a
-  // mean over tokens), 1 / count. 0 for a count of 0: the trainer refuses that step.
+  // A mean is over the participants' counts (the examples, where they are the counts:
+  // then the same factor as r.scale). 0 for a count of 0: the trainer refuses that step.
   const double count = mean ? stepCount(shard) : 0;
   const bool by_examples = !mean || count == static_cast<double>(r.num_examples);
-  const float scale = by_examples ? r.scale : count > 0 ? ipc::meanScaleOf(count) : 0.0f;
+  const float scale = !mean ? 1.0f : count > 0 ? ipc::meanScale(count) : 0.0f;
   if (n == 1 && shard.accumulate == ipc::Accumulate::kFresh) {
     // The gradient is already in the reduced buffer (prepareShard), scaled by r.scale;
     // only a mean over counts other than the examples rescales it. Then look for
@@ -383,7 +381,7 @@ void StepParticipant::reducePhase(const Shard& shard) {
     if (mean) {
       const double total = r.prev_count + count;
       a = total > 0 ? static_cast<float>(r.prev_count / total) : 0.0f;
-      s = total > 0 ? ipc::meanScaleOf(total) : 0.0f;
+      s = total > 0 ? ipc::meanScale(total) : 0.0f;
     }
     ipc::accumulateSlice(out, prev, a, ins, n, b, end, s);
   }

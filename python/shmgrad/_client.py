@@ -11,10 +11,9 @@ import torch
 
 from . import errors, multinode
 from ._native import _C, DEFAULTS
-from ._eager import compiled_original, has_batchnorm, shared_buffers, step_seed
+from ._eager import REDUCTIONS, compiled_original, has_batchnorm, shared_buffers, step_seed
 from ._status import EngineStatus, read_status
 
-REDUCTIONS = ("sum", "mean")
 BUFFER_RULES = ("average", "first")  # how a step publishes BatchNorm statistics
 STATE_VERSION = 1  # Client.state_dict()'s format
 RESIZE_POLL_S = 0.01  # how often resize() looks at the ready worker count

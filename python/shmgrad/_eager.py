@@ -99,7 +99,7 @@ def _named_loss(name):
     return table[name]
 
 
-LOSS_REDUCTIONS = ("sum", "mean")
+REDUCTIONS = ("sum", "mean")  # what a loss returns for a batch, and gradient()'s reduction
 
 
 def check_loss(loss, loss_names, *, forward=None, loss_reduction=None) -> Optional[str]:
@@ -107,7 +107,7 @@ def check_loss(loss, loss_names, *, forward=None, loss_reduction=None) -> Option
     Returns the loss's reduction when it is known without running it ("sum" or "mean":
     declared with ``loss_reduction=``, a name, or an ``nn`` loss's ``reduction``), None
     when it must be found out on a batch (:func:`probe_reduction`)."""
-    if loss_reduction is not None and loss_reduction not in LOSS_REDUCTIONS:
+    if loss_reduction is not None and loss_reduction not in REDUCTIONS:
         raise errors.InvalidArgumentError(
             f"loss_reduction must be 'sum' or 'mean' (what the loss callable or forward "
             f"returns for a batch), got {loss_reduction!r}"
@@ -138,7 +138,7 @@ def check_loss(loss, loss_names, *, forward=None, loss_reduction=None) -> Option
         )
     reduction = getattr(loss, "reduction", None)
     if forward is None and isinstance(loss, torch.nn.Module) and reduction is not None:
-        if reduction not in LOSS_REDUCTIONS:
+        if reduction not in REDUCTIONS:
             raise errors.InvalidArgumentError(
                 f"the loss {type(loss).__name__}(reduction={reduction!r}) does not reduce the "
                 f"batch to one number: create it with reduction='mean' (or 'sum')"
@@ -228,10 +228,6 @@ def probe_reduction(model, loss, forward, batch) -> str:
         f"{b:.6g} for the batch given twice): say which with Engine(..., "
         "loss_reduction='sum' or 'mean'), or return (loss_sum, count) from forward="
     )
-
-
-def _is_dataloader(obj) -> bool:
-    return isinstance(obj, torch.utils.data.DataLoader)
 
 
 def check_dataset(dataset, *, model, loss, forward, collate_fn, loss_reduction, seed: int = 0):
@@ -465,7 +461,7 @@ def prepare_job(
             f"{type(model).__name__}"
         )
     loss_reduction = check_loss(loss, loss_names, forward=forward, loss_reduction=loss_reduction)
-    if _is_dataloader(dataset):
+    if isinstance(dataset, torch.utils.data.DataLoader):
         raise errors.InvalidArgumentError(
             "dataset is a DataLoader; shmgrad's workers load the examples themselves: pass "
             "dataset=loader.dataset, collate_fn=loader.collate_fn, and give each batch's "

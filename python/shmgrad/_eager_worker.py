@@ -134,6 +134,7 @@ class ShardRunner:
             )
         out = self._eager.call_loss(self.run_model, self.loss, self.forward, batch)
         examples = stop - start
+        per_example = 1  # what turns the loss into the pass's sum: its examples for a mean
         if isinstance(out, (tuple, list)):
             if len(out) != 2:
                 raise TypeError(
@@ -142,10 +143,10 @@ class ShardRunner:
                 )
             loss, count = out
             count = float(count.detach()) if isinstance(count, torch.Tensor) else float(count)
-            scale = 1.0
         else:
             loss, count = out, float(examples)
-            scale = float(examples) if self.loss_reduction == "mean" else 1.0
+            if self.loss_reduction == "mean":
+                per_example = examples
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(
                 "the loss must be one number for the batch; got "
@@ -156,12 +157,9 @@ class ShardRunner:
                 )
                 + " (reduce it with .sum() or .mean(), and say which with loss_reduction=)"
             )
-        scale *= shard.grad_scale
+        scale = per_example * shard.grad_scale
         (loss * scale if scale != 1.0 else loss).backward()
-        loss_sum = float(loss.detach())
-        if self.loss_reduction == "mean" and not isinstance(out, (tuple, list)):
-            loss_sum *= examples
-        return (loss_sum, count)
+        return (float(loss.detach()) * per_example, count)
 
     def _batch(self, shard, start, stop):
         if shard.kind == "explicit":

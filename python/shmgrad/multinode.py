@@ -257,15 +257,12 @@ class NodeGroup:
         # The mean's denominator: the examples, or forward's counts where they differ
         # (float32: whole counts exact to 2^24).
         weight = float(f[_WEIGHT])
-        if weight == count:
-            weight = count
         if mean:
             if weight <= 0:
                 raise errors.InvalidArgumentError(
                     f"the global batch's count is {weight}: a mean needs a count > 0"
                 )
-            # As the workers scale one node's.
-            self._grad.mul_(_C.mean_scale(count) if weight == count else 1.0 / weight)
+            self._grad.mul_(_C.mean_scale(weight))  # as the workers scale one node's
         if self._buffers:  # the statistics of the first node that computed (DDP: rank 0's)
             src = _global_rank(self._pg, int(counts.nonzero()[0][0]))
             self._collective(
