@@ -5,6 +5,7 @@ TorchScript deprecation of today's torch."""
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -364,6 +365,54 @@ def test_device_check_prepares_and_dry_runs(tmp_path):
     assert "## Adaptive batches, like for like" in report_md
     gpu = subprocess.run([script, "--gpu"], capture_output=True, text=True, timeout=60)
     assert gpu.returncode != 0 and "CUDA path is not built" in gpu.stderr
+    # A lease too short for everything: what does not fit is skipped, said, and fails.
+    short = subprocess.run(
+        [script, "--run", "--dry-run", "--deadline", "1", "--skip", "adaptive"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert short.returncode == 1, short.stdout[-3000:] + short.stderr[-3000:]
+    with open(tmp_path / "device-check-out" / "report.json") as f:
+        report = json.load(f)
+    assert report["steps"] == {"build": 0} and report["skipped"] == ["bench", "tests"]
+    assert (
+        "skipped for want of time: bench, tests"
+        in (tmp_path / "device-check-out" / "report.md").read_text()
+    )
+
+
+def _shared_object(tmp_path, name, *flags):
+    src = tmp_path / "reads.cc"
+    src.write_text(
+        "#include <fstream>\n"
+        'int first() { std::ifstream f("/proc/self/stat"); int x = 0; f >> x; return x; }\n'
+    )
+    out = tmp_path / name
+    subprocess.run(["g++", "-shared", "-fPIC", "-o", str(out), str(src), *flags], check=True)
+    return str(out)
+
+
+def test_an_extension_with_its_own_libstdcxx_fails_the_build(tmp_path):
+    # The GPU machine's compiler wrapper linked libstdc++ statically: the extension crashed
+    # at its first stream read. The CMake build checks each torch-linked binary for that.
+    if shutil.which("g++") is None or shutil.which("nm") is None:
+        pytest.skip("needs g++ and nm")
+    check = [sys.executable, os.path.join(ROOT, "tools", "check_extension_link.py")]
+    static = _shared_object(tmp_path, "static.so", "-static-libstdc++")
+    res = subprocess.run(
+        check + [static, "--compiler", "g++-wrapper"], capture_output=True, text=True
+    )
+    assert res.returncode == 1
+    assert "g++-wrapper links libstdc++ statically" in res.stderr and "CXX=" in res.stderr
+    dynamic = _shared_object(tmp_path, "dynamic.so")
+    assert subprocess.run(check + [dynamic]).returncode == 0
+    native = subprocess.run(check + [shmgrad._C.__file__], capture_output=True, text=True)
+    assert native.returncode == 0, native.stderr
+    with open(os.path.join(ROOT, "CMakeLists.txt")) as f:
+        cmake = f.read()
+    assert "tools/check_extension_link.py" in cmake and "POST_BUILD" in cmake
 
 
 def test_defaults_and_tunables_are_declared_once():
