@@ -14,6 +14,7 @@
 #include <cstring>
 #include <new>
 
+#include "ipc/device_table.h"
 #include "ipc/error.h"
 
 namespace bip = boost::interprocess;
@@ -248,6 +249,12 @@ void validateHeader(const SegmentHeader* h, uint64_t size) {
   checkRegion("req_inputs", h->req_inputs, size, 0);
   checkRegion("req_targets", h->req_targets, size, 0);
   checkRegion("device", h->device, size, 0);
+  if (h->device.size >= sizeof(DeviceTable) && h->device.offset % alignof(DeviceTable) == 0) {
+    // A CPU engine's table is all zeros (no device); a GPU engine's is checked in full.
+    validateDeviceTable(*reinterpret_cast<const DeviceTable*>(reinterpret_cast<const uint8_t*>(h) +
+                                                              h->device.offset),
+                        h->num_slots, h->param_floats, h->buffers.size, -1);
+  }
   {
     // No two regions may overlap: a worker writing its slot must never touch another.
     Region all[] = {h->params_table, h->params,       h->slots,      h->reduced,

@@ -16,6 +16,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <new>
 #include <random>
 #include <stdexcept>
@@ -24,6 +25,7 @@
 #include <utility>
 #include <vector>
 
+#include "ipc/device_table.h"
 #include "ipc/error.h"
 #include "ipc/futex.h"
 #include "ipc/layout.h"
@@ -862,6 +864,117 @@ TEST(FutexTest, FutexWaitReturnsOnValueMismatchAndTimeout) {
   EXPECT_GE(took, 40'000'000ull);
   EXPECT_LT(took, 1'000'000'000ull);
   EXPECT_FALSE(futexWait(word, 5, std::chrono::nanoseconds(0)));
+}
+
+// ---------------------------------------------------------------------------------
+// The device table (GPU engines): layout, placement and validation against hostile values
+
+TEST(DeviceTableTest, LayoutIsAlignedOrderedAndSized) {
+  const DeviceLayout l = layoutDevice(1000, 300, 3);
+  for (uint64_t off : {l.params, l.buffers, l.slots, l.slot_stride, l.reduced, l.accum}) {
+    EXPECT_EQ(off % kDeviceAlign, 0u);
+  }
+  EXPECT_GE(l.buffers, l.params + 1000 * 4);
+  EXPECT_GE(l.slots, l.buffers + 300);
+  EXPECT_GE(l.slot_stride, 1000u * 4);
+  EXPECT_EQ(l.reduced, l.slots + 3 * l.slot_stride);
+  EXPECT_GE(l.accum, l.reduced + 1000 * 4);
+  EXPECT_GE(l.bytes, l.accum + 1000 * 4);
+  EXPECT_TRUE(throwsKind(ErrorKind::kInvalidArgument, [] { layoutDevice(1, 0, kMaxWorkers + 1); }));
+  EXPECT_TRUE(
+      throwsKind(ErrorKind::kInvalidArgument, [] { layoutDevice(kMaxParamFloats + 1, 0, 1); }));
+}
+
+TEST(DeviceTableTest, RoundRobinPlacesSeveralWorkersPerDevice) {
+  const Placement p = placeRoundRobin(5, 2);
+  EXPECT_EQ(p.device, (std::vector<int>{0, 1, 0, 1, 0}));
+  EXPECT_EQ(p.local, (std::vector<int>{0, 0, 1, 1, 2}));
+  EXPECT_EQ(p.slots_per_device, (std::vector<uint32_t>{3, 2}));
+  const Placement one = placeRoundRobin(4, 1);
+  EXPECT_EQ(one.local, (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_TRUE(throwsKind(ErrorKind::kInvalidArgument, [] { placeRoundRobin(2, 0); }));
+  EXPECT_TRUE(throwsKind(ErrorKind::kInvalidArgument, [] { placeRoundRobin(2, kMaxDevices + 1); }));
+  EXPECT_TRUE(throwsKind(ErrorKind::kInvalidArgument, [] { placeRoundRobin(kMaxWorkers + 1, 2); }));
+}
+
+TEST(DeviceTableTest, HostileTablesAreCorruptNeverUsed) {
+  auto table = std::make_unique<DeviceTable>();
+  std::memset(static_cast<void*>(table.get()), 0, sizeof(DeviceTable));
+  const uint64_t floats = 1000, buffer_bytes = 64;
+  const uint32_t slots = 5;
+  initDeviceTable(table.get(), {3, 1}, slots, floats, buffer_bytes);
+  EXPECT_EQ(table->count, 2u);
+  EXPECT_EQ(table->devices[0].ordinal, 3);
+  EXPECT_EQ(table->devices[0].slots, 3u);
+  EXPECT_EQ(table->devices[1].slots, 2u);
+  ASSERT_NO_THROW(validateDeviceTable(*table, slots, floats, buffer_bytes, 4));
+  // The same device twice is the caller's mistake, named.
+  auto other = std::make_unique<DeviceTable>();
+  std::string message;
+  EXPECT_TRUE(throwsKind(
+      ErrorKind::kInvalidArgument,
+      [&] {
+        initDeviceTable(other.get(), {0, 0}, 2, 8, 0);
+      },
+      &message));
+  EXPECT_NE(message.find("listed twice"), std::string::npos) << message;
+
+  const std::vector<uint8_t> pristine(
+      reinterpret_cast<const uint8_t*>(table.get()),
+      reinterpret_cast<const uint8_t*>(table.get()) + sizeof(DeviceTable));
+  auto hostile = [&](const char* what, const std::function<void(DeviceTable&)>& edit) {
+    std::memcpy(static_cast<void*>(table.get()), pristine.data(), sizeof(DeviceTable));
+    edit(*table);
+    std::string msg;
+    EXPECT_TRUE(throwsKind(
+        ErrorKind::kCorrupt, [&] { validateDeviceTable(*table, slots, floats, buffer_bytes, 4); },
+        &msg))
+        << what;
+    EXPECT_NE(msg.find("device table"), std::string::npos) << what << ": " << msg;
+  };
+  hostile("too many devices", [](DeviceTable& t) { t.count = kMaxDevices + 1; });
+  hostile("slot on a device past count", [](DeviceTable& t) { t.slot_device[4] = 2; });
+  hostile("slot on no device", [](DeviceTable& t) { t.slot_device[0] = kNoDevice; });
+  hostile("local slot past the device's", [](DeviceTable& t) { t.slot_local[1] = 2; });
+  hostile("two workers, one slot", [](DeviceTable& t) { t.slot_local[2] = 0; });
+  hostile("negative ordinal", [](DeviceTable& t) { t.devices[1].ordinal = -3; });
+  hostile("ordinal not visible", [](DeviceTable& t) { t.devices[0].ordinal = 4; });
+  hostile("ordinal twice", [](DeviceTable& t) { t.devices[1].ordinal = 3; });
+  hostile("more workers than slots", [](DeviceTable& t) { t.devices[1].slots = 1; });
+  hostile("slots past the limit", [](DeviceTable& t) { t.devices[0].slots = kMaxWorkers + 1; });
+  hostile("unknown state", [](DeviceTable& t) { t.devices[0].state.store(7); });
+  hostile("allocation too small", [](DeviceTable& t) { t.devices[0].layout.bytes -= 256; });
+  hostile("reduced moved", [](DeviceTable& t) { t.devices[1].layout.reduced += 256; });
+  hostile("stride shrunk", [](DeviceTable& t) { t.devices[0].layout.slot_stride = 256; });
+  // Sizes that no layout can have, from a hostile segment header.
+  std::memcpy(static_cast<void*>(table.get()), pristine.data(), sizeof(DeviceTable));
+  EXPECT_TRUE(throwsKind(ErrorKind::kCorrupt, [&] {
+    validateDeviceTable(*table, slots, kMaxParamFloats + 1, buffer_bytes, -1);
+  }));
+  EXPECT_TRUE(throwsKind(ErrorKind::kCorrupt, [&] {
+    validateDeviceTable(*table, kMaxWorkers + 1, floats, buffer_bytes, -1);
+  }));
+}
+
+// The segment's device region holds the table: all zeros for a CPU engine, and every
+// process that attaches checks a GPU engine's in full.
+TEST(DeviceTableTest, SegmentsCheckTheirDeviceTableOnAttach) {
+  const std::string name = uniqueEngineName();
+  SegmentGuard guard(name);
+  auto seg = Segment::create(smallSpec(name));
+  HeaderCopy copy(*seg);
+  const SegmentHeader* h = copy.header();
+  ASSERT_GE(h->device.size, sizeof(DeviceTable));
+  auto* table = reinterpret_cast<DeviceTable*>(copy.data() + h->device.offset);
+  EXPECT_EQ(table->count, 0u);
+  ASSERT_NO_THROW(copy.validate());
+  initDeviceTable(table, {0}, h->num_slots, h->param_floats, h->buffers.size);
+  ASSERT_NO_THROW(copy.validate());
+  table->slot_local[0] = 200;
+  std::string message;
+  EXPECT_TRUE(throwsKind(
+      ErrorKind::kCorrupt, [&] { copy.validate(); }, &message));
+  EXPECT_NE(message.find("device table"), std::string::npos) << message;
 }
 
 }  // namespace
