@@ -11,6 +11,7 @@
 #include "engine/control.h"
 #include "engine/model_file.h"
 #include "engine/trainer.h"
+#include "ipc/device_table.h"
 #include "ipc/error.h"
 #include "ipc/layout.h"
 #include "ipc/reduce.h"
@@ -120,6 +121,10 @@ namespace shmgrad {
 void bindEagerWorker(py::module_& m);  // python/worker_binding.cc
 }
 
+#ifndef SHMGRAD_CUDA_TOOLKIT
+#define SHMGRAD_CUDA_TOOLKIT ""  // nvcc's release when the CUDA path is built (CMakeLists.txt)
+#endif
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "shmgrad native module (use the shmgrad package instead)";
 
@@ -128,11 +133,21 @@ PYBIND11_MODULE(_C, m) {
     py::dict d;
     d["torch"] = TORCH_VERSION;
     d["cxx11_abi"] = static_cast<bool>(_GLIBCXX_USE_CXX11_ABI);
-    d["cuda"] = false;  // the CUDA path is not built yet
-    d["cuda_toolkit"] = py::none();
+    // The CUDA path (libshmgrad_cuda.so beside this module), when nvcc built it.
+    const std::string toolkit = SHMGRAD_CUDA_TOOLKIT;
+    d["cuda"] = !toolkit.empty();
+    d["cuda_toolkit"] = toolkit.empty() ? py::object(py::none()) : py::object(py::str(toolkit));
     d["compiler"] = __VERSION__;
     return d;
   });
+
+  // Each worker slot's device index among an engine's devices (ipc/device_table.h).
+  m.def(
+      "place_round_robin",
+      [](uint32_t slots, uint32_t devices) {
+        return shmgrad::ipc::placeRoundRobin(slots, devices).device;
+      },
+      py::arg("slots"), py::arg("devices"));
 
   // shmgrad::Error -> shmgrad.errors.<class for its kind>, resolved at raise time.
   py::register_exception_translator([](std::exception_ptr p) {

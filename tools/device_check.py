@@ -68,7 +68,7 @@ SCALES = {
         # (2026-12-04), and 3 warm-ups made the benchmark alone outlast the lease.
         "warmup": 1,
         # The build's own checks and the engine's; the rest of the suite runs in CI.
-        "tests": ["test_build.py", "test_engine.py"],
+        "tests": ["test_gpu.py", "test_build.py", "test_engine.py"],
         "test_timeout": 120,
         "bench_timeout": 270,
         # GeoDamp doubling every epoch from 128 to 1024; batch 128 keeps 8 of the 16
@@ -96,7 +96,7 @@ SCALES = {
         "repeats": 3,
         "budget": 2,
         "warmup": 3,
-        "tests": ["test_build.py::test_bazel_and_cmake_compile_the_same_sources"],
+        "tests": ["test_gpu.py", "test_build.py::test_bazel_and_cmake_compile_the_same_sources"],
         "test_timeout": 120,
         "bench_timeout": 300,
         "adaptive": [
@@ -501,7 +501,7 @@ def main():
     ap.add_argument(
         "--gpu",
         action="store_true",
-        help="also the GPU checks: refused until the CUDA path is built",
+        help="also the GPU workers' checks: refused until GPU workers are built",
     )
     ap.add_argument("--out", default="device-check-out", help="the report's folder (--run)")
     ap.add_argument("--python", default=None, help="the interpreter to build against")
@@ -519,8 +519,9 @@ def main():
     args = ap.parse_args()
     if args.gpu:
         raise SystemExit(
-            "device-check --gpu: shmgrad's CUDA path is not built yet "
-            "(shmgrad.build_info()['cuda'] is False); run without --gpu"
+            "device-check --gpu: GPU workers are not built yet, so there is no GPU "
+            "training to check; every --run already runs the CUDA path's own tests "
+            "(tests/python/test_gpu.py: the reduction kernel, IPC handles across processes)"
         )
     if args.run:
         return run_checks(args)

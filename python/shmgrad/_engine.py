@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from . import _eager as eager
+from . import _gpu
 from . import errors
 from ._native import _C, DEFAULTS
 from ._client import Client, _check_buffers
@@ -113,10 +114,15 @@ def serve(
     startup_timeout: float = DEFAULTS["startup_timeout"],
     compile=False,
     loss_reduction: Optional[str] = None,
+    devices=None,
+    device=None,
 ) -> Server:
     """Starts an engine and returns once it serves, without attaching to it: a
     :class:`Server`. The arguments are :class:`Engine`'s (which is this, plus a trainer
     attached). Raises what :class:`Engine` raises at start-up; nothing is left behind."""
+    ordinals = _gpu.parse_devices(devices, device)
+    if ordinals is not None:
+        _gpu.check_devices(ordinals)  # before anything starts: what the machine lacks
     loss_names = _C.loss_names()
     compile_opts = eager.compile_options(compile)
     if isinstance(model, torch.nn.Module):
@@ -280,6 +286,12 @@ class Engine(Client):
             ``torch.compile`` is taken as ``compile=True`` on the module it wraps (bind
             either). Each worker compiles when it first meets a shape, inside that step
             (warm up before timing); gradients stay exact.
+        devices, device: GPUs for the workers (``devices=["cuda:0", "cuda:1"]``, or
+            ``device="cuda"`` for every visible one). **GPU workers are not in this release
+            yet** (docs/GPU.md): the CUDA path is built and checked, and an engine given
+            devices raises at once, before anything starts, naming what this machine lacks
+            (no CUDA path built, no driver, no GPU, a torch without CUDA, an ordinal past the
+            visible GPUs), or NotImplementedError where nothing is missing.
 
     Raises what ``serve`` reported when it could not start (InvalidArgumentError for a
     file that is not TorchScript or an unknown dataset, NoSpaceError when /dev/shm is too
@@ -313,6 +325,8 @@ class Engine(Client):
         compile=False,
         loss_reduction: Optional[str] = None,
         buffers: str = "average",
+        devices=None,
+        device=None,
     ):
         if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
             raise errors.InvalidArgumentError(f"seed must be an int >= 0, got {seed!r}")
@@ -333,6 +347,8 @@ class Engine(Client):
             startup_timeout=startup_timeout,
             compile=compile,
             loss_reduction=loss_reduction,
+            devices=devices,
+            device=device,
         )
         try:
             trainer = _C.Trainer.attach(server.name, timeout=ATTACH_TIMEOUT_S)

@@ -22,7 +22,7 @@ from conftest import Mlp, reference_gradient, relative_error
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 # The folders whose sources make the library, the extension and the programs (tests and
 # examples are Bazel's alone).
-PRODUCT_PACKAGES = ("ipc", "worker", "engine", "python", "tools")
+PRODUCT_PACKAGES = ("ipc", "worker", "engine", "python", "tools", "gpu")
 
 
 def _bazel_sources():
@@ -31,14 +31,14 @@ def _bazel_sources():
         with open(os.path.join(ROOT, pkg, "BUILD")) as f:
             text = f.read()
         for block in re.findall(r"srcs\s*=\s*\[([^\]]*)\]", text):
-            out.update(f"{pkg}/{name}" for name in re.findall(r'"([^"]+\.cc)"', block))
+            out.update(f"{pkg}/{name}" for name in re.findall(r'"([^"]+\.(?:cc|cu))"', block))
     return out
 
 
 def _cmake_sources():
     with open(os.path.join(ROOT, "CMakeLists.txt")) as f:
         text = re.sub(r"#.*", "", f.read())
-    return set(re.findall(r"\b([a-z_]+/[A-Za-z0-9_]+\.cc)\b", text))
+    return set(re.findall(r"\b([a-z_]+/[A-Za-z0-9_]+\.(?:cc|cu))\b", text))
 
 
 def _tree_sources():
@@ -46,7 +46,7 @@ def _tree_sources():
         f"{pkg}/{name}"
         for pkg in PRODUCT_PACKAGES
         for name in os.listdir(os.path.join(ROOT, pkg))
-        if name.endswith(".cc")
+        if name.endswith((".cc", ".cu"))
     }
 
 
@@ -364,7 +364,7 @@ def test_device_check_prepares_and_dry_runs(tmp_path):
     assert "Process settings: alike" in report_md
     assert "## Adaptive batches, like for like" in report_md
     gpu = subprocess.run([script, "--gpu"], capture_output=True, text=True, timeout=60)
-    assert gpu.returncode != 0 and "CUDA path is not built" in gpu.stderr
+    assert gpu.returncode != 0 and "GPU workers are not built yet" in gpu.stderr
     # A lease too short for everything: what does not fit is skipped, said, and fails.
     short = subprocess.run(
         [script, "--run", "--dry-run", "--deadline", "1", "--skip", "adaptive"],

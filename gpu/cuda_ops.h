@@ -1,0 +1,61 @@
+// shmgrad's CUDA path: the few device operations an engine with devices= needs, in one
+// shared library (libshmgrad_cuda.so) built by nvcc with the CUDA runtime linked in
+// statically. Nothing else links it: a process loads it with dlopen only when an engine
+// is given devices, so the CPU engine needs no CUDA library at run time, and a machine
+// without a driver or a device gets an error code here, never a failed load.
+//
+// A C interface (no C++ types cross the library's edge), every call returning 0 or a
+// CUDA error code; shmgrad_cuda_error_string() names a code. Memory is allocated with
+// cudaMalloc (outside any caching allocator) so that an IPC handle stays valid for the
+// allocation's life; handles are kShmgradIpcHandleBytes opaque bytes.
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define SHMGRAD_CUDA_API_VERSION 1
+#define SHMGRAD_IPC_HANDLE_BYTES 64
+
+// The library's interface version (SHMGRAD_CUDA_API_VERSION): a loader refuses another.
+int shmgrad_cuda_api_version(void);
+// The CUDA runtime version it was built with (e.g. 13000), and the driver's (0: none).
+int shmgrad_cuda_runtime_version(void);
+int shmgrad_cuda_driver_version(void);
+// A code's name and description, as the CUDA runtime gives them.
+const char* shmgrad_cuda_error_name(int code);
+const char* shmgrad_cuda_error_string(int code);
+
+// The number of visible devices, in *count.
+int shmgrad_cuda_device_count(int* count);
+// The device's name (NUL-terminated, at most `len` bytes with the NUL) and capability.
+int shmgrad_cuda_device_info(int device, char* name, size_t len, int* major, int* minor);
+
+// cudaMalloc on `device`, zero-filled; the pointer as an integer.
+int shmgrad_cuda_alloc(int device, uint64_t bytes, uint64_t* ptr);
+int shmgrad_cuda_free(int device, uint64_t ptr);
+// The IPC handle of an allocation's base pointer, and its opening in another process
+// (cudaIpcMemLazyEnablePeerAccess); a process cannot open its own handles.
+int shmgrad_cuda_ipc_handle(int device, uint64_t ptr, uint8_t handle[SHMGRAD_IPC_HANDLE_BYTES]);
+int shmgrad_cuda_ipc_open(int device, const uint8_t handle[SHMGRAD_IPC_HANDLE_BYTES],
+                          uint64_t* ptr);
+int shmgrad_cuda_ipc_close(int device, uint64_t ptr);
+// Synchronous copies between host and device memory (set-up and tests; not the step).
+int shmgrad_cuda_copy_to_device(int device, uint64_t dst, const void* src, uint64_t bytes);
+int shmgrad_cuda_copy_to_host(int device, void* dst, uint64_t src, uint64_t bytes);
+
+// The reduction of one slice: for i in [begin, end),
+//   out[i] = a * prev[i] + b * sum over k < nslots of slots[k * stride + i]
+// (prev may be 0 when a == 0; out may equal prev). The slots are summed in slot order in
+// float32, so the result is deterministic for a placement. Launched on `stream` (0: the
+// legacy default stream) and, when `wait` is set, waited for before returning.
+int shmgrad_cuda_sum_slots(int device, uint64_t out, uint64_t prev, uint64_t slots, uint32_t nslots,
+                           uint64_t stride, uint64_t begin, uint64_t end, float a, float b,
+                           uint64_t stream, int wait);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,171 @@
+"""shmgrad's CUDA path, seen from Python: ``devices=`` read into CUDA ordinals, their
+round-robin placement, and the checks that say at once what a machine lacks.
+
+The CUDA path is ``libshmgrad_cuda.so`` beside the extension (gpu/cuda_ops.h), built when
+nvcc was found at install time and loaded only here, only for an engine given devices: a
+CPU engine needs no CUDA library. GPU workers themselves are not in this release yet
+(docs/GPU.md): with every check passed, an engine with devices= says so.
+"""
+
+import ctypes
+import os
+from typing import List, Optional
+
+import torch
+
+from . import errors
+from ._native import _C, build_info
+
+LIBRARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libshmgrad_cuda.so")
+API_VERSION = 1  # gpu/cuda_ops.h's SHMGRAD_CUDA_API_VERSION
+
+_library = None
+
+
+def parse_devices(devices=None, device=None) -> Optional[List[int]]:
+    """The CUDA ordinals an engine serves, from ``devices=`` (a list of ``"cuda:N"``,
+    ``torch.device`` or ints) or ``device="cuda"`` (every visible GPU); None for a CPU
+    engine. Refuses CPU devices, duplicates and both arguments together."""
+    if devices is None and device is None:
+        return None
+    if devices is not None and device is not None:
+        raise errors.InvalidArgumentError(
+            "give devices= (a list of GPUs) or device='cuda' (every visible GPU), not both"
+        )
+    if device is not None:
+        d = torch.device(device) if not isinstance(device, torch.device) else device
+        if d.type != "cuda" or d.index is not None:
+            raise errors.InvalidArgumentError(
+                f"device={device!r}: device= takes 'cuda' (every visible GPU); name GPUs "
+                "with devices=['cuda:0', ...], and leave both out for a CPU engine"
+            )
+        count = device_count()
+        return list(range(count))
+    if isinstance(devices, (str, int, torch.device)):
+        devices = [devices]
+    ordinals = []
+    for item in devices:
+        try:
+            d = torch.device(f"cuda:{item}" if isinstance(item, int) else item)
+        except (RuntimeError, TypeError) as exc:
+            raise errors.InvalidArgumentError(
+                f"devices= holds {item!r}, which is no device: name GPUs as 'cuda:0', "
+                "'cuda:1', ... or by their index"
+            ) from exc
+        if d.type != "cuda":
+            raise errors.InvalidArgumentError(
+                f"devices= holds {item!r}: it lists GPUs ('cuda:0', ...); leave devices= out "
+                "for a CPU engine"
+            )
+        ordinal = d.index if d.index is not None else 0
+        if ordinal in ordinals:
+            raise errors.InvalidArgumentError(
+                f"devices= lists cuda:{ordinal} twice: give each GPU once (workers share GPUs "
+                "round-robin; workers= sets how many)"
+            )
+        ordinals.append(ordinal)
+    if not ordinals:
+        raise errors.InvalidArgumentError("devices= is empty: list at least one GPU")
+    return ordinals
+
+
+def placement(workers: int, ordinals: List[int]) -> List[int]:
+    """Each worker slot's CUDA ordinal: round-robin over ``ordinals``."""
+    return [ordinals[d] for d in _C.place_round_robin(workers, len(ordinals))]
+
+
+def _load():
+    """libshmgrad_cuda.so through ctypes (set-up only; never on a step's path)."""
+    global _library
+    if _library is not None:
+        return _library
+    info = build_info()
+    if not info["cuda"]:
+        raise errors.InvalidArgumentError(
+            "devices= needs shmgrad's CUDA path, and this shmgrad was built without it (no "
+            "nvcc was found when it was installed): install the CUDA toolkit, then reinstall "
+            "shmgrad with pip install --no-build-isolation . (or set CUDA_HOME)"
+        )
+    if not os.path.exists(LIBRARY):
+        raise errors.InvalidArgumentError(
+            f"devices= needs {LIBRARY}, which is missing from this installation: reinstall shmgrad"
+        )
+    lib = ctypes.CDLL(LIBRARY, mode=ctypes.RTLD_LOCAL)
+    i, u32, u64, f32, vp = (
+        ctypes.c_int,
+        ctypes.c_uint32,
+        ctypes.c_uint64,
+        ctypes.c_float,
+        ctypes.c_void_p,
+    )
+    for fn, args in {
+        "shmgrad_cuda_error_name": [i],
+        "shmgrad_cuda_error_string": [i],
+        "shmgrad_cuda_device_count": [ctypes.POINTER(i)],
+        "shmgrad_cuda_alloc": [i, u64, ctypes.POINTER(u64)],
+        "shmgrad_cuda_free": [i, u64],
+        "shmgrad_cuda_ipc_handle": [i, u64, vp],
+        "shmgrad_cuda_ipc_open": [i, vp, ctypes.POINTER(u64)],
+        "shmgrad_cuda_ipc_close": [i, u64],
+        "shmgrad_cuda_copy_to_device": [i, u64, vp, u64],
+        "shmgrad_cuda_copy_to_host": [i, vp, u64, u64],
+        "shmgrad_cuda_sum_slots": [i, u64, u64, u64, u32, u64, u64, u64, f32, f32, u64, i],
+    }.items():
+        getattr(lib, fn).argtypes = args
+    lib.shmgrad_cuda_error_name.restype = ctypes.c_char_p
+    lib.shmgrad_cuda_error_string.restype = ctypes.c_char_p
+    if lib.shmgrad_cuda_api_version() != API_VERSION:
+        raise errors.InvalidArgumentError(
+            f"{LIBRARY} has interface {lib.shmgrad_cuda_api_version()}, this shmgrad "
+            f"{API_VERSION}: reinstall shmgrad"
+        )
+    _library = lib
+    return lib
+
+
+def _describe(lib, code: int) -> str:
+    name = lib.shmgrad_cuda_error_name(code).decode()
+    return f"{name}: {lib.shmgrad_cuda_error_string(code).decode()}"
+
+
+def device_count() -> int:
+    """The GPUs the CUDA runtime sees; an error naming what is missing when it sees none."""
+    lib = _load()
+    count = ctypes.c_int(0)
+    code = lib.shmgrad_cuda_device_count(ctypes.byref(count))
+    if code == 35:  # cudaErrorInsufficientDriver: no driver, or one older than the runtime
+        raise errors.InvalidArgumentError(
+            "devices= needs an NVIDIA GPU and its driver, and this machine has no usable "
+            f"driver ({_describe(lib, code)}); leave devices= out to train on the CPU"
+        )
+    if code == 100 or (code == 0 and count.value == 0):  # cudaErrorNoDevice
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        hint = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+        raise errors.InvalidArgumentError(
+            f"devices= needs a GPU, and the CUDA runtime sees none{hint}; leave devices= out "
+            "to train on the CPU"
+        )
+    if code != 0:
+        raise errors.InvalidArgumentError(f"the CUDA runtime failed: {_describe(lib, code)}")
+    return count.value
+
+
+def check_devices(ordinals: List[int]) -> None:
+    """Raises, before anything starts, what keeps an engine from these GPUs."""
+    count = device_count()
+    if torch.version.cuda is None:
+        raise errors.InvalidArgumentError(
+            f"devices= needs a CUDA build of torch, and torch {torch.__version__} is built "
+            "without CUDA: install a CUDA build (pip install torch from the package index)"
+        )
+    missing = [o for o in ordinals if o >= count]
+    if missing:
+        raise errors.InvalidArgumentError(
+            f"devices= names cuda:{missing[0]}, and this machine shows {count} GPU(s) "
+            f"(cuda:0 to cuda:{count - 1})"
+        )
+    raise NotImplementedError(
+        "GPU workers are not in this release yet: the CUDA path (device buffers with IPC "
+        f"handles, the on-device reduction) is built and sees {count} GPU(s), but workers "
+        "still compute on the CPU (docs/GPU.md); leave devices= out"
+    )

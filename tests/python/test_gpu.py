@@ -1,0 +1,176 @@
+"""shmgrad's CUDA path: built, loaded, checked; on a machine with no GPU every devices=
+engine fails at once naming what is missing and leaves nothing behind. Tests that need a
+GPU skip with the reason (run them on one: tools/device-check)."""
+
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import shmgrad
+from shmgrad import _gpu, errors
+
+
+def _shm_entries():
+    return {n for n in os.listdir("/dev/shm") if n.startswith("shmgrad-")}
+
+
+def _gpu_or_skip():
+    try:
+        count = _gpu.device_count()
+    except errors.InvalidArgumentError as exc:
+        pytest.skip(f"no GPU here: {exc}")
+    return count
+
+
+def test_build_info_says_whether_the_cuda_path_is_built():
+    info = shmgrad.build_info()
+    assert info["cuda"] == os.path.exists(_gpu.LIBRARY)
+    nvcc = shutil.which("nvcc") or (
+        "/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None
+    )
+    if nvcc is None:
+        pytest.skip("no nvcc here: the CUDA path is not expected to be built")
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    assert info["cuda"] and f"release {info['cuda_toolkit']}," in out
+
+
+def test_devices_are_read_and_placed_round_robin():
+    assert _gpu.parse_devices() is None
+    assert _gpu.parse_devices(devices=["cuda:1", "cuda:0"]) == [1, 0]
+    assert _gpu.parse_devices(devices=[torch.device("cuda", 2), 3]) == [2, 3]
+    assert _gpu.parse_devices(devices="cuda") == [0]
+    assert _gpu.placement(5, [2, 0]) == [2, 0, 2, 0, 2]
+    assert _gpu.placement(3, [0]) == [0, 0, 0]
+    for bad, words in [
+        (dict(devices=["cpu"]), "leave devices= out for a CPU engine"),
+        (dict(devices=["cuda:0", "cuda:0"]), "twice"),
+        (dict(devices=[]), "empty"),
+        (dict(devices=["tpu:0"]), "no device"),
+        (dict(devices=["cuda:0"], device="cuda"), "not both"),
+        (dict(device="cuda:1"), "device= takes 'cuda'"),
+        (dict(device="cpu"), "device= takes 'cuda'"),
+    ]:
+        with pytest.raises(errors.InvalidArgumentError, match=words):
+            _gpu.parse_devices(**bad)
+    with pytest.raises(errors.InvalidArgumentError, match="1 to 16 devices"):
+        _gpu.placement(2, list(range(17)))
+
+
+def test_devices_without_a_gpu_fail_at_once_and_leave_nothing(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the no-GPU path is not what it shows")
+    before = _shm_entries()
+    model = torch.nn.Linear(3, 2)
+    for kwargs in (dict(devices=["cuda:0"]), dict(device="cuda")):
+        with pytest.raises(errors.InvalidArgumentError) as info:
+            shmgrad.Engine(model=model, workers=2, loss="mse", **kwargs)
+        message = str(info.value)
+        assert "leave devices= out" in message or "built without" in message, message
+        assert any(w in message for w in ("driver", "sees none", "built without")), message
+    assert _shm_entries() == before
+    # No engine process was started: nothing to find among this process's children.
+    children = subprocess.run(
+        ["pgrep", "-P", str(os.getpid())], capture_output=True, text=True
+    ).stdout.split()
+    assert children == [], children
+
+
+def test_each_missing_piece_is_named(monkeypatch):
+    # Without the CUDA path built.
+    monkeypatch.setattr(_gpu, "_library", None)
+    monkeypatch.setattr(_gpu, "build_info", lambda: {"cuda": False})
+    with pytest.raises(errors.InvalidArgumentError, match="built without it"):
+        _gpu.device_count()
+    # Built, but the library missing from the installation.
+    monkeypatch.setattr(_gpu, "build_info", lambda: {"cuda": True})
+    monkeypatch.setattr(_gpu, "LIBRARY", "/nonexistent/libshmgrad_cuda.so")
+    with pytest.raises(errors.InvalidArgumentError, match="missing from this installation"):
+        _gpu.device_count()
+    # A driver and one GPU, then: a torch without CUDA, an ordinal past the GPUs, and,
+    # with nothing missing, the plain statement that GPU workers are not in this release.
+    monkeypatch.setattr(_gpu, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(errors.InvalidArgumentError, match="built without CUDA"):
+        _gpu.check_devices([0])
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    with pytest.raises(errors.InvalidArgumentError, match="names cuda:1.*shows 1 GPU"):
+        _gpu.check_devices([0, 1])
+    with pytest.raises(NotImplementedError, match="GPU workers are not in this release"):
+        _gpu.check_devices([0])
+
+
+def test_the_cuda_library_reports_no_driver_as_an_error_code():
+    if not shmgrad.build_info()["cuda"]:
+        pytest.skip("the CUDA path is not built here (no nvcc at install time)")
+    lib = ctypes.CDLL(_gpu.LIBRARY)
+    count = ctypes.c_int(-1)
+    code = lib.shmgrad_cuda_device_count(ctypes.byref(count))
+    if code == 0 and count.value > 0:
+        pytest.skip(f"{count.value} GPU(s) here: the no-driver path is not what it shows")
+    assert code in (35, 100) and count.value == 0
+
+
+def test_slots_are_summed_on_the_device_in_slot_order():
+    _gpu_or_skip()
+    lib = _gpu._load()
+    g = torch.Generator().manual_seed(0)
+    slots, n = 3, 100_003
+    stride = (n + 63) // 64 * 64
+    host = torch.randn(slots, stride, generator=g)
+    dev = host.cuda()
+    out = torch.empty(n, device="cuda")
+    mid = n // 2 // 64 * 64
+    for begin, end in ((0, mid), (mid, n)):  # two slices, as two workers reduce them
+        code = lib.shmgrad_cuda_sum_slots(
+            0, out.data_ptr(), 0, dev.data_ptr(), slots, stride, begin, end, 0.0, 0.5, 0, 1
+        )
+        assert code == 0, _gpu._describe(lib, code)
+    expected = 0.5 * ((host[0, :n] + host[1, :n]) + host[2, :n])
+    assert torch.equal(out.cpu(), expected)
+
+
+_CHILD = """
+import ctypes, sys
+from shmgrad import _gpu
+lib = _gpu._load()
+handle = bytes.fromhex(sys.argv[1])
+ptr = ctypes.c_uint64(0)
+assert lib.shmgrad_cuda_ipc_open(0, handle, ctypes.byref(ptr)) == 0
+ptr = ptr.value
+buf = (ctypes.c_float * 4)()
+assert lib.shmgrad_cuda_copy_to_host(0, buf, ptr, 16) == 0
+assert list(buf) == [1.0, 2.0, 3.0, 4.0], list(buf)
+buf[0] = -1.0
+assert lib.shmgrad_cuda_copy_to_device(0, ptr, buf, 16) == 0
+assert lib.shmgrad_cuda_ipc_close(0, ptr) == 0
+"""
+
+
+def test_an_ipc_handle_opens_in_another_process():
+    _gpu_or_skip()
+    lib = _gpu._load()
+    out = ctypes.c_uint64(0)
+    assert lib.shmgrad_cuda_alloc(0, 4096, ctypes.byref(out)) == 0
+    ptr = out.value
+    try:
+        values = (ctypes.c_float * 4)(1, 2, 3, 4)
+        assert lib.shmgrad_cuda_copy_to_device(0, ptr, values, 16) == 0
+        handle = (ctypes.c_uint8 * 64)()
+        assert lib.shmgrad_cuda_ipc_handle(0, ptr, handle) == 0
+        child = subprocess.run(
+            [sys.executable, "-c", _CHILD, bytes(handle).hex()],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert child.returncode == 0, child.stderr
+        back = (ctypes.c_float * 4)()
+        assert lib.shmgrad_cuda_copy_to_host(0, back, ptr, 16) == 0
+        assert back[0] == -1.0  # the child's write, through its mapping
+    finally:
+        assert lib.shmgrad_cuda_free(0, ptr) == 0
