@@ -15,7 +15,9 @@
 #include <thread>
 
 #include "engine/dataset.h"
+#include "gpu/cuda_library.h"
 #include "ipc/config.h"
+#include "ipc/device_table.h"
 #include "ipc/error.h"
 #include "ipc/futex.h"
 #include "ipc/segment.h"
@@ -68,6 +70,13 @@ class Coordinator {
                   ipc::lossName(static_cast<ipc::LossKind>(h()->loss)),
                   ipc::segmentPath(opt_.name).c_str(), seg_->size() / 1048576.0,
                   h()->data_count > 0 ? ", dataset " : "", h()->data_description);
+      for (const auto& [ordinal, ptr] : device_ptrs_) {
+        (void)ptr;
+        std::printf(
+            "shmgrad: cuda:%d holds the engine's device buffers (workers compute on "
+            "the CPU: GPU workers are not built yet)\n",
+            ordinal);
+      }
       std::fflush(stdout);
     }
     supervise();
@@ -159,8 +168,60 @@ class Coordinator {
                     data.targets_f32.size() * sizeof(float));
       }
     }
+    if (!opt_.devices.empty()) {
+      try {
+        allocateDevices();
+      } catch (...) {
+        freeDevices();  // nothing left on a device, nor in /dev/shm
+        seg_.reset();
+        ipc::Segment::remove(opt_.name);
+        throw;
+      }
+    }
     active_ = opt_.workers;
     c().target_workers.store(opt_.workers);
+  }
+
+  // Each device's allocation (layoutDevice), its copy of the initial parameters and
+  // buffers, and its IPC handle in the device table, published last (a release store).
+  // Before any worker starts: workers are fork+exec'd, so CUDA in this process is safe.
+  void allocateDevices() {
+    SHMGRAD_CHECK(opt_.devices.size() <= ipc::kMaxDevices, ErrorKind::kInvalidArgument,
+                  "--devices names ", opt_.devices.size(), " GPUs; an engine serves at most ",
+                  ipc::kMaxDevices);
+    cuda_ = gpu::CudaLibrary::load(gpu::CudaLibrary::defaultPath());
+    const int visible = cuda_->deviceCount();
+    for (int d : opt_.devices) {
+      SHMGRAD_CHECK(d >= 0 && d < visible, ErrorKind::kInvalidArgument, "--devices names cuda:", d,
+                    ", and this machine shows ", visible, " GPU(s) (cuda:0 to cuda:", visible - 1,
+                    ")");
+    }
+    auto* table = seg_->region<ipc::DeviceTable>(h()->device);
+    ipc::initDeviceTable(table, opt_.devices, h()->num_slots, h()->param_floats, h()->buffers.size);
+    for (uint32_t d = 0; d < table->count; ++d) {
+      ipc::DeviceEntry& e = table->devices[d];
+      const uint64_t ptr = cuda_->alloc(e.ordinal, e.layout.bytes);
+      device_ptrs_.emplace_back(e.ordinal, ptr);
+      cuda_->copyToDevice(e.ordinal, ptr + e.layout.params, seg_->params(),
+                          h()->param_floats * sizeof(float));
+      if (h()->buffers.size > 0) {
+        cuda_->copyToDevice(e.ordinal, ptr + e.layout.buffers, seg_->buffers(), h()->buffers.size);
+      }
+      const gpu::IpcHandle handle = cuda_->ipcHandle(e.ordinal, ptr);
+      std::memcpy(e.ipc_handle, handle.data(), handle.size());
+      e.state.store(static_cast<uint32_t>(ipc::DeviceState::kPublished), std::memory_order_release);
+    }
+  }
+
+  void freeDevices() noexcept {
+    for (const auto& [ordinal, ptr] : device_ptrs_) {
+      const int code = cuda_->free(ordinal, ptr);
+      if (code != 0) {
+        std::fprintf(stderr, "shmgrad: freeing cuda:%d's buffers failed: %s\n", ordinal,
+                     cuda_->describe(code).c_str());
+      }
+    }
+    device_ptrs_.clear();
   }
 
   void installSignals() {
@@ -512,6 +573,7 @@ class Coordinator {
     } catch (const Error& e) {
       std::fprintf(stderr, "shmgrad: while stopping the workers: %s\n", e.what());
     }
+    freeDevices();
     ipc::Segment::remove(opt_.name);
     removeOwnedDir();
     if (!opt_.quiet) {
@@ -523,6 +585,8 @@ class Coordinator {
 
   ServeOptions opt_;
   std::unique_ptr<ipc::Segment> seg_;
+  std::shared_ptr<gpu::CudaLibrary> cuda_;             // loaded for --devices only
+  std::vector<std::pair<int, uint64_t>> device_ptrs_;  // (ordinal, allocation) to free
   uint32_t active_ = 0;
   uint64_t retired_ns_[ipc::kMaxWorkers] = {};  // when each slot was last retired
 };

@@ -57,6 +57,8 @@ inline constexpr Tunable kTunables[] = {
     {"SHMGRAD_REDUCE_BENCH", "the reduce_bench program inside the package",
      "the reduction benchmark `shmgrad bench` runs"},
     {"SHMGRAD_STRESS_DEBUG", "unset", "`shmgrad stress` prints every event it injects"},
+    {"SHMGRAD_CUDA_LIBRARY", "libshmgrad_cuda.so inside the package",
+     "the CUDA path's library an engine with devices loads (docs/GPU.md)"},
 };
 
 // The value of a declared tunable from the environment, or nullptr when it is unset.

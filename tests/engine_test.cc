@@ -1,13 +1,20 @@
 // End-to-end tests of the engine: `shmgrad serve` as a child process, the C++ trainer
 // API in the test process, and a single-process libtorch reference for every result.
 #include <gtest/gtest.h>
+#include <dirent.h>
 #include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <set>
 #include <tuple>
 
 #include "engine/trainer.h"
+#include "gpu/cuda_library.h"
+#include "ipc/device_table.h"
 #include "ipc/error.h"
 #include "ipc/segment.h"
 #include "tests/test_util.h"
@@ -233,6 +240,119 @@ TEST(EngineTest, StopRemovesSegmentAndWorkers) {
   engine.stop();
   EXPECT_FALSE(ipc::Segment::exists(name));
   for (pid_t p : pids) EXPECT_FALSE(processRunning(p)) << "worker " << p << " left behind";
+}
+
+// -- Device buffers (docs/GPU.md), on tests/fake_cuda.cc: the CUDA path's C interface on
+// host memory, where an allocation is a shared-memory object and a handle its name.
+
+constexpr const char* kFakeCuda = "tests/libfake_cuda.so";  // bazel test: runfiles root
+constexpr const char* kRealCuda = "gpu/libshmgrad_cuda.so";
+
+// The /dev/shm objects of the fake device's allocations made by process `pid`.
+std::vector<std::string> fakeAllocations(pid_t pid) {
+  std::vector<std::string> out;
+  const std::string prefix = "shmgrad-fakecuda-" + std::to_string(pid) + "-";
+  if (DIR* d = opendir("/dev/shm")) {
+    while (dirent* e = readdir(d)) {
+      if (std::strncmp(e->d_name, prefix.c_str(), prefix.size()) == 0) out.push_back(e->d_name);
+    }
+    closedir(d);
+  }
+  return out;
+}
+
+// Runs `shmgrad serve ARGS` to its end: its exit status and what it printed.
+std::pair<int, std::string> serveToEnd(const std::string& name, const std::string& args) {
+  const std::string cmd = shmgradBinary() + " serve --name " + name + " --quiet " + args + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  std::string out;
+  char buf[512];
+  while (p && std::fgets(buf, sizeof buf, p)) out += buf;
+  const int status = p ? pclose(p) : -1;
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+TEST(DeviceBuffersTest, EachDeviceGetsItsBuffersAndHandleAndLosesThemAtStop) {
+  setenv("SHMGRAD_CUDA_LIBRARY", kFakeCuda, 1);
+  setenv("FAKE_CUDA_DEVICES", "2", 1);
+  Fixture f = makeFixture("mlp", 5);
+  const std::string name = uniqueName("devices");
+  EngineProcess engine(name, {"--model", f.model, "--workers", "3", "--devices", "1,0", "--dataset",
+                              "npy:" + f.inputs_npy + "," + f.targets_npy});
+  pid_t coordinator = 0;
+  {
+    auto t = Trainer::attach(name);  // validates the header, the device table with it
+    coordinator = t->coordinatorPid();
+    const ipc::Segment& seg = t->segment();
+    const auto* h = seg.header();
+    const auto* table = seg.region<ipc::DeviceTable>(h->device);
+    ASSERT_EQ(table->count, 2u);
+    EXPECT_EQ(table->devices[0].ordinal, 1);  // in the order given
+    EXPECT_EQ(table->devices[1].ordinal, 0);
+    EXPECT_EQ(table->devices[0].slots, 2u);  // slots 0 and 2: round-robin
+    EXPECT_EQ(table->devices[1].slots, 1u);
+    EXPECT_EQ(table->slot_device[2], 0);
+    EXPECT_EQ(table->slot_local[2], 1);
+    EXPECT_EQ(fakeAllocations(coordinator).size(), 2u);
+    auto cuda = gpu::CudaLibrary::load(kFakeCuda);
+    for (uint32_t d = 0; d < table->count; ++d) {
+      SCOPED_TRACE("device " + std::to_string(d));
+      const ipc::DeviceEntry& e = table->devices[d];
+      ASSERT_EQ(e.state.load(), static_cast<uint32_t>(ipc::DeviceState::kPublished));
+      gpu::IpcHandle handle;
+      std::memcpy(handle.data(), e.ipc_handle, handle.size());
+      const uint64_t base = cuda->ipcOpen(e.ordinal, handle);
+      // The device's copy of the parameters is the segment's; its slots start at zero.
+      std::vector<float> params(h->param_floats), slot(h->param_floats, 1.0f);
+      cuda->copyToHost(e.ordinal, params.data(), base + e.layout.params, params.size() * 4);
+      EXPECT_EQ(std::memcmp(params.data(), seg.params(), params.size() * 4), 0);
+      cuda->copyToHost(e.ordinal, slot.data(), base + e.layout.slots, slot.size() * 4);
+      for (float v : slot) ASSERT_EQ(v, 0.0f);
+      EXPECT_EQ(cuda->ipcClose(e.ordinal, base), 0);
+    }
+    // The engine serves as ever (its workers compute on the CPU).
+    torch::Tensor idx = torch::arange(0, 20, torch::kInt64);
+    auto ref = referenceGradient(f.model, "cross_entropy", f.x.index_select(0, idx),
+                                 f.y.index_select(0, idx));
+    t->gradient(idx);
+    EXPECT_LT(relativeError(t->gradientViews(), ref), 1e-5);
+  }
+  engine.stop();
+  EXPECT_FALSE(ipc::Segment::exists(name));
+  EXPECT_TRUE(fakeAllocations(coordinator).empty()) << "device memory left behind";
+  unsetenv("SHMGRAD_CUDA_LIBRARY");
+}
+
+TEST(DeviceBuffersTest, WhatAMachineLacksFailsTheStartAndLeavesNothing) {
+  Fixture f = makeFixture("mlp", 6);
+  const std::string base = "--model " + f.model + " --workers 2 ";
+  struct Case {
+    const char* library;
+    const char* fake_devices;
+    const char* devices;
+    const char* words;
+  };
+  for (const Case& c : {
+           Case{kFakeCuda, "1", "0,3", "names cuda:3, and this machine shows 1 GPU"},
+           Case{kFakeCuda, "2", "1,1", "listed twice"}, Case{kFakeCuda, "0", "0", "sees none"},
+           Case{"/nonexistent/libshmgrad_cuda.so", "2", "0", "built without its CUDA path"},
+           Case{kRealCuda, "2", "0", "driver"},  // this machine: no NVIDIA driver
+       }) {
+    SCOPED_TRACE(std::string(c.library) + " --devices " + c.devices);
+    if (std::string(c.library) == kRealCuda && access("/dev/nvidiactl", F_OK) == 0) {
+      std::printf("skipped: this machine has an NVIDIA driver, so no 'no driver' error\n");
+      continue;
+    }
+    setenv("SHMGRAD_CUDA_LIBRARY", c.library, 1);
+    setenv("FAKE_CUDA_DEVICES", c.fake_devices, 1);
+    const std::string name = uniqueName("nodev");
+    const auto [code, out] = serveToEnd(name, base + "--devices " + c.devices);
+    EXPECT_NE(code, 0);
+    EXPECT_NE(out.find(c.words), std::string::npos) << out;
+    EXPECT_FALSE(ipc::Segment::exists(name)) << "segment left behind";
+  }
+  unsetenv("SHMGRAD_CUDA_LIBRARY");
+  unsetenv("FAKE_CUDA_DEVICES");
 }
 
 }  // namespace

@@ -197,6 +197,11 @@ Command addServe(CLI::App& app, engine::ServeOptions* o) {
                   "{\"event\":\"failed\",\"kind\":...,\"message\":...} if serve fails")
       ->type_name("FD")
       ->check(kOpenDescriptor);
+  cmd->add_option("--devices", o->devices,
+                  "CUDA ordinals (0,1): allocate the engine's buffers on these\n"
+                  "GPUs; the workers still compute on the CPU (docs/GPU.md)")
+      ->delimiter(',')
+      ->type_name("N,N");
   cmd->add_flag("--quiet", o->quiet, "print nothing but errors");
   // Tests run workers from another binary; not for users.
   cmd->add_option("--worker-binary", o->worker_binary,

@@ -1,0 +1,131 @@
+#include "gpu/cuda_library.h"
+
+#include <dlfcn.h>
+#include <limits.h>
+#include <unistd.h>
+
+#include "ipc/config.h"
+#include "ipc/error.h"
+
+namespace shmgrad::gpu {
+namespace {
+
+constexpr int kErrorMemoryAllocation = 2;     // cudaErrorMemoryAllocation
+constexpr int kErrorInsufficientDriver = 35;  // no driver, or one older than the runtime
+constexpr int kErrorNoDevice = 100;
+
+template <typename F>
+void bind(void* handle, const std::string& path, const char* name, F* f) {
+  *f = reinterpret_cast<F>(dlsym(handle, name));
+  SHMGRAD_CHECK(*f != nullptr, ErrorKind::kInvalidArgument, path, " has no ", name,
+                ": it is not shmgrad's CUDA library (libshmgrad_cuda.so); reinstall shmgrad");
+}
+
+}  // namespace
+
+std::string CudaLibrary::defaultPath() {
+  if (const char* env = config::tunable("SHMGRAD_CUDA_LIBRARY")) return env;
+  char buf[PATH_MAX];
+  const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  if (n <= 0) return "libshmgrad_cuda.so";
+  buf[n] = '\0';
+  std::string dir(buf);
+  dir = dir.substr(0, dir.rfind('/'));  // .../shmgrad/bin
+  return dir.substr(0, dir.rfind('/') + 1) + "libshmgrad_cuda.so";
+}
+
+std::shared_ptr<CudaLibrary> CudaLibrary::load(const std::string& path) {
+  SHMGRAD_CHECK(access(path.c_str(), R_OK) == 0, ErrorKind::kNotFound, "devices need ", path,
+                ", which is not there: this shmgrad was built without its CUDA path (no nvcc "
+                "when it was installed); install the CUDA toolkit and reinstall shmgrad, or "
+                "serve without devices");
+  void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  SHMGRAD_CHECK(handle != nullptr, ErrorKind::kInvalidArgument, "could not load ", path, ": ",
+                dlerror());
+  std::shared_ptr<CudaLibrary> lib(new CudaLibrary());
+  lib->path_ = path;
+  lib->handle_ = handle;
+  bind(handle, path, "shmgrad_cuda_api_version", &lib->api_version_);
+  const int version = lib->api_version_();
+  SHMGRAD_CHECK(version == SHMGRAD_CUDA_API_VERSION, ErrorKind::kInvalidArgument, path,
+                " has interface ", version, ", this program ", SHMGRAD_CUDA_API_VERSION,
+                ": reinstall shmgrad");
+  bind(handle, path, "shmgrad_cuda_error_name", &lib->error_name_);
+  bind(handle, path, "shmgrad_cuda_error_string", &lib->error_string_);
+  bind(handle, path, "shmgrad_cuda_device_count", &lib->device_count_);
+  bind(handle, path, "shmgrad_cuda_alloc", &lib->alloc_);
+  bind(handle, path, "shmgrad_cuda_free", &lib->free_);
+  bind(handle, path, "shmgrad_cuda_ipc_handle", &lib->ipc_handle_);
+  bind(handle, path, "shmgrad_cuda_ipc_open", &lib->ipc_open_);
+  bind(handle, path, "shmgrad_cuda_ipc_close", &lib->ipc_close_);
+  bind(handle, path, "shmgrad_cuda_copy_to_device", &lib->copy_to_device_);
+  bind(handle, path, "shmgrad_cuda_copy_to_host", &lib->copy_to_host_);
+  return lib;
+}
+
+CudaLibrary::~CudaLibrary() {
+  // Left loaded: the CUDA runtime inside it may still hold the device's context, which
+  // the process's exit tears down.
+}
+
+std::string CudaLibrary::describe(int code) const {
+  const char* name = error_name_(code);
+  const char* text = error_string_(code);
+  return std::string(name ? name : "unknown CUDA error") + ": " + (text ? text : "");
+}
+
+void CudaLibrary::check(int code, const char* what, int device) const {
+  if (code == 0) return;
+  SHMGRAD_CHECK(code != kErrorMemoryAllocation, ErrorKind::kNoSpace, what, " on cuda:", device,
+                " failed: the device is out of memory (", describe(code),
+                "); free memory there or serve fewer workers on it");
+  raise(ErrorKind::kSystem, what, " on cuda:", device, " failed: ", describe(code));
+}
+
+int CudaLibrary::deviceCount() const {
+  int count = 0;
+  const int code = device_count_(&count);
+  SHMGRAD_CHECK(code != kErrorInsufficientDriver, ErrorKind::kInvalidArgument,
+                "devices need an NVIDIA GPU and its driver, and this machine has no usable "
+                "driver (",
+                describe(code), "); serve without devices to train on the CPU");
+  SHMGRAD_CHECK(code != kErrorNoDevice && !(code == 0 && count == 0), ErrorKind::kInvalidArgument,
+                "devices need a GPU, and the CUDA runtime sees none (CUDA_VISIBLE_DEVICES may "
+                "hide them); serve without devices to train on the CPU");
+  SHMGRAD_CHECK(code == 0, ErrorKind::kSystem, "the CUDA runtime failed: ", describe(code));
+  return count;
+}
+
+uint64_t CudaLibrary::alloc(int device, uint64_t bytes) const {
+  uint64_t ptr = 0;
+  check(alloc_(device, bytes, &ptr), "cudaMalloc", device);
+  return ptr;
+}
+
+int CudaLibrary::free(int device, uint64_t ptr) const noexcept { return free_(device, ptr); }
+
+IpcHandle CudaLibrary::ipcHandle(int device, uint64_t ptr) const {
+  IpcHandle h{};
+  check(ipc_handle_(device, ptr, h.data()), "cudaIpcGetMemHandle", device);
+  return h;
+}
+
+uint64_t CudaLibrary::ipcOpen(int device, const IpcHandle& handle) const {
+  uint64_t ptr = 0;
+  check(ipc_open_(device, handle.data(), &ptr), "cudaIpcOpenMemHandle", device);
+  return ptr;
+}
+
+int CudaLibrary::ipcClose(int device, uint64_t ptr) const noexcept {
+  return ipc_close_(device, ptr);
+}
+
+void CudaLibrary::copyToDevice(int device, uint64_t dst, const void* src, uint64_t bytes) const {
+  check(copy_to_device_(device, dst, src, bytes), "a copy to the device", device);
+}
+
+void CudaLibrary::copyToHost(int device, void* dst, uint64_t src, uint64_t bytes) const {
+  check(copy_to_host_(device, dst, src, bytes), "a copy from the device", device);
+}
+
+}  // namespace shmgrad::gpu

@@ -1,0 +1,65 @@
+// libshmgrad_cuda.so (gpu/cuda_ops.h) loaded with dlopen, for C++ processes: every call
+// checked, every CUDA error code turned into a shmgrad::Error that names it. Nothing
+// links the library, so a CPU engine never needs it; a process that serves devices loads
+// it once (the coordinator at start-up).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "gpu/cuda_ops.h"
+
+namespace shmgrad::gpu {
+
+using IpcHandle = std::array<uint8_t, SHMGRAD_IPC_HANDLE_BYTES>;
+
+class CudaLibrary {
+ public:
+  // Loads `path`: kNotFound when it is not there (the CUDA path was not built),
+  // kInvalidArgument when it is not shmgrad's CUDA library or has another interface.
+  static std::shared_ptr<CudaLibrary> load(const std::string& path);
+  // Where this installation keeps it: $SHMGRAD_CUDA_LIBRARY, else libshmgrad_cuda.so in
+  // the folder above the running program's (shmgrad/bin/shmgrad -> shmgrad/).
+  static std::string defaultPath();
+
+  ~CudaLibrary();
+  CudaLibrary(const CudaLibrary&) = delete;
+  CudaLibrary& operator=(const CudaLibrary&) = delete;
+
+  const std::string& path() const { return path_; }
+  // Visible devices; kInvalidArgument naming a missing driver or device when there are none.
+  int deviceCount() const;
+  // cudaMalloc'd, zero-filled; kNoSpace when the device is full.
+  uint64_t alloc(int device, uint64_t bytes) const;
+  // Frees; returns the CUDA error code rather than throwing (used while stopping).
+  int free(int device, uint64_t ptr) const noexcept;
+  IpcHandle ipcHandle(int device, uint64_t ptr) const;
+  uint64_t ipcOpen(int device, const IpcHandle& handle) const;
+  int ipcClose(int device, uint64_t ptr) const noexcept;
+  void copyToDevice(int device, uint64_t dst, const void* src, uint64_t bytes) const;
+  void copyToHost(int device, void* dst, uint64_t src, uint64_t bytes) const;
+  // "cudaErrorNoDevice: no CUDA-capable device is detected"
+  std::string describe(int code) const;
+
+ private:
+  CudaLibrary() = default;
+  void check(int code, const char* what, int device) const;
+
+  std::string path_;
+  void* handle_ = nullptr;
+  decltype(&shmgrad_cuda_api_version) api_version_ = nullptr;
+  decltype(&shmgrad_cuda_error_name) error_name_ = nullptr;
+  decltype(&shmgrad_cuda_error_string) error_string_ = nullptr;
+  decltype(&shmgrad_cuda_device_count) device_count_ = nullptr;
+  decltype(&shmgrad_cuda_alloc) alloc_ = nullptr;
+  decltype(&shmgrad_cuda_free) free_ = nullptr;
+  decltype(&shmgrad_cuda_ipc_handle) ipc_handle_ = nullptr;
+  decltype(&shmgrad_cuda_ipc_open) ipc_open_ = nullptr;
+  decltype(&shmgrad_cuda_ipc_close) ipc_close_ = nullptr;
+  decltype(&shmgrad_cuda_copy_to_device) copy_to_device_ = nullptr;
+  decltype(&shmgrad_cuda_copy_to_host) copy_to_host_ = nullptr;
+};
+
+}  // namespace shmgrad::gpu

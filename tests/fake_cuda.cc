@@ -1,0 +1,176 @@
+// A stand-in for libshmgrad_cuda.so with its C interface (gpu/cuda_ops.h) on host memory,
+// for tests of everything around the device on machines without one: each "device"
+// allocation is a POSIX shared-memory object mapped here, and its "IPC handle" is the
+// object's name, so a handle opens in another process as a real one does. Frees unlink
+// the object: a test sees in /dev/shm whether every allocation was freed.
+// FAKE_CUDA_DEVICES (default 2) devices are visible; 0 acts as "no device".
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+
+#include "gpu/cuda_ops.h"
+
+#define FAKE_API extern "C" __attribute__((visibility("default")))
+
+namespace {
+
+constexpr int kSuccess = 0, kInvalidValue = 1, kMemoryAllocation = 2, kNoDevice = 100,
+              kInvalidDevice = 101, kInvalidHandle = 400;
+
+struct Mapping {
+  std::string name;  // empty for an opened handle
+  uint64_t bytes;
+};
+std::mutex g_mu;
+std::map<uint64_t, Mapping> g_maps;
+std::atomic<int> g_counter{0};
+
+int devices() {
+  const char* env = std::getenv("FAKE_CUDA_DEVICES");
+  return env ? std::atoi(env) : 2;
+}
+
+int use(int device) {
+  if (devices() == 0) return kNoDevice;
+  return device >= 0 && device < devices() ? kSuccess : kInvalidDevice;
+}
+
+int mapObject(const char* name, int flags, uint64_t bytes, uint64_t* ptr) {
+  const int fd = shm_open(name, flags, 0600);
+  if (fd < 0) return flags & O_CREAT ? kMemoryAllocation : kInvalidHandle;
+  if ((flags & O_CREAT) && ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+    close(fd);
+    shm_unlink(name);
+    return kMemoryAllocation;
+  }
+  struct stat st;
+  fstat(fd, &st);
+  void* p =
+      mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (p == MAP_FAILED) return kMemoryAllocation;
+  *ptr = reinterpret_cast<uintptr_t>(p);
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_maps[*ptr] = {flags & O_CREAT ? name : "", static_cast<uint64_t>(st.st_size)};
+  return kSuccess;
+}
+
+int unmap(uint64_t ptr, bool unlink) {
+  Mapping m;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    auto it = g_maps.find(ptr);
+    if (it == g_maps.end()) return kInvalidValue;
+    m = it->second;
+    g_maps.erase(it);
+  }
+  munmap(reinterpret_cast<void*>(ptr), m.bytes);
+  if (unlink && !m.name.empty()) shm_unlink(m.name.c_str());
+  return kSuccess;
+}
+
+}  // namespace
+
+FAKE_API int shmgrad_cuda_api_version(void) { return SHMGRAD_CUDA_API_VERSION; }
+FAKE_API int shmgrad_cuda_runtime_version(void) { return 13000; }
+FAKE_API int shmgrad_cuda_driver_version(void) { return 13000; }
+FAKE_API const char* shmgrad_cuda_error_name(int code) {
+  switch (code) {
+    case kSuccess:
+      return "cudaSuccess";
+    case kInvalidValue:
+      return "cudaErrorInvalidValue";
+    case kMemoryAllocation:
+      return "cudaErrorMemoryAllocation";
+    case kNoDevice:
+      return "cudaErrorNoDevice";
+    case kInvalidDevice:
+      return "cudaErrorInvalidDevice";
+    default:
+      return "cudaErrorUnknown";
+  }
+}
+FAKE_API const char* shmgrad_cuda_error_string(int) { return "(fake device)"; }
+FAKE_API int shmgrad_cuda_device_count(int* count) {
+  *count = devices();
+  return *count == 0 ? kNoDevice : kSuccess;
+}
+FAKE_API int shmgrad_cuda_device_info(int device, char* name, size_t len, int* major, int* minor) {
+  if (int e = use(device)) return e;
+  std::snprintf(name, len, "fake device %d", device);
+  *major = 9;
+  *minor = 0;
+  return kSuccess;
+}
+FAKE_API int shmgrad_cuda_alloc(int device, uint64_t bytes, uint64_t* ptr) {
+  *ptr = 0;
+  if (int e = use(device)) return e;
+  const std::string name =
+      "/shmgrad-fakecuda-" + std::to_string(getpid()) + "-" + std::to_string(g_counter++);
+  return mapObject(name.c_str(), O_CREAT | O_EXCL | O_RDWR, bytes, ptr);
+}
+FAKE_API int shmgrad_cuda_free(int device, uint64_t ptr) {
+  if (int e = use(device)) return e;
+  return unmap(ptr, true);
+}
+FAKE_API int shmgrad_cuda_ipc_handle(int device, uint64_t ptr,
+                                     uint8_t handle[SHMGRAD_IPC_HANDLE_BYTES]) {
+  if (int e = use(device)) return e;
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto it = g_maps.find(ptr);
+  if (it == g_maps.end() || it->second.name.empty()) return kInvalidValue;
+  std::memset(handle, 0, SHMGRAD_IPC_HANDLE_BYTES);
+  std::strncpy(reinterpret_cast<char*>(handle), it->second.name.c_str(),
+               SHMGRAD_IPC_HANDLE_BYTES - 1);
+  return kSuccess;
+}
+FAKE_API int shmgrad_cuda_ipc_open(int device, const uint8_t handle[SHMGRAD_IPC_HANDLE_BYTES],
+                                   uint64_t* ptr) {
+  *ptr = 0;
+  if (int e = use(device)) return e;
+  char name[SHMGRAD_IPC_HANDLE_BYTES + 1] = {};
+  std::memcpy(name, handle, SHMGRAD_IPC_HANDLE_BYTES);
+  if (std::strncmp(name, "/shmgrad-fakecuda-", 18) != 0) return kInvalidHandle;
+  return mapObject(name, O_RDWR, 0, ptr);
+}
+FAKE_API int shmgrad_cuda_ipc_close(int device, uint64_t ptr) {
+  if (int e = use(device)) return e;
+  return unmap(ptr, false);
+}
+FAKE_API int shmgrad_cuda_copy_to_device(int device, uint64_t dst, const void* src,
+                                         uint64_t bytes) {
+  if (int e = use(device)) return e;
+  std::memcpy(reinterpret_cast<void*>(dst), src, bytes);
+  return kSuccess;
+}
+FAKE_API int shmgrad_cuda_copy_to_host(int device, void* dst, uint64_t src, uint64_t bytes) {
+  if (int e = use(device)) return e;
+  std::memcpy(dst, reinterpret_cast<const void*>(src), bytes);
+  return kSuccess;
+}
+FAKE_API int shmgrad_cuda_sum_slots(int device, uint64_t out, uint64_t prev, uint64_t slots,
+                                    uint32_t nslots, uint64_t stride, uint64_t begin, uint64_t end,
+                                    float a, float b, uint64_t, int) {
+  if (end < begin || (a != 0.0f && prev == 0) || out == 0 || (nslots > 0 && slots == 0)) {
+    return kInvalidValue;
+  }
+  if (int e = use(device)) return e;
+  auto* o = reinterpret_cast<float*>(out);
+  const auto* p = reinterpret_cast<const float*>(prev);
+  const auto* s = reinterpret_cast<const float*>(slots);
+  for (uint64_t i = begin; i < end; ++i) {
+    float sum = 0.0f;
+    for (uint32_t k = 0; k < nslots; ++k) sum += s[k * stride + i];
+    o[i] = a == 0.0f ? b * sum : a * p[i] + b * sum;
+  }
+  return kSuccess;
+}
