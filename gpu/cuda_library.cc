@@ -4,6 +4,9 @@
 #include <limits.h>
 #include <unistd.h>
 
+#include <cstring>
+#include <utility>
+
 #include "ipc/config.h"
 #include "ipc/error.h"
 
@@ -126,6 +129,37 @@ void CudaLibrary::copyToDevice(int device, uint64_t dst, const void* src, uint64
 
 void CudaLibrary::copyToHost(int device, void* dst, uint64_t src, uint64_t bytes) const {
   check(copy_to_host_(device, dst, src, bytes), "a copy from the device", device);
+}
+
+DeviceMapping::DeviceMapping(std::shared_ptr<const CudaLibrary> cuda, const ipc::Segment& segment,
+                             uint32_t device_index)
+    : cuda_(std::move(cuda)) {
+  const ipc::SegmentHeader* h = segment.header();
+  const auto* table = segment.region<ipc::DeviceTable>(h->device);
+  ipc::validateDeviceTable(*table, h->num_slots, h->param_floats, h->buffers.size, -1);
+  SHMGRAD_CHECK(device_index < table->count, ErrorKind::kInvalidArgument, "device index ",
+                device_index, " is past the engine's ", table->count, " devices");
+  const ipc::DeviceEntry& e = table->devices[device_index];
+  SHMGRAD_CHECK(e.state.load(std::memory_order_acquire) ==
+                    static_cast<uint32_t>(ipc::DeviceState::kPublished),
+                ErrorKind::kNotFound, "cuda:", e.ordinal,
+                "'s buffers are not published yet: the coordinator is still starting");
+  ordinal_ = e.ordinal;
+  slots_ = e.slots;
+  layout_ = e.layout;
+  IpcHandle handle;
+  std::memcpy(handle.data(), e.ipc_handle, handle.size());
+  base_ = cuda_->ipcOpen(ordinal_, handle);
+}
+
+DeviceMapping::~DeviceMapping() {
+  if (base_ != 0) cuda_->ipcClose(ordinal_, base_);
+}
+
+uint64_t DeviceMapping::slot(uint32_t local) const {
+  SHMGRAD_CHECK(local < slots_, ErrorKind::kInvalidArgument, "slot ", local,
+                " is past cuda:", ordinal_, "'s ", slots_, " slots");
+  return base_ + layout_.slots + uint64_t{local} * layout_.slot_stride;
 }
 
 }  // namespace shmgrad::gpu

@@ -10,6 +10,8 @@
 #include <string>
 
 #include "gpu/cuda_ops.h"
+#include "ipc/device_table.h"
+#include "ipc/segment.h"
 
 namespace shmgrad::gpu {
 
@@ -60,6 +62,37 @@ class CudaLibrary {
   decltype(&shmgrad_cuda_ipc_close) ipc_close_ = nullptr;
   decltype(&shmgrad_cuda_copy_to_device) copy_to_device_ = nullptr;
   decltype(&shmgrad_cuda_copy_to_host) copy_to_host_ = nullptr;
+};
+
+// One device's buffers as a worker or trainer sees them: the published table entry's IPC
+// handle opened in this process (closed on destruction), and the addresses of its regions
+// from the layout that validateDeviceTable checked against the segment's own sizes (again
+// here, at open: the segment is shared memory).
+class DeviceMapping {
+ public:
+  // kInvalidArgument for a device index past the table; kNotFound while the coordinator
+  // has not published the entry; CorruptError for a table that fails validation.
+  DeviceMapping(std::shared_ptr<const CudaLibrary> cuda, const ipc::Segment& segment,
+                uint32_t device_index);
+  ~DeviceMapping();
+  DeviceMapping(const DeviceMapping&) = delete;
+  DeviceMapping& operator=(const DeviceMapping&) = delete;
+
+  int ordinal() const { return ordinal_; }
+  uint32_t slots() const { return slots_; }
+  uint64_t params() const { return base_ + layout_.params; }
+  uint64_t buffers() const { return base_ + layout_.buffers; }
+  uint64_t reduced() const { return base_ + layout_.reduced; }
+  uint64_t accum() const { return base_ + layout_.accum; }
+  // The `local`-th gradient slot on this device; kInvalidArgument past its slots.
+  uint64_t slot(uint32_t local) const;
+
+ private:
+  std::shared_ptr<const CudaLibrary> cuda_;
+  int ordinal_ = -1;
+  uint32_t slots_ = 0;
+  ipc::DeviceLayout layout_{};
+  uint64_t base_ = 0;
 };
 
 }  // namespace shmgrad::gpu

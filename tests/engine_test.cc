@@ -261,6 +261,17 @@ std::vector<std::string> fakeAllocations(pid_t pid) {
   return out;
 }
 
+// Whether fn threw a shmgrad::Error of `kind`.
+template <typename Fn>
+bool throwsKind(ErrorKind kind, Fn&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.kind() == kind;
+  }
+  return false;
+}
+
 // Runs `shmgrad serve ARGS` to its end: its exit status and what it printed.
 std::pair<int, std::string> serveToEnd(const std::string& name, const std::string& args) {
   const std::string cmd = shmgradBinary() + " serve --name " + name + " --quiet " + args + " 2>&1";
@@ -294,22 +305,33 @@ TEST(DeviceBuffersTest, EachDeviceGetsItsBuffersAndHandleAndLosesThemAtStop) {
     EXPECT_EQ(table->slot_device[2], 0);
     EXPECT_EQ(table->slot_local[2], 1);
     EXPECT_EQ(fakeAllocations(coordinator).size(), 2u);
-    auto cuda = gpu::CudaLibrary::load(kFakeCuda);
+    std::shared_ptr<const gpu::CudaLibrary> cuda = gpu::CudaLibrary::load(kFakeCuda);
     for (uint32_t d = 0; d < table->count; ++d) {
       SCOPED_TRACE("device " + std::to_string(d));
-      const ipc::DeviceEntry& e = table->devices[d];
-      ASSERT_EQ(e.state.load(), static_cast<uint32_t>(ipc::DeviceState::kPublished));
-      gpu::IpcHandle handle;
-      std::memcpy(handle.data(), e.ipc_handle, handle.size());
-      const uint64_t base = cuda->ipcOpen(e.ordinal, handle);
+      ASSERT_EQ(table->devices[d].state.load(),
+                static_cast<uint32_t>(ipc::DeviceState::kPublished));
+      // As a worker or the trainer opens it: the handle, then the regions by the layout.
+      gpu::DeviceMapping m(cuda, seg, d);
+      EXPECT_EQ(m.ordinal(), table->devices[d].ordinal);
       // The device's copy of the parameters is the segment's; its slots start at zero.
       std::vector<float> params(h->param_floats), slot(h->param_floats, 1.0f);
-      cuda->copyToHost(e.ordinal, params.data(), base + e.layout.params, params.size() * 4);
+      cuda->copyToHost(m.ordinal(), params.data(), m.params(), params.size() * 4);
       EXPECT_EQ(std::memcmp(params.data(), seg.params(), params.size() * 4), 0);
-      cuda->copyToHost(e.ordinal, slot.data(), base + e.layout.slots, slot.size() * 4);
-      for (float v : slot) ASSERT_EQ(v, 0.0f);
-      EXPECT_EQ(cuda->ipcClose(e.ordinal, base), 0);
+      for (uint32_t local = 0; local < m.slots(); ++local) {
+        cuda->copyToHost(m.ordinal(), slot.data(), m.slot(local), slot.size() * 4);
+        for (float v : slot) ASSERT_EQ(v, 0.0f);
+      }
+      // A write through one mapping is what another mapping of the device reads.
+      const float mark = 3.25f;
+      cuda->copyToDevice(m.ordinal(), m.reduced(), &mark, sizeof mark);
+      gpu::DeviceMapping other(cuda, seg, d);
+      float seen = 0.0f;
+      cuda->copyToHost(m.ordinal(), &seen, other.reduced(), sizeof seen);
+      EXPECT_EQ(seen, mark);
+      EXPECT_TRUE(throwsKind(ErrorKind::kInvalidArgument, [&] { (void)m.slot(m.slots()); }));
     }
+    EXPECT_TRUE(throwsKind(ErrorKind::kInvalidArgument,
+                           [&] { gpu::DeviceMapping past(cuda, seg, table->count); }));
     // The engine serves as ever (its workers compute on the CPU).
     torch::Tensor idx = torch::arange(0, 20, torch::kInt64);
     auto ref = referenceGradient(f.model, "cross_entropy", f.x.index_select(0, idx),
