@@ -91,10 +91,13 @@ int CudaLibrary::deviceCount() const {
   SHMGRAD_CHECK(code != kErrorInsufficientDriver, ErrorKind::kInvalidArgument,
                 "devices need an NVIDIA GPU and its driver, and this machine has no usable "
                 "driver (",
-                describe(code), "); serve without devices to train on the CPU");
+                describe(code),
+                "); leave devices= out (--devices, for shmgrad serve) to train "
+                "on the CPU");
   SHMGRAD_CHECK(code != kErrorNoDevice && !(code == 0 && count == 0), ErrorKind::kInvalidArgument,
                 "devices need a GPU, and the CUDA runtime sees none (CUDA_VISIBLE_DEVICES may "
-                "hide them); serve without devices to train on the CPU");
+                "hide them); leave devices= out (--devices, for shmgrad serve) to train on the "
+                "CPU");
   SHMGRAD_CHECK(code == 0, ErrorKind::kSystem, "the CUDA runtime failed: ", describe(code));
   return count;
 }

@@ -11,6 +11,7 @@
 #include "engine/control.h"
 #include "engine/model_file.h"
 #include "engine/trainer.h"
+#include "gpu/cuda_library.h"
 #include "ipc/device_table.h"
 #include "ipc/error.h"
 #include "ipc/layout.h"
@@ -148,6 +149,14 @@ PYBIND11_MODULE(_C, m) {
         return shmgrad::ipc::placeRoundRobin(slots, devices).device;
       },
       py::arg("slots"), py::arg("devices"));
+
+  // The GPUs libshmgrad_cuda.so at `path` sees, or the error naming what is missing: the
+  // coordinator's own check (gpu/cuda_library.h), for the Python API before it starts one.
+  m.def(
+      "cuda_device_count",
+      [](const std::string& path) { return shmgrad::gpu::CudaLibrary::load(path)->deviceCount(); },
+      py::arg("path"));
+  m.attr("CUDA_API_VERSION") = SHMGRAD_CUDA_API_VERSION;
 
   // shmgrad::Error -> shmgrad.errors.<class for its kind>, resolved at raise time.
   py::register_exception_translator([](std::exception_ptr p) {

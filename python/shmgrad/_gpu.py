@@ -2,9 +2,10 @@
 round-robin placement, and the checks that say at once what a machine lacks.
 
 The CUDA path is ``libshmgrad_cuda.so`` beside the extension (gpu/cuda_ops.h), built when
-nvcc was found at install time and loaded only here, only for an engine given devices: a
-CPU engine needs no CUDA library. GPU workers themselves are not in this release yet
-(docs/GPU.md): with every check passed, an engine with devices= says so.
+nvcc was found at install time and loaded (by gpu/cuda_library.h, with dlopen) only for an
+engine given devices: a CPU engine needs no CUDA library. GPU workers themselves are not
+in this release yet (docs/GPU.md): with every check passed, an engine with devices= says
+so.
 """
 
 import ctypes
@@ -17,7 +18,6 @@ from . import errors
 from ._native import _C, build_info
 
 LIBRARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libshmgrad_cuda.so")
-API_VERSION = 1  # gpu/cuda_ops.h's SHMGRAD_CUDA_API_VERSION
 
 _library = None
 
@@ -74,13 +74,9 @@ def placement(workers: int, ordinals: List[int]) -> List[int]:
     return [ordinals[d] for d in _C.place_round_robin(workers, len(ordinals))]
 
 
-def _load():
-    """libshmgrad_cuda.so through ctypes (set-up only; never on a step's path)."""
-    global _library
-    if _library is not None:
-        return _library
-    info = build_info()
-    if not info["cuda"]:
+def _library_path() -> str:
+    """LIBRARY, or the error naming why this installation has none."""
+    if not build_info()["cuda"]:
         raise errors.InvalidArgumentError(
             "devices= needs shmgrad's CUDA path, and this shmgrad was built without it (no "
             "nvcc was found when it was installed): install the CUDA toolkit, then reinstall "
@@ -90,7 +86,16 @@ def _load():
         raise errors.InvalidArgumentError(
             f"devices= needs {LIBRARY}, which is missing from this installation: reinstall shmgrad"
         )
-    lib = ctypes.CDLL(LIBRARY, mode=ctypes.RTLD_LOCAL)
+    return LIBRARY
+
+
+def _load():
+    """libshmgrad_cuda.so through ctypes, every function typed: the device tests' direct
+    access to the library (an engine's processes load it in C++)."""
+    global _library
+    if _library is not None:
+        return _library
+    lib = ctypes.CDLL(_library_path(), mode=ctypes.RTLD_LOCAL)
     i, u32, u64, f32, vp = (
         ctypes.c_int,
         ctypes.c_uint32,
@@ -114,10 +119,10 @@ def _load():
         getattr(lib, fn).argtypes = args
     lib.shmgrad_cuda_error_name.restype = ctypes.c_char_p
     lib.shmgrad_cuda_error_string.restype = ctypes.c_char_p
-    if lib.shmgrad_cuda_api_version() != API_VERSION:
+    if lib.shmgrad_cuda_api_version() != _C.CUDA_API_VERSION:
         raise errors.InvalidArgumentError(
             f"{LIBRARY} has interface {lib.shmgrad_cuda_api_version()}, this shmgrad "
-            f"{API_VERSION}: reinstall shmgrad"
+            f"{_C.CUDA_API_VERSION}: reinstall shmgrad"
         )
     _library = lib
     return lib
@@ -129,25 +134,9 @@ def _describe(lib, code: int) -> str:
 
 
 def device_count() -> int:
-    """The GPUs the CUDA runtime sees; an error naming what is missing when it sees none."""
-    lib = _load()
-    count = ctypes.c_int(0)
-    code = lib.shmgrad_cuda_device_count(ctypes.byref(count))
-    if code == 35:  # cudaErrorInsufficientDriver: no driver, or one older than the runtime
-        raise errors.InvalidArgumentError(
-            "devices= needs an NVIDIA GPU and its driver, and this machine has no usable "
-            f"driver ({_describe(lib, code)}); leave devices= out to train on the CPU"
-        )
-    if code == 100 or (code == 0 and count.value == 0):  # cudaErrorNoDevice
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        hint = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
-        raise errors.InvalidArgumentError(
-            f"devices= needs a GPU, and the CUDA runtime sees none{hint}; leave devices= out "
-            "to train on the CPU"
-        )
-    if code != 0:
-        raise errors.InvalidArgumentError(f"the CUDA runtime failed: {_describe(lib, code)}")
-    return count.value
+    """The GPUs the CUDA runtime sees; an error naming what is missing (no driver, no
+    GPU) when it sees none: the coordinator's own check (gpu/cuda_library.h)."""
+    return _C.cuda_device_count(_library_path())
 
 
 def check_devices(ordinals: List[int]) -> None:
