@@ -14,9 +14,7 @@ import torch
 import shmgrad
 from shmgrad import _gpu, errors
 
-
-def _shm_entries():
-    return {n for n in os.listdir("/dev/shm") if n.startswith("shmgrad-")}
+from conftest import segments
 
 
 def _gpu_or_skip():
@@ -64,7 +62,7 @@ def test_devices_are_read_and_placed_round_robin():
 def test_devices_without_a_gpu_fail_at_once_and_leave_nothing(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the no-GPU path is not what it shows")
-    before = _shm_entries()
+    before = segments()
     model = torch.nn.Linear(3, 2)
     for kwargs in (dict(devices=["cuda:0"]), dict(device="cuda")):
         with pytest.raises(errors.InvalidArgumentError) as info:
@@ -72,7 +70,7 @@ def test_devices_without_a_gpu_fail_at_once_and_leave_nothing(tmp_path):
         message = str(info.value)
         assert "leave devices= out" in message or "built without" in message, message
         assert any(w in message for w in ("driver", "sees none", "built without")), message
-    assert _shm_entries() == before
+    assert segments() == before
     # No engine process was started: nothing to find among this process's children.
     children = subprocess.run(
         ["pgrep", "-P", str(os.getpid())], capture_output=True, text=True
