@@ -189,7 +189,10 @@ class Coordinator {
     SHMGRAD_CHECK(opt_.devices.size() <= ipc::kMaxDevices, ErrorKind::kInvalidArgument,
                   "--devices names ", opt_.devices.size(), " GPUs; an engine serves at most ",
                   ipc::kMaxDevices);
-    cuda_ = gpu::CudaLibrary::load(gpu::CudaLibrary::defaultPath());
+    const std::string library = gpu::CudaLibrary::defaultPath();
+    cuda_ = gpu::CudaLibrary::load(library);
+    // The workers (TorchScript or Python) load the same library (gpu::EngineMemory).
+    SHMGRAD_SYSCHECK(setenv("SHMGRAD_CUDA_LIBRARY", library.c_str(), 1), "setenv");
     const int visible = cuda_->deviceCount();
     for (int d : opt_.devices) {
       SHMGRAD_CHECK(d >= 0 && d < visible, ErrorKind::kInvalidArgument, "--devices names cuda:", d,

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "ipc/config.h"
+#include "gpu/engine_memory.h"
 #include "ipc/error.h"
 #include "ipc/futex.h"
 #include "ipc/reduce.h"
@@ -124,11 +125,11 @@ std::unique_ptr<Trainer> Trainer::attach(const std::string& name, const AttachOp
       if (c.trainer_pid.compare_exchange_strong(holder, me, std::memory_order_acq_rel)) break;
     }
   }
-  return std::unique_ptr<Trainer>(new Trainer(name, std::move(seg), o.lease));
+  return std::unique_ptr<Trainer>(new Trainer(name, std::move(seg), o));
 }
 
-Trainer::Trainer(std::string name, std::shared_ptr<ipc::Segment> seg, bool lease)
-    : name_(std::move(name)), seg_(std::move(seg)), lease_(lease) {
+Trainer::Trainer(std::string name, std::shared_ptr<ipc::Segment> seg, const AttachOptions& o)
+    : name_(std::move(name)), seg_(std::move(seg)), lease_(o.lease) {
   cores_ = physicalCores();
   spin_ns_ = kDefaultSpinNs;
   await_spin_ = std::make_unique<ipc::AdaptiveSpin>();
@@ -147,6 +148,14 @@ Trainer::Trainer(std::string name, std::shared_ptr<ipc::Segment> seg, bool lease
     p.shape.assign(table[i].shape.dims, table[i].shape.dims + table[i].shape.ndim);
     p.numel = static_cast<int64_t>(table[i].numel);
     params_.push_back(std::move(p));
+  }
+  if (lease_) {
+    try {
+      mem_ = std::make_shared<gpu::EngineMemory>(*seg_, o.cuda_library);
+    } catch (...) {
+      close();  // the lease is released: nothing of the engine's is held
+      throw;
+    }
   }
 }
 
@@ -173,33 +182,53 @@ ipc::Segment& Trainer::segment() const {
 
 int Trainer::coordinatorPid() const { return segment().header()->coordinator_pid; }
 
-// Tensors over one of the parameter-shaped buffers; each holds the mapping alive.
+// Tensors over one of the parameter-shaped buffers; each holds the mapping (and, on a
+// device, the opened device buffers) alive.
 std::vector<torch::Tensor> Trainer::views(float* base) const {
   auto keep = seg_;
-  return worker::parameterShapedViews(*seg_, base, [keep](void*) {});
+  auto mem = mem_;
+  return worker::parameterShapedViews(
+      *seg_, base, [keep, mem](void*) {}, device());
 }
+
+torch::Tensor Trainer::flatView(float* base) const {
+  auto keep = seg_;
+  auto mem = mem_;
+  return torch::from_blob(
+      base, {static_cast<int64_t>(seg_->header()->param_floats)}, [keep, mem](void*) {},
+      worker::floatOptions(device()));
+}
+
+int Trainer::device() const { return mem_ ? mem_->tensorDevice(mem_->trainerOrdinal()) : -1; }
+
+// The memory views are made over: an observer (no lease) maps no device.
+namespace {
+const gpu::EngineMemory& usableMemory(const std::shared_ptr<gpu::EngineMemory>& mem) {
+  SHMGRAD_CHECK(mem != nullptr, ErrorKind::kInvalidArgument,
+                "an observer (attached with lease=false) has no parameter or gradient views; "
+                "attach with the lease");
+  return *mem;
+}
+}  // namespace
 
 std::vector<torch::Tensor> Trainer::parameterViews() const {
   checkUsable();
-  return views(seg_->params());
+  return views(usableMemory(mem_).trainerParams());
 }
 
 std::vector<torch::Tensor> Trainer::gradientViews() const {
   checkUsable();
-  return views(seg_->reduced());
+  return views(usableMemory(mem_).reduced());
 }
 
 std::vector<torch::Tensor> Trainer::accumulatorViews() const {
   checkUsable();
-  return views(seg_->accum());
+  return views(usableMemory(mem_).accum());
 }
 
 torch::Tensor Trainer::parameterBuffer() const {
   checkUsable();
-  auto keep = seg_;
-  return torch::from_blob(
-      seg_->params(), {static_cast<int64_t>(seg_->header()->param_floats)}, [keep](void*) {},
-      torch::kFloat32);
+  return flatView(usableMemory(mem_).trainerParams());
 }
 
 std::vector<std::pair<std::string, torch::Tensor>> Trainer::bufferViews() const {
@@ -210,10 +239,7 @@ std::vector<std::pair<std::string, torch::Tensor>> Trainer::bufferViews() const 
 
 torch::Tensor Trainer::gradientBuffer() const {
   checkUsable();
-  auto keep = seg_;
-  return torch::from_blob(
-      seg_->reduced(), {static_cast<int64_t>(seg_->header()->param_floats)}, [keep](void*) {},
-      torch::kFloat32);
+  return flatView(usableMemory(mem_).reduced());
 }
 
 int64_t Trainer::datasetSize() const { return segment().header()->data_count; }
@@ -613,6 +639,12 @@ GradientStats Trainer::run(int64_t B, const GradientOptions& o, uint32_t kind, u
                            uint64_t deadline) {
   ipc::ControlBlock& c = seg_->header()->control;
   GradientStats stats;
+  if (mem_ != nullptr && mem_->onDevice()) {
+    // The optimizer's step (on this process's device) is done before any worker reads the
+    // parameters, and every other device's copy of them is brought up to date.
+    mem_->synchronize(mem_->trainerOrdinal());
+    mem_->syncParams();
+  }
   for (int attempt = 0;; ++attempt) {
     SHMGRAD_CHECK(serving() && (attempt == 0 || ipc::processAlive(seg_->header()->coordinator_pid)),
                   ErrorKind::kNotFound, "engine '", name_, "' has stopped");

@@ -29,10 +29,16 @@ namespace ipc {
 class Segment;
 class AdaptiveSpin;
 }  // namespace ipc
+namespace gpu {
+class EngineMemory;
+}  // namespace gpu
 
 struct AttachOptions {
   double timeout_seconds = 30;  // wait this long for the engine to exist and serve
   bool lease = true;            // false: read-only observer (status), no gradients
+  // For an engine with devices: libshmgrad_cuda.so, where $SHMGRAD_CUDA_LIBRARY does not
+  // say (empty: gpu::CudaLibrary::defaultPath()).
+  std::string cuda_library;
 };
 
 struct GradientOptions {
@@ -114,7 +120,8 @@ class Trainer {
   const std::string& name() const { return name_; }
   const std::vector<ParamInfo>& parameters() const { return params_; }
   // Tensors aliasing the engine's shared parameters (writes are seen by every worker)
-  // and its reduced gradient. They keep the mapping alive while they exist.
+  // and its reduced gradient. They keep the mapping alive while they exist. For an
+  // engine with devices they are CUDA tensors on its first device (device()).
   std::vector<torch::Tensor> parameterViews() const;
   std::vector<torch::Tensor> gradientViews() const;
   // The whole parameter buffer and the whole reduced gradient as one flat float32
@@ -129,6 +136,8 @@ class Trainer {
   // The second reduced gradient, which accumulating steps alternate with the first
   // (GradientOptions::accumulate), as per-parameter views.
   std::vector<torch::Tensor> accumulatorViews() const;
+  // The CUDA device the views are on, or -1 (a CPU engine).
+  int device() const;
   int64_t datasetSize() const;
   int workerCount() const;  // worker processes ready now
   // Physical cores this trainer counts when it decides whether a step's processes may
@@ -159,7 +168,7 @@ class Trainer {
   int coordinatorPid() const;
 
  private:
-  Trainer(std::string name, std::shared_ptr<ipc::Segment> seg, bool lease);
+  Trainer(std::string name, std::shared_ptr<ipc::Segment> seg, const AttachOptions& options);
 
   // The step protocol's trainer side, in phases (docs/DESIGN.md): run() picks the
   // participants, publishes, awaits, and collects, or aborts (ipc::abortStep) and retries.
@@ -184,9 +193,13 @@ class Trainer {
   void waitIdle(uint64_t deadline_ns);
   void checkUsable() const;
   std::vector<torch::Tensor> views(float* base) const;
+  torch::Tensor flatView(float* base) const;
 
   std::string name_;
   std::shared_ptr<ipc::Segment> seg_;
+  // Where the parameters and gradients are: the segment's, or the devices' (a trainer
+  // holding the lease; an observer needs no device).
+  std::shared_ptr<gpu::EngineMemory> mem_;
   bool lease_;
   bool dirty_ = true;     // a previous step may have left stale workers running
   uint32_t cores_ = 1;    // CPUs this process may run on (sched_getaffinity)

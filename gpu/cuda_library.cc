@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <string>
 #include <utility>
 
 #include "ipc/config.h"
@@ -63,6 +64,19 @@ std::shared_ptr<CudaLibrary> CudaLibrary::load(const std::string& path) {
   bind(handle, path, "shmgrad_cuda_ipc_close", &lib->ipc_close_);
   bind(handle, path, "shmgrad_cuda_copy_to_device", &lib->copy_to_device_);
   bind(handle, path, "shmgrad_cuda_copy_to_host", &lib->copy_to_host_);
+  bind(handle, path, "shmgrad_cuda_zero", &lib->zero_);
+  bind(handle, path, "shmgrad_cuda_synchronize", &lib->synchronize_);
+  bind(handle, path, "shmgrad_cuda_copy_peer", &lib->copy_peer_);
+  bind(handle, path, "shmgrad_cuda_reduce", &lib->reduce_);
+  bind(handle, path, "shmgrad_cuda_any_nonfinite", &lib->any_nonfinite_);
+  // Read once: where the library's allocations live does not change while it is loaded.
+  decltype(&shmgrad_cuda_memory_kind) memory_kind = nullptr;
+  bind(handle, path, "shmgrad_cuda_memory_kind", &memory_kind);
+  const int kind = memory_kind();
+  SHMGRAD_CHECK(kind == 0 || kind == 1, ErrorKind::kInvalidArgument, path,
+                " says its memory is of kind ", kind,
+                ", which this program does not know (0: device, 1: host): reinstall shmgrad");
+  lib->host_memory_ = kind == 1;
   return lib;
 }
 
@@ -132,6 +146,31 @@ void CudaLibrary::copyToDevice(int device, uint64_t dst, const void* src, uint64
 
 void CudaLibrary::copyToHost(int device, void* dst, uint64_t src, uint64_t bytes) const {
   check(copy_to_host_(device, dst, src, bytes), "a copy from the device", device);
+}
+
+void CudaLibrary::zero(int device, uint64_t ptr, uint64_t bytes) const {
+  check(zero_(device, ptr, bytes), "zeroing device memory", device);
+}
+
+void CudaLibrary::synchronize(int device) const {
+  check(synchronize_(device), "cudaDeviceSynchronize", device);
+}
+
+void CudaLibrary::copyPeer(int dst_device, uint64_t dst, int src_device, uint64_t src,
+                           uint64_t bytes) const {
+  const std::string what = "a peer copy from cuda:" + std::to_string(src_device);
+  check(copy_peer_(dst_device, dst, src_device, src, bytes), what.c_str(), dst_device);
+}
+
+void CudaLibrary::reduce(int device, uint64_t out, uint64_t prev, const uint64_t* ins,
+                         uint32_t nins, uint64_t begin, uint64_t end, float a, float b) const {
+  check(reduce_(device, out, prev, ins, nins, begin, end, a, b), "the reduction", device);
+}
+
+bool CudaLibrary::anyNonFinite(int device, uint64_t ptr, uint64_t begin, uint64_t end) const {
+  int found = 0;
+  check(any_nonfinite_(device, ptr, begin, end, &found), "the non-finite check", device);
+  return found != 0;
 }
 
 DeviceMapping::DeviceMapping(std::shared_ptr<const CudaLibrary> cuda, const ipc::Segment& segment,

@@ -42,6 +42,16 @@ class CudaLibrary {
   int ipcClose(int device, uint64_t ptr) const noexcept;
   void copyToDevice(int device, uint64_t dst, const void* src, uint64_t bytes) const;
   void copyToHost(int device, void* dst, uint64_t src, uint64_t bytes) const;
+  // True when allocations are host memory (a test double on a machine without a device):
+  // tensors over them are CPU tensors.
+  bool hostMemory() const { return host_memory_; }
+  // The step's operations (gpu/cuda_ops.h), each done when it returns; errors named.
+  void zero(int device, uint64_t ptr, uint64_t bytes) const;
+  void synchronize(int device) const;
+  void copyPeer(int dst_device, uint64_t dst, int src_device, uint64_t src, uint64_t bytes) const;
+  void reduce(int device, uint64_t out, uint64_t prev, const uint64_t* ins, uint32_t nins,
+              uint64_t begin, uint64_t end, float a, float b) const;
+  bool anyNonFinite(int device, uint64_t ptr, uint64_t begin, uint64_t end) const;
   // "cudaErrorNoDevice: no CUDA-capable device is detected"
   std::string describe(int code) const;
 
@@ -62,6 +72,12 @@ class CudaLibrary {
   decltype(&shmgrad_cuda_ipc_close) ipc_close_ = nullptr;
   decltype(&shmgrad_cuda_copy_to_device) copy_to_device_ = nullptr;
   decltype(&shmgrad_cuda_copy_to_host) copy_to_host_ = nullptr;
+  decltype(&shmgrad_cuda_zero) zero_ = nullptr;
+  decltype(&shmgrad_cuda_synchronize) synchronize_ = nullptr;
+  decltype(&shmgrad_cuda_copy_peer) copy_peer_ = nullptr;
+  decltype(&shmgrad_cuda_reduce) reduce_ = nullptr;
+  decltype(&shmgrad_cuda_any_nonfinite) any_nonfinite_ = nullptr;
+  bool host_memory_ = false;
 };
 
 // One device's buffers as a worker or trainer sees them: the published table entry's IPC

@@ -4,17 +4,19 @@
 #include <cuda_runtime.h>
 
 #include <cstring>
+#include <mutex>
 
 #define SHMGRAD_API extern "C" __attribute__((visibility("default")))
 
 namespace {
 
 // Every entry point first makes `device` current on the calling thread.
-cudaError_t use(int device) {
+cudaError_t use(int device, int* visible = nullptr) {
   int count = 0;
   cudaError_t e = cudaGetDeviceCount(&count);
   if (e != cudaSuccess) return e;
   if (device < 0 || device >= count) return cudaErrorInvalidDevice;
+  if (visible != nullptr) *visible = count;
   return cudaSetDevice(device);
 }
 
@@ -23,18 +25,61 @@ T* at(uint64_t p) {
   return reinterpret_cast<T*>(static_cast<uintptr_t>(p));
 }
 
-// One thread per element (grid-stride); slots summed in slot order, so every element's
-// result depends only on the slots' values, not on the launch shape.
-__global__ void sumSlotsKernel(float* __restrict__ out, const float* prev,
-                               const float* __restrict__ slots, uint32_t nslots, uint64_t stride,
-                               uint64_t begin, uint64_t end, float a, float b) {
+// The inputs of one reduction, passed to the kernel by value (kernel parameter space):
+// no device allocation, and nothing to copy before the launch.
+struct ReduceInputs {
+  uint64_t ptr[SHMGRAD_MAX_REDUCE_INPUTS];
+};
+
+constexpr int kThreads = 256;
+constexpr uint64_t kMaxBlocks = 65535;
+
+unsigned blocksFor(uint64_t n) {
+  const uint64_t blocks = (n + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(blocks < kMaxBlocks ? blocks : kMaxBlocks);
+}
+
+// One thread per element (grid-stride); inputs summed in list order, so every element's
+// result depends only on the inputs' values, not on the launch shape. No __restrict__:
+// out may alias prev or an input, which is safe because a thread reads everything of
+// element i before it writes out[i], and no other thread touches element i.
+__global__ void reduceKernel(float* out, const float* prev, ReduceInputs ins, uint32_t nins,
+                             uint64_t begin, uint64_t end, float a, float b) {
   const uint64_t step = static_cast<uint64_t>(gridDim.x) * blockDim.x;
   for (uint64_t i = begin + blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < end;
        i += step) {
     float s = 0.0f;
-    for (uint32_t k = 0; k < nslots; ++k) s += slots[k * stride + i];
+    if (nins > 0) s = reinterpret_cast<const float*>(ins.ptr[0])[i];
+    for (uint32_t k = 1; k < nins; ++k) s += reinterpret_cast<const float*>(ins.ptr[k])[i];
     out[i] = a == 0.0f ? b * s : a * prev[i] + b * s;
   }
+}
+
+// Sets *flag when an element of p[begin, end) is NaN or infinite (every writer writes 1).
+__global__ void nonfiniteKernel(const float* p, uint64_t begin, uint64_t end, int* flag) {
+  const uint64_t step = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  for (uint64_t i = begin + blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < end;
+       i += step) {
+    if (!isfinite(p[i])) {
+      *flag = 1;
+      return;
+    }
+  }
+}
+
+// any_nonfinite's device-side flag, one per device: allocated on the device's first call
+// and kept for the process's life, so the step's hot path allocates nothing. The mutex
+// serialises the calls on one device, which share the flag.
+struct NonfiniteFlag {
+  std::mutex mu;
+  int* flag = nullptr;
+};
+
+// The flag of `device`, a valid ordinal (use() checked it against `count`, which a process
+// never sees change). Never freed: the process's exit tears the context down with it.
+NonfiniteFlag& nonfiniteFlag(int device, int count) {
+  static NonfiniteFlag* const flags = new NonfiniteFlag[count];
+  return flags[device];
 }
 
 }  // namespace
@@ -150,24 +195,83 @@ SHMGRAD_API int shmgrad_cuda_copy_to_host(int device, void* dst, uint64_t src, u
   return cudaMemcpy(dst, at<void>(src), bytes, cudaMemcpyDeviceToHost);
 }
 
-SHMGRAD_API int shmgrad_cuda_sum_slots(int device, uint64_t out, uint64_t prev, uint64_t slots,
-                                       uint32_t nslots, uint64_t stride, uint64_t begin,
-                                       uint64_t end, float a, float b, uint64_t stream, int wait) {
-  if (end < begin || (a != 0.0f && prev == 0) || out == 0 || (nslots > 0 && slots == 0)) {
-    return cudaErrorInvalidValue;
-  }
-  if (end == begin) return cudaSuccess;
+SHMGRAD_API int shmgrad_cuda_memory_kind(void) { return 0; }
+
+SHMGRAD_API int shmgrad_cuda_zero(int device, uint64_t ptr, uint64_t bytes) {
+  if (ptr == 0) return cudaErrorInvalidValue;
   cudaError_t e = use(device);
   if (e != cudaSuccess) return e;
-  constexpr int kThreads = 256;
-  const uint64_t n = end - begin;
-  const uint64_t blocks64 = (n + kThreads - 1) / kThreads;
-  const unsigned blocks = static_cast<unsigned>(blocks64 < 65535 ? blocks64 : 65535);
-  cudaStream_t s = at<CUstream_st>(stream);
-  sumSlotsKernel<<<blocks, kThreads, 0, s>>>(at<float>(out), at<const float>(prev),
-                                             at<const float>(slots), nslots, stride, begin, end, a,
-                                             b);
+  e = cudaMemsetAsync(at<void>(ptr), 0, bytes, 0);
+  if (e != cudaSuccess) return e;
+  return cudaStreamSynchronize(0);
+}
+
+SHMGRAD_API int shmgrad_cuda_synchronize(int device) {
+  cudaError_t e = use(device);
+  if (e != cudaSuccess) return e;
+  return cudaDeviceSynchronize();
+}
+
+SHMGRAD_API int shmgrad_cuda_copy_peer(int dst_device, uint64_t dst, int src_device, uint64_t src,
+                                       uint64_t bytes) {
+  if (dst == 0 || src == 0) return cudaErrorInvalidValue;
+  cudaError_t e = use(src_device);  // checks the ordinal; the copy is issued from dst's
+  if (e != cudaSuccess) return e;
+  e = use(dst_device);
+  if (e != cudaSuccess) return e;
+  // cudaMemcpyPeer is ordered after the work already issued to both devices but may return
+  // before it is done: the legacy stream's synchronisation waits for it.
+  e = cudaMemcpyPeer(at<void>(dst), dst_device, at<const void>(src), src_device, bytes);
+  if (e != cudaSuccess) return e;
+  return cudaStreamSynchronize(0);
+}
+
+SHMGRAD_API int shmgrad_cuda_reduce(int device, uint64_t out, uint64_t prev, const uint64_t* ins,
+                                    uint32_t nins, uint64_t begin, uint64_t end, float a, float b) {
+  if (end < begin || out == 0 || (a != 0.0f && prev == 0) || nins > SHMGRAD_MAX_REDUCE_INPUTS ||
+      (nins > 0 && ins == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
+  ReduceInputs inputs{};
+  for (uint32_t k = 0; k < nins; ++k) {
+    if (ins[k] == 0) return cudaErrorInvalidValue;
+    inputs.ptr[k] = ins[k];
+  }
+  cudaError_t e = use(device);
+  if (e != cudaSuccess || end == begin) return e;
+  reduceKernel<<<blocksFor(end - begin), kThreads>>>(at<float>(out), at<const float>(prev), inputs,
+                                                     nins, begin, end, a, b);
   e = cudaGetLastError();
-  if (e != cudaSuccess || !wait) return e;
-  return cudaStreamSynchronize(s);
+  if (e != cudaSuccess) return e;
+  return cudaStreamSynchronize(0);
+}
+
+SHMGRAD_API int shmgrad_cuda_any_nonfinite(int device, uint64_t ptr, uint64_t begin, uint64_t end,
+                                           int* found) {
+  if (found == nullptr) return cudaErrorInvalidValue;
+  *found = 0;
+  if (end < begin || ptr == 0) return cudaErrorInvalidValue;
+  int count = 0;
+  cudaError_t e = use(device, &count);
+  if (e != cudaSuccess || end == begin) return e;
+  NonfiniteFlag& f = nonfiniteFlag(device, count);
+  std::lock_guard<std::mutex> lock(f.mu);
+  if (f.flag == nullptr) {
+    e = cudaMalloc(&f.flag, sizeof(int));
+    if (e != cudaSuccess) {
+      f.flag = nullptr;  // retried on the next call
+      return e;
+    }
+  }
+  e = cudaMemsetAsync(f.flag, 0, sizeof(int), 0);
+  if (e != cudaSuccess) return e;
+  nonfiniteKernel<<<blocksFor(end - begin), kThreads>>>(at<const float>(ptr), begin, end, f.flag);
+  e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  int host = 0;
+  e = cudaMemcpyAsync(&host, f.flag, sizeof host, cudaMemcpyDeviceToHost, 0);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(0);
+  if (e != cudaSuccess) return e;
+  *found = host != 0 ? 1 : 0;
+  return cudaSuccess;
 }

@@ -17,8 +17,9 @@
 extern "C" {
 #endif
 
-#define SHMGRAD_CUDA_API_VERSION 1
+#define SHMGRAD_CUDA_API_VERSION 2
 #define SHMGRAD_IPC_HANDLE_BYTES 64
+#define SHMGRAD_MAX_REDUCE_INPUTS 64  // ipc::kMaxWorkers
 
 // The library's interface version (SHMGRAD_CUDA_API_VERSION): a loader refuses another.
 int shmgrad_cuda_api_version(void);
@@ -47,14 +48,34 @@ int shmgrad_cuda_ipc_close(int device, uint64_t ptr);
 int shmgrad_cuda_copy_to_device(int device, uint64_t dst, const void* src, uint64_t bytes);
 int shmgrad_cuda_copy_to_host(int device, void* dst, uint64_t src, uint64_t bytes);
 
-// The reduction of one slice: for i in [begin, end),
-//   out[i] = a * prev[i] + b * sum over k < nslots of slots[k * stride + i]
-// (prev may be 0 when a == 0; out may equal prev). The slots are summed in slot order in
-// float32, so the result is deterministic for a placement. Launched on `stream` (0: the
-// legacy default stream) and, when `wait` is set, waited for before returning.
-int shmgrad_cuda_sum_slots(int device, uint64_t out, uint64_t prev, uint64_t slots, uint32_t nslots,
-                           uint64_t stride, uint64_t begin, uint64_t end, float a, float b,
-                           uint64_t stream, int wait);
+// Where this library's allocations live: 0, device memory (a tensor over one is a CUDA
+// tensor on its device); 1, host memory the process can address (a test double's, for
+// machines without a device: tensors over it are CPU tensors).
+int shmgrad_cuda_memory_kind(void);
+
+// The step's operations. Each is issued on the legacy default stream, which orders it
+// after the work torch issued on its default stream, and each returns when it is done.
+//
+// Zeroes bytes at ptr.
+int shmgrad_cuda_zero(int device, uint64_t ptr, uint64_t bytes);
+// Waits for every piece of work this process issued on `device` (cudaDeviceSynchronize):
+// a worker's backward is in its slot before it arrives at the compute barrier.
+int shmgrad_cuda_synchronize(int device);
+// Copies bytes from src on src_device to dst on dst_device (peer to peer where the
+// devices allow, else staged by the driver).
+int shmgrad_cuda_copy_peer(int dst_device, uint64_t dst, int src_device, uint64_t src,
+                           uint64_t bytes);
+// The reduction of one slice, on `device`: for i in [begin, end),
+//   out[i] = a * prev[i] + b * (ins[0][i] + ins[1][i] + ... + ins[nins-1][i])
+// summed in list order in float32, so the result is deterministic for a given list.
+// ins (nins <= SHMGRAD_MAX_REDUCE_INPUTS, host array of device addresses) must be
+// addressable from `device`: its own memory, or another device's opened through IPC
+// (peer access). prev may be 0 when a == 0; out may equal prev or an input (each element
+// is read before it is written).
+int shmgrad_cuda_reduce(int device, uint64_t out, uint64_t prev, const uint64_t* ins, uint32_t nins,
+                        uint64_t begin, uint64_t end, float a, float b);
+// *found = 1 when a float in ptr[begin, end) is NaN or infinite, else 0.
+int shmgrad_cuda_any_nonfinite(int device, uint64_t ptr, uint64_t begin, uint64_t end, int* found);
 
 #ifdef __cplusplus
 }

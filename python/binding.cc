@@ -196,14 +196,18 @@ PYBIND11_MODULE(_C, m) {
   py::class_<shmgrad::Trainer>(m, "Trainer")
       .def_static(
           "attach",
-          [](const std::string& name, double timeout, bool lease) {
+          [](const std::string& name, double timeout, bool lease, const std::string& cuda_library) {
             shmgrad::AttachOptions o;
             o.timeout_seconds = timeout;
             o.lease = lease;
+            o.cuda_library = cuda_library;
             py::gil_scoped_release nogil;
             return shmgrad::Trainer::attach(name, o);
           },
-          py::arg("name"), py::arg("timeout") = 30.0, py::arg("lease") = true)
+          py::arg("name"), py::arg("timeout") = 30.0, py::arg("lease") = true,
+          py::arg("cuda_library") = "")
+      .def_property_readonly("device", &shmgrad::Trainer::device,
+                             "the CUDA device its views are on, or -1 (a CPU engine)")
       .def("parameters",
            [](const shmgrad::Trainer& t) {
              py::list out;

@@ -64,7 +64,7 @@ class PyShardComputer : public worker::ShardComputer {
     shard_.participants = s.participants;
     shard_.max_examples_per_pass = s.max_examples_per_pass;
     shard_.grad_scale = s.grad_scale;
-    shard_.grads_in_reduced = s.grads == seg_.reduced();
+    shard_.grads_in_reduced = s.alone;
     shard_.seed = s.seed;
     shard_.train = s.train;
     if (s.kind == ipc::BatchKind::kIndices) {
@@ -128,10 +128,13 @@ class EagerParticipant {
                   "' runs TorchScript workers, not eager ones");
   }
 
-  std::vector<torch::Tensor> views(float* base) const {
+  // Over this worker's step memory: the segment's, or its device's (engines with devices).
+  std::vector<torch::Tensor> views(float* base, int ordinal) const {
     auto keep = seg_;
-    return worker::parameterShapedViews(*seg_, base, [keep](void*) {});
+    return worker::parameterShapedViews(
+        *seg_, base, [keep](void*) {}, memory().tensorDevice(ordinal));
   }
+  const gpu::EngineMemory& memory() const { return participant_->memory(); }
   std::vector<std::string> parameterNames() const {
     std::vector<std::string> out;
     const ipc::ParamEntry* table = seg_->paramTable();
@@ -197,9 +200,24 @@ void bindEagerWorker(py::module_& m) {
       .def_property_readonly("dataset_size",
                              [](const EagerParticipant& p) { return p.seg_->header()->data_count; })
       .def("parameter_names", &EagerParticipant::parameterNames)
-      .def("parameter_views", [](const EagerParticipant& p) { return p.views(p.seg_->params()); })
-      .def("slot_views", [](const EagerParticipant& p) { return p.views(p.seg_->slot(p.slot_)); })
-      .def("reduced_views", [](const EagerParticipant& p) { return p.views(p.seg_->reduced()); })
+      .def_property_readonly(
+          "device",
+          [](const EagerParticipant& p) {
+            return p.memory().tensorDevice(p.memory().ordinal(p.slot_));
+          },
+          "the CUDA device index this worker computes on, or -1 for the CPU")
+      .def("parameter_views",
+           [](const EagerParticipant& p) {
+             return p.views(p.memory().params(p.slot_), p.memory().ordinal(p.slot_));
+           })
+      .def("slot_views",
+           [](const EagerParticipant& p) {
+             return p.views(p.memory().slot(p.slot_), p.memory().ordinal(p.slot_));
+           })
+      .def("reduced_views",
+           [](const EagerParticipant& p) {
+             return p.views(p.memory().reduced(), p.memory().trainerOrdinal());
+           })
       .def("report_startup_failure",
            [](EagerParticipant& p, const std::string& text) {
              p.participant_->reportStartupFailure(text);

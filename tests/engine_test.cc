@@ -332,7 +332,7 @@ TEST(DeviceBuffersTest, EachDeviceGetsItsBuffersAndHandleAndLosesThemAtStop) {
     }
     EXPECT_TRUE(throwsKind(ErrorKind::kInvalidArgument,
                            [&] { gpu::DeviceMapping past(cuda, seg, table->count); }));
-    // The engine serves as ever (its workers compute on the CPU).
+    // The engine serves, its workers computing in the devices' memory.
     torch::Tensor idx = torch::arange(0, 20, torch::kInt64);
     auto ref = referenceGradient(f.model, "cross_entropy", f.x.index_select(0, idx),
                                  f.y.index_select(0, idx));
@@ -376,6 +376,128 @@ TEST(DeviceBuffersTest, WhatAMachineLacksFailsTheStartAndLeavesNothing) {
   unsetenv("SHMGRAD_CUDA_LIBRARY");
   unsetenv("FAKE_CUDA_DEVICES");
 }
+
+// GPU workers end to end on the fake device library (tests/fake_cuda.cc: host memory
+// stands in for device memory, and tensors over it are CPU tensors): TorchScript workers
+// compute with their device's copy of the parameters into their slot on that device, the
+// library reduces the slots into the first device's reduced gradient, and the trainer's
+// views are that memory. One worker alone, several on one device, two devices; sum, mean,
+// explicit batches, accumulation and training (the other device's parameters brought up
+// to date before each step).
+class DeviceStepTest : public ::testing::TestWithParam<std::tuple<std::string, int>> {
+ protected:
+  void SetUp() override {
+    setenv("SHMGRAD_CUDA_LIBRARY", kFakeCuda, 1);
+    setenv("FAKE_CUDA_DEVICES", "2", 1);
+  }
+  void TearDown() override {
+    unsetenv("SHMGRAD_CUDA_LIBRARY");
+    unsetenv("FAKE_CUDA_DEVICES");
+  }
+};
+
+// True when every float of the segment's own slots is zero: gradients went elsewhere.
+bool hostSlotsUntouched(const ipc::Segment& seg) {
+  for (uint32_t k = 0; k < seg.header()->num_slots; ++k) {
+    const float* slot = seg.slot(k);
+    for (uint64_t i = 0; i < seg.header()->param_floats; ++i) {
+      if (slot[i] != 0.0f) return false;
+    }
+  }
+  return true;
+}
+
+TEST_P(DeviceStepTest, GradientsAreTheReferenceAndLiveInDeviceMemory) {
+  const auto [devices, workers] = GetParam();
+  Fixture f = makeFixture("cnn", 9);
+  const std::string name = uniqueName("devstep");
+  EngineProcess engine(
+      name, {"--model", f.model, "--workers", std::to_string(workers), "--loss", "cross_entropy",
+             "--devices", devices, "--dataset", "npy:" + f.inputs_npy + "," + f.targets_npy});
+  auto t = Trainer::attach(name);
+  ASSERT_EQ(t->workerCount(), workers);
+  const ipc::Segment& seg = t->segment();
+  EXPECT_EQ(t->device(), -1);  // the fake's memory is host memory: CPU tensors over it
+  EXPECT_NE(t->gradientBuffer().data_ptr(), static_cast<void*>(seg.reduced()));
+  EXPECT_NE(t->parameterBuffer().data_ptr(), static_cast<void*>(seg.params()));
+  auto grads = t->gradientViews();
+  torch::manual_seed(3);
+  for (int64_t B : {1, 5, 64}) {
+    SCOPED_TRACE("batch " + std::to_string(B));
+    torch::Tensor idx = torch::randperm(kExamples, torch::kInt64).narrow(0, 0, B);
+    torch::Tensor x = f.x.index_select(0, idx), y = f.y.index_select(0, idx);
+    GradientStats s = t->gradient(idx);
+    EXPECT_LT(relativeError(grads, referenceGradient(f.model, "cross_entropy", x, y)), 1e-5);
+    EXPECT_EQ(static_cast<int64_t>(s.workers.size()), std::min<int64_t>(B, workers));
+    GradientOptions mean;
+    mean.mean = true;
+    t->gradient(x, y, mean);
+    EXPECT_LT(relativeError(grads, referenceGradient(f.model, "cross_entropy", x, y, true)), 1e-5);
+  }
+  // Accumulation: the second step adds into the other buffer, the first left intact.
+  torch::Tensor a = torch::arange(0, 40, torch::kInt64), b = torch::arange(40, 75, torch::kInt64);
+  t->gradient(a);
+  GradientOptions acc;
+  acc.accumulate = ipc::Accumulate::kReducedToAccum;
+  t->gradient(b, acc);
+  torch::Tensor both = torch::cat({a, b});
+  EXPECT_LT(relativeError(t->accumulatorViews(),
+                          referenceGradient(f.model, "cross_entropy", f.x.index_select(0, both),
+                                            f.y.index_select(0, both))),
+            1e-5);
+  EXPECT_LT(relativeError(grads, referenceGradient(f.model, "cross_entropy", f.x.index_select(0, a),
+                                                   f.y.index_select(0, a))),
+            1e-5);
+  EXPECT_TRUE(hostSlotsUntouched(seg)) << "a worker wrote its gradient into the segment";
+}
+
+TEST_P(DeviceStepTest, TrainingMatchesOneProcessOnEveryDevice) {
+  const auto [devices, workers] = GetParam();
+  Fixture f = makeFixture("cnn", 10);
+  const std::string name = uniqueName("devtrain");
+  EngineProcess engine(
+      name, {"--model", f.model, "--workers", std::to_string(workers), "--loss", "cross_entropy",
+             "--devices", devices, "--dataset", "npy:" + f.inputs_npy + "," + f.targets_npy});
+  auto t = Trainer::attach(name);
+  std::vector<torch::Tensor> params = t->parameterViews();
+  std::vector<torch::Tensor> grads = t->gradientViews();
+  for (size_t i = 0; i < params.size(); ++i) {
+    params[i].set_requires_grad(true);
+    params[i].mutable_grad() = grads[i];
+  }
+  torch::optim::SGD opt(params, torch::optim::SGDOptions(0.05).momentum(0.9));
+  torch::jit::Module ref = torch::jit::load(f.model);
+  std::vector<torch::Tensor> ref_params;
+  for (const auto& p : ref.parameters()) ref_params.push_back(p);
+  torch::optim::SGD ref_opt(ref_params, torch::optim::SGDOptions(0.05).momentum(0.9));
+  torch::manual_seed(6);
+  for (int step = 0; step < 10; ++step) {
+    torch::Tensor idx = torch::randint(0, kExamples, {24}, torch::kInt64);
+    GradientOptions o;
+    o.mean = true;
+    t->gradient(idx, o);
+    opt.step();
+    ref_opt.zero_grad();
+    torch::Tensor out = ref.forward({f.x.index_select(0, idx)}).toTensor();
+    torch::nn::functional::cross_entropy(out, f.y.index_select(0, idx)).backward();
+    ref_opt.step();
+  }
+  EXPECT_LT(relativeError(params, ref_params), 1e-4);
+  torch::jit::Module init = torch::jit::load(f.model);
+  std::vector<torch::Tensor> init_params;
+  for (const auto& p : init.parameters()) init_params.push_back(p.detach());
+  EXPECT_GT(relativeError(params, init_params), 1e-3);
+}
+
+INSTANTIATE_TEST_SUITE_P(Placements, DeviceStepTest,
+                         ::testing::Values(std::make_tuple("0", 1), std::make_tuple("0", 3),
+                                           std::make_tuple("1,0", 2), std::make_tuple("0,1", 3)),
+                         [](const auto& info) {
+                           std::string d = std::get<0>(info.param);
+                           for (char& c : d) c = c == ',' ? '_' : c;
+                           return "cuda" + d + "_" + std::to_string(std::get<1>(info.param)) +
+                                  "workers";
+                         });
 
 }  // namespace
 }  // namespace shmgrad::testing

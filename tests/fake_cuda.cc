@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -157,20 +158,56 @@ FAKE_API int shmgrad_cuda_copy_to_host(int device, void* dst, uint64_t src, uint
   std::memcpy(dst, reinterpret_cast<const void*>(src), bytes);
   return kSuccess;
 }
-FAKE_API int shmgrad_cuda_sum_slots(int device, uint64_t out, uint64_t prev, uint64_t slots,
-                                    uint32_t nslots, uint64_t stride, uint64_t begin, uint64_t end,
-                                    float a, float b, uint64_t, int) {
-  if (end < begin || (a != 0.0f && prev == 0) || out == 0 || (nslots > 0 && slots == 0)) {
+FAKE_API int shmgrad_cuda_memory_kind(void) { return 1; }
+FAKE_API int shmgrad_cuda_zero(int device, uint64_t ptr, uint64_t bytes) {
+  if (ptr == 0) return kInvalidValue;
+  if (int e = use(device)) return e;
+  std::memset(reinterpret_cast<void*>(ptr), 0, bytes);
+  return kSuccess;
+}
+FAKE_API int shmgrad_cuda_synchronize(int device) { return use(device); }
+FAKE_API int shmgrad_cuda_copy_peer(int dst_device, uint64_t dst, int src_device, uint64_t src,
+                                    uint64_t bytes) {
+  if (dst == 0 || src == 0) return kInvalidValue;
+  if (int e = use(src_device)) return e;
+  if (int e = use(dst_device)) return e;
+  std::memcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes);
+  return kSuccess;
+}
+// The real library's argument checks and order: inputs summed in list order in float32,
+// everything of element i read before out[i] is written (out may alias prev or an input).
+FAKE_API int shmgrad_cuda_reduce(int device, uint64_t out, uint64_t prev, const uint64_t* ins,
+                                 uint32_t nins, uint64_t begin, uint64_t end, float a, float b) {
+  if (end < begin || out == 0 || (a != 0.0f && prev == 0) || nins > SHMGRAD_MAX_REDUCE_INPUTS ||
+      (nins > 0 && ins == nullptr)) {
     return kInvalidValue;
+  }
+  for (uint32_t k = 0; k < nins; ++k) {
+    if (ins[k] == 0) return kInvalidValue;
   }
   if (int e = use(device)) return e;
   auto* o = reinterpret_cast<float*>(out);
   const auto* p = reinterpret_cast<const float*>(prev);
-  const auto* s = reinterpret_cast<const float*>(slots);
   for (uint64_t i = begin; i < end; ++i) {
-    float sum = 0.0f;
-    for (uint32_t k = 0; k < nslots; ++k) sum += s[k * stride + i];
-    o[i] = a == 0.0f ? b * sum : a * p[i] + b * sum;
+    float s = 0.0f;
+    if (nins > 0) s = reinterpret_cast<const float*>(ins[0])[i];
+    for (uint32_t k = 1; k < nins; ++k) s += reinterpret_cast<const float*>(ins[k])[i];
+    o[i] = a == 0.0f ? b * s : a * p[i] + b * s;
+  }
+  return kSuccess;
+}
+FAKE_API int shmgrad_cuda_any_nonfinite(int device, uint64_t ptr, uint64_t begin, uint64_t end,
+                                        int* found) {
+  if (found == nullptr) return kInvalidValue;
+  *found = 0;
+  if (end < begin || ptr == 0) return kInvalidValue;
+  if (int e = use(device)) return e;
+  const auto* p = reinterpret_cast<const float*>(ptr);
+  for (uint64_t i = begin; i < end; ++i) {
+    if (!std::isfinite(p[i])) {
+      *found = 1;
+      break;
+    }
   }
   return kSuccess;
 }

@@ -1,6 +1,8 @@
 // libshmgrad_cuda.so, loaded as shmgrad loads it (dlopen): its interface and error codes
-// everywhere; device memory, the reduction kernel and IPC handles where a device is.
-// Usage: gpu_test PATH/libshmgrad_cuda.so [gtest flags]
+// everywhere; device memory, the step's operations and IPC handles where a device is.
+// The same tests run against tests/fake_cuda.cc (gpu_fake_test), the interface on host
+// memory, so that every semantic checked here runs on machines without a GPU too.
+// Usage: gpu_test PATH/libshmgrad_cuda.so [MEMORY_KIND] [gtest flags]
 #include <dlfcn.h>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
@@ -9,7 +11,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -19,6 +23,7 @@
 namespace {
 
 const char* g_library = nullptr;
+int g_memory_kind = -1;  // the kind the library must report; -1: not given
 
 // The library's functions, resolved by name as the engine resolves them.
 struct Cuda {
@@ -37,7 +42,12 @@ struct Cuda {
   decltype(&shmgrad_cuda_ipc_close) ipc_close;
   decltype(&shmgrad_cuda_copy_to_device) copy_to_device;
   decltype(&shmgrad_cuda_copy_to_host) copy_to_host;
-  decltype(&shmgrad_cuda_sum_slots) sum_slots;
+  decltype(&shmgrad_cuda_memory_kind) memory_kind;
+  decltype(&shmgrad_cuda_zero) zero;
+  decltype(&shmgrad_cuda_synchronize) synchronize;
+  decltype(&shmgrad_cuda_copy_peer) copy_peer;
+  decltype(&shmgrad_cuda_reduce) reduce;
+  decltype(&shmgrad_cuda_any_nonfinite) any_nonfinite;
 };
 
 template <typename F>
@@ -64,12 +74,83 @@ void load(Cuda* c) {
   bind(c->handle, "shmgrad_cuda_ipc_close", &c->ipc_close);
   bind(c->handle, "shmgrad_cuda_copy_to_device", &c->copy_to_device);
   bind(c->handle, "shmgrad_cuda_copy_to_host", &c->copy_to_host);
-  bind(c->handle, "shmgrad_cuda_sum_slots", &c->sum_slots);
+  bind(c->handle, "shmgrad_cuda_memory_kind", &c->memory_kind);
+  bind(c->handle, "shmgrad_cuda_zero", &c->zero);
+  bind(c->handle, "shmgrad_cuda_synchronize", &c->synchronize);
+  bind(c->handle, "shmgrad_cuda_copy_peer", &c->copy_peer);
+  bind(c->handle, "shmgrad_cuda_reduce", &c->reduce);
+  bind(c->handle, "shmgrad_cuda_any_nonfinite", &c->any_nonfinite);
 }
 
 constexpr int kCudaErrorInvalidValue = 1;
 constexpr int kCudaErrorInsufficientDriver = 35;
 constexpr int kCudaErrorNoDevice = 100;
+constexpr int kCudaErrorInvalidDevice = 101;
+constexpr int kHostMemory = 1;  // shmgrad_cuda_memory_kind of the test double
+
+// Sets an environment variable for a scope, restoring what was there.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    const char* old = std::getenv(name);
+    had_ = old != nullptr;
+    if (had_) old_ = old;
+    setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (had_) {
+      setenv(name_, old_.c_str(), 1);
+    } else {
+      unsetenv(name_);
+    }
+  }
+
+ private:
+  const char* name_;
+  bool had_ = false;
+  std::string old_;
+};
+
+// Device memory holding `values`, freed at the end of the scope.
+class DeviceFloats {
+ public:
+  DeviceFloats(const Cuda& c, int device, const std::vector<float>& values)
+      : c_(c), device_(device) {
+    EXPECT_EQ(c.alloc(device, values.size() * 4, &ptr_), 0);
+    if (ptr_ != 0) {
+      EXPECT_EQ(c.copy_to_device(device, ptr_, values.data(), values.size() * 4), 0);
+    }
+    n_ = values.size();
+  }
+  ~DeviceFloats() {
+    if (ptr_ != 0) {
+      EXPECT_EQ(c_.free(device_, ptr_), 0);
+    }
+  }
+  DeviceFloats(const DeviceFloats&) = delete;
+  DeviceFloats& operator=(const DeviceFloats&) = delete;
+
+  uint64_t ptr() const { return ptr_; }
+  std::vector<float> read() const {
+    std::vector<float> v(n_);
+    EXPECT_EQ(c_.copy_to_host(device_, v.data(), ptr_, n_ * 4), 0);
+    return v;
+  }
+
+ private:
+  const Cuda& c_;
+  int device_;
+  uint64_t ptr_ = 0;
+  size_t n_ = 0;
+};
+
+std::vector<float> normals(size_t n, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  std::vector<float> v(n);
+  for (float& x : v) x = normal(rng);
+  return v;
+}
 
 // Skips (with the reason printed) where no device can be used.
 #define REQUIRE_DEVICE(c)                                                   \
@@ -93,6 +174,8 @@ TEST(CudaLibraryTest, LoadsWithItsInterfaceEverywhere) {
 TEST(CudaLibraryTest, NoDriverOrDeviceIsAnErrorCodeNotACrash) {
   Cuda c;
   ASSERT_NO_FATAL_FAILURE(load(&c));
+  // The test double shows "no device" when told to (FAKE_CUDA_DEVICES=0).
+  ScopedEnv no_fake_devices("FAKE_CUDA_DEVICES", "0");
   int n = -1;
   const int rc = c.device_count(&n);
   if (rc == 0 && n > 0) GTEST_SKIP() << n << " CUDA device(s) here: the no-device path is not";
@@ -108,58 +191,198 @@ TEST(CudaLibraryTest, NoDriverOrDeviceIsAnErrorCodeNotACrash) {
   char name[64];
   int major = 0, minor = 0;
   EXPECT_NE(c.device_info(0, name, sizeof name, &major, &minor), 0);
+  // The step's operations, with valid arguments: an error code each.
+  const uint64_t fake = 4096, ins[2] = {8192, 12288};
+  EXPECT_NE(c.zero(0, fake, 16), 0);
+  EXPECT_NE(c.synchronize(0), 0);
+  EXPECT_NE(c.copy_peer(0, fake, 0, ins[0], 16), 0);
+  EXPECT_NE(c.reduce(0, fake, 0, ins, 2, 0, 4, 0.0f, 1.0f), 0);
+  int found = -1;
+  EXPECT_NE(c.any_nonfinite(0, fake, 0, 4, &found), 0);
+  EXPECT_EQ(found, 0);
 }
 
-TEST(CudaLibraryTest, ReductionArgumentsAreCheckedBeforeAnyDeviceWork) {
+TEST(CudaLibraryTest, MemoryKindSaysWhereAllocationsLive) {
   Cuda c;
   ASSERT_NO_FATAL_FAILURE(load(&c));
-  // end before begin; a != 0 without prev; no output; slots missing.
-  EXPECT_EQ(c.sum_slots(0, 256, 0, 512, 2, 16, 8, 4, 0.0f, 1.0f, 0, 1), kCudaErrorInvalidValue);
-  EXPECT_EQ(c.sum_slots(0, 256, 0, 512, 2, 16, 0, 4, 0.5f, 1.0f, 0, 1), kCudaErrorInvalidValue);
-  EXPECT_EQ(c.sum_slots(0, 0, 0, 512, 2, 16, 0, 4, 0.0f, 1.0f, 0, 1), kCudaErrorInvalidValue);
-  EXPECT_EQ(c.sum_slots(0, 256, 0, 0, 2, 16, 0, 4, 0.0f, 1.0f, 0, 1), kCudaErrorInvalidValue);
-  EXPECT_EQ(c.sum_slots(0, 256, 0, 512, 2, 16, 4, 4, 0.0f, 1.0f, 0, 1), 0);  // empty slice
+  const int kind = c.memory_kind();
+  EXPECT_TRUE(kind == 0 || kind == kHostMemory) << kind;
+  if (g_memory_kind >= 0) {
+    EXPECT_EQ(kind, g_memory_kind);
+  }
+  if (kind != kHostMemory) return;  // device memory: nothing this process can read directly
+  REQUIRE_DEVICE(c);
+  DeviceFloats d(c, 0, {1.0f, 2.0f});
+  auto* p = reinterpret_cast<float*>(static_cast<uintptr_t>(d.ptr()));
+  EXPECT_EQ(p[1], 2.0f);  // host memory: addressable here
+  p[0] = -3.0f;
+  EXPECT_EQ(d.read()[0], -3.0f);
 }
 
-TEST(CudaLibraryTest, SlotsAreSummedSliceBySliceInSlotOrder) {
+// Argument errors are cudaErrorInvalidValue, found before any device work (no device here
+// either), with pointers that are never dereferenced.
+TEST(CudaLibraryTest, ArgumentsAreCheckedBeforeAnyDeviceWork) {
+  Cuda c;
+  ASSERT_NO_FATAL_FAILURE(load(&c));
+  const uint64_t out = 256, prev = 512;
+  const uint64_t ins[SHMGRAD_MAX_REDUCE_INPUTS + 1] = {1024, 2048};
+  const uint64_t with_null[2] = {1024, 0};
+  // end before begin; a != 0 without prev; no output; inputs missing, too many or null.
+  EXPECT_EQ(c.reduce(0, out, 0, ins, 2, 8, 4, 0.0f, 1.0f), kCudaErrorInvalidValue);
+  EXPECT_EQ(c.reduce(0, out, 0, ins, 2, 0, 4, 0.5f, 1.0f), kCudaErrorInvalidValue);
+  EXPECT_EQ(c.reduce(0, 0, prev, ins, 2, 0, 4, 0.0f, 1.0f), kCudaErrorInvalidValue);
+  EXPECT_EQ(c.reduce(0, out, 0, nullptr, 2, 0, 4, 0.0f, 1.0f), kCudaErrorInvalidValue);
+  EXPECT_EQ(c.reduce(0, out, 0, ins, SHMGRAD_MAX_REDUCE_INPUTS + 1, 0, 4, 0.0f, 1.0f),
+            kCudaErrorInvalidValue);
+  EXPECT_EQ(c.reduce(0, out, 0, with_null, 2, 0, 4, 0.0f, 1.0f), kCudaErrorInvalidValue);
+  // any_nonfinite: no result pointer, end before begin, no memory; *found cleared.
+  int found = -1;
+  EXPECT_EQ(c.any_nonfinite(0, out, 0, 4, nullptr), kCudaErrorInvalidValue);
+  EXPECT_EQ(c.any_nonfinite(0, out, 8, 4, &found), kCudaErrorInvalidValue);
+  EXPECT_EQ(found, 0);
+  found = -1;
+  EXPECT_EQ(c.any_nonfinite(0, 0, 0, 4, &found), kCudaErrorInvalidValue);
+  EXPECT_EQ(found, 0);
+  // No memory to zero or to copy.
+  EXPECT_EQ(c.zero(0, 0, 16), kCudaErrorInvalidValue);
+  EXPECT_EQ(c.copy_peer(0, 0, 0, prev, 16), kCudaErrorInvalidValue);
+  EXPECT_EQ(c.copy_peer(0, out, 0, 0, 16), kCudaErrorInvalidValue);
+}
+
+// The reduction against the same sum on the host, bitwise: the inputs added in list order
+// in float32, with a and b powers of two (their products are exact, so a fused multiply-add
+// on the device rounds as the host's two roundings do).
+TEST(CudaLibraryTest, ReduceSumsSliceBySliceInListOrder) {
   Cuda c;
   ASSERT_NO_FATAL_FAILURE(load(&c));
   REQUIRE_DEVICE(c);
-  const uint32_t slots = 3;
-  const uint64_t n = 100003, stride = (n + 63) / 64 * 64;
-  std::vector<float> host(slots * stride), prev(n);
-  std::mt19937 rng(7);
-  std::normal_distribution<float> normal;
-  for (float& v : host) v = normal(rng);
-  for (float& v : prev) v = normal(rng);
-  uint64_t d_slots = 0, d_out = 0, d_prev = 0;
-  ASSERT_EQ(c.alloc(0, host.size() * 4, &d_slots), 0);
-  ASSERT_EQ(c.alloc(0, n * 4, &d_out), 0);
-  ASSERT_EQ(c.alloc(0, n * 4, &d_prev), 0);
-  ASSERT_EQ(c.copy_to_device(0, d_slots, host.data(), host.size() * 4), 0);
-  ASSERT_EQ(c.copy_to_device(0, d_prev, prev.data(), n * 4), 0);
-  // Two slices, as two workers would reduce them.
+  const uint64_t n = 100003;
+  const std::vector<float> h0 = normals(n, 1), h1 = normals(n, 2), h2 = normals(n, 3),
+                           hprev = normals(n, 4);
+  DeviceFloats s0(c, 0, h0), s1(c, 0, h1), s2(c, 0, h2), prev(c, 0, hprev),
+      out(c, 0, std::vector<float>(n, 7.0f));
+  const uint64_t ins[3] = {s0.ptr(), s1.ptr(), s2.ptr()};
+  // Two slices, as two workers would reduce them; an empty one changes nothing.
   const uint64_t mid = n / 2 / 64 * 64;
-  ASSERT_EQ(c.sum_slots(0, d_out, 0, d_slots, slots, stride, 0, mid, 0.0f, 0.5f, 0, 1), 0);
-  ASSERT_EQ(c.sum_slots(0, d_out, 0, d_slots, slots, stride, mid, n, 0.0f, 0.5f, 0, 1), 0);
-  std::vector<float> out(n);
-  ASSERT_EQ(c.copy_to_host(0, out.data(), d_out, n * 4), 0);
+  ASSERT_EQ(c.reduce(0, out.ptr(), 0, ins, 3, 0, mid, 0.0f, 0.5f), 0);
+  ASSERT_EQ(c.reduce(0, out.ptr(), 0, ins, 3, mid, n, 0.0f, 0.5f), 0);
+  ASSERT_EQ(c.reduce(0, out.ptr(), 0, ins, 3, mid, mid, 0.0f, 0.0f), 0);
+  std::vector<float> got = out.read();
+  uint64_t order_matters = 0;  // elements where another order gives another float
   for (uint64_t i = 0; i < n; ++i) {
-    float s = 0.0f;
-    for (uint32_t k = 0; k < slots; ++k) s += host[k * stride + i];
-    ASSERT_EQ(out[i], 0.5f * s) << "element " << i;  // the same order: the same float
+    const float sum = (h0[i] + h1[i]) + h2[i];
+    ASSERT_EQ(got[i], 0.5f * sum) << "element " << i;
+    order_matters += (h2[i] + h1[i]) + h0[i] != sum;
   }
-  // Accumulating: out = a * prev + b * sum, in place over prev.
-  ASSERT_EQ(c.sum_slots(0, d_prev, d_prev, d_slots, slots, stride, 0, n, 0.25f, 2.0f, 0, 1), 0);
-  ASSERT_EQ(c.copy_to_host(0, out.data(), d_prev, n * 4), 0);
+  EXPECT_GT(order_matters, n / 100) << "the inputs do not tell one order from another";
+  // Accumulating in place: out == prev, a = 0.25, b = 2.
+  ASSERT_EQ(c.reduce(0, prev.ptr(), prev.ptr(), ins, 3, 0, n, 0.25f, 2.0f), 0);
+  got = prev.read();
   for (uint64_t i = 0; i < n; ++i) {
-    float s = 0.0f;
-    for (uint32_t k = 0; k < slots; ++k) s += host[k * stride + i];
-    ASSERT_NEAR(out[i], 0.25f * prev[i] + 2.0f * s, 1e-5f * (1 + std::fabs(out[i])));
+    ASSERT_EQ(got[i], 0.25f * hprev[i] + 2.0f * ((h0[i] + h1[i]) + h2[i])) << "element " << i;
   }
-  EXPECT_EQ(c.free(0, d_slots), 0);
-  EXPECT_EQ(c.free(0, d_out), 0);
-  EXPECT_EQ(c.free(0, d_prev), 0);
+  // Into the first input: out == ins[0].
+  ASSERT_EQ(c.reduce(0, s0.ptr(), 0, ins, 3, 0, n, 0.0f, 1.0f), 0);
+  got = s0.read();
+  for (uint64_t i = 0; i < n; ++i) {
+    ASSERT_EQ(got[i], (h0[i] + h1[i]) + h2[i]) << "element " << i;
+  }
+}
+
+// As many inputs as the interface allows (one worker per slot: ipc::kMaxWorkers), and none.
+TEST(CudaLibraryTest, ReduceTakesUpToTheMostInputs) {
+  Cuda c;
+  ASSERT_NO_FATAL_FAILURE(load(&c));
+  REQUIRE_DEVICE(c);
+  const uint64_t n = 1000;
+  std::vector<float> values(n);
+  for (uint64_t i = 0; i < n; ++i) values[i] = static_cast<float>(i);
+  DeviceFloats in(c, 0, values), out(c, 0, std::vector<float>(n, 0.0f)),
+      prev(c, 0, std::vector<float>(n, 3.0f));
+  std::vector<uint64_t> ins(SHMGRAD_MAX_REDUCE_INPUTS, in.ptr());
+  ASSERT_EQ(c.reduce(0, out.ptr(), 0, ins.data(), SHMGRAD_MAX_REDUCE_INPUTS, 0, n, 0.0f, 1.0f), 0);
+  std::vector<float> got = out.read();
+  for (uint64_t i = 0; i < n; ++i) {
+    ASSERT_EQ(got[i], SHMGRAD_MAX_REDUCE_INPUTS * values[i]) << "element " << i;
+  }
+  // No inputs: out = a * prev.
+  ASSERT_EQ(c.reduce(0, out.ptr(), prev.ptr(), nullptr, 0, 0, n, 0.5f, 1.0f), 0);
+  got = out.read();
+  for (uint64_t i = 0; i < n; ++i) ASSERT_EQ(got[i], 1.5f) << "element " << i;
+}
+
+TEST(CudaLibraryTest, ZeroClearsExactlyTheBytesGiven) {
+  Cuda c;
+  ASSERT_NO_FATAL_FAILURE(load(&c));
+  REQUIRE_DEVICE(c);
+  const uint64_t n = 1000;
+  DeviceFloats d(c, 0, std::vector<float>(n, 1.0f));
+  ASSERT_EQ(c.zero(0, d.ptr() + 100 * 4, 500 * 4), 0);
+  ASSERT_EQ(c.zero(0, d.ptr(), 0), 0);  // nothing
+  const std::vector<float> got = d.read();
+  for (uint64_t i = 0; i < n; ++i) {
+    ASSERT_EQ(got[i], i >= 100 && i < 600 ? 0.0f : 1.0f) << "element " << i;
+  }
+  EXPECT_EQ(c.synchronize(0), 0);
+  EXPECT_EQ(c.synchronize(-1), kCudaErrorInvalidDevice);
+}
+
+TEST(CudaLibraryTest, AnyNonFiniteLooksOnlyInItsRange) {
+  Cuda c;
+  ASSERT_NO_FATAL_FAILURE(load(&c));
+  REQUIRE_DEVICE(c);
+  const uint64_t n = 100003, nan_at = 300, inf_at = 70000;
+  std::vector<float> values = normals(n, 5);
+  values[nan_at] = std::numeric_limits<float>::quiet_NaN();
+  values[inf_at] = -std::numeric_limits<float>::infinity();
+  DeviceFloats d(c, 0, values);
+  const auto check = [&](uint64_t begin, uint64_t end) {
+    int found = -1;
+    EXPECT_EQ(c.any_nonfinite(0, d.ptr(), begin, end, &found), 0);
+    return found;
+  };
+  EXPECT_EQ(check(0, n), 1);
+  EXPECT_EQ(check(nan_at, nan_at + 1), 1);
+  EXPECT_EQ(check(inf_at, inf_at + 1), 1);
+  EXPECT_EQ(check(nan_at + 1, n), 1);  // the inf alone
+  EXPECT_EQ(check(0, nan_at), 0);
+  EXPECT_EQ(check(nan_at + 1, inf_at), 0);
+  EXPECT_EQ(check(inf_at + 1, n), 0);
+  EXPECT_EQ(check(nan_at, nan_at), 0);  // empty
+  // Again after a hit: the flag is cleared for every call.
+  EXPECT_EQ(check(0, nan_at), 0);
+  int found = -1;
+  EXPECT_EQ(c.any_nonfinite(-1, d.ptr(), 0, n, &found), kCudaErrorInvalidDevice);
+}
+
+TEST(CudaLibraryTest, CopyPeerWithinOneDevice) {
+  Cuda c;
+  ASSERT_NO_FATAL_FAILURE(load(&c));
+  REQUIRE_DEVICE(c);
+  const std::vector<float> values = normals(4099, 6);
+  DeviceFloats src(c, 0, values), dst(c, 0, std::vector<float>(values.size(), 0.0f));
+  ASSERT_EQ(c.copy_peer(0, dst.ptr(), 0, src.ptr(), values.size() * 4), 0);
+  EXPECT_EQ(dst.read(), values);
+  int n = 0;
+  ASSERT_EQ(c.device_count(&n), 0);
+  EXPECT_EQ(c.copy_peer(0, dst.ptr(), n, src.ptr(), 4), kCudaErrorInvalidDevice);
+  EXPECT_EQ(c.copy_peer(n, dst.ptr(), 0, src.ptr(), 4), kCudaErrorInvalidDevice);
+}
+
+TEST(CudaLibraryTest, CopyPeerAcrossDevices) {
+  Cuda c;
+  ASSERT_NO_FATAL_FAILURE(load(&c));
+  REQUIRE_DEVICE(c);
+  int n = 0;
+  ASSERT_EQ(c.device_count(&n), 0);
+  if (n < 2) GTEST_SKIP() << "one CUDA device here: a peer copy needs two";
+  const std::vector<float> values = normals(4099, 7);
+  DeviceFloats src(c, 1, values), dst(c, 0, std::vector<float>(values.size(), 0.0f));
+  ASSERT_EQ(c.copy_peer(0, dst.ptr(), 1, src.ptr(), values.size() * 4), 0);
+  EXPECT_EQ(dst.read(), values);
+  DeviceFloats back(c, 1, std::vector<float>(values.size(), 0.0f));
+  ASSERT_EQ(c.copy_peer(1, back.ptr(), 0, dst.ptr(), values.size() * 4), 0);
+  EXPECT_EQ(back.read(), values);
 }
 
 // The other process of the IPC test: a fresh program (exec'd: CUDA does not survive a
@@ -223,5 +446,6 @@ int main(int argc, char** argv) {
   if (argc == 4 && std::string(argv[1]) == "--ipc-child") return ipcChild(argv[2], argv[3]);
   ::testing::InitGoogleTest(&argc, argv);
   if (argc > 1) g_library = argv[1];
+  if (argc > 2) g_memory_kind = std::atoi(argv[2]);
   return RUN_ALL_TESTS();
 }

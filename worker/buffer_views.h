@@ -80,15 +80,25 @@ inline std::pair<torch::Tensor, torch::Tensor> datasetViews(
                static_cast<ipc::DType>(h->data_target_dtype))};
 }
 
+// Tensor options for float32 memory on CUDA device `tensor_device`, or the host (-1).
+inline torch::TensorOptions floatOptions(int tensor_device) {
+  auto options = torch::TensorOptions().dtype(torch::kFloat32);
+  if (tensor_device < 0) return options;
+  return options.device(torch::kCUDA, static_cast<c10::DeviceIndex>(tensor_device));
+}
+
 // One float32 tensor per parameter, laid out over `base` (the parameters, a slot or the
-// reduced gradient), in table order. `keep` as below.
+// reduced gradient: host memory, or device memory of `tensor_device`), in table order.
+// `keep` as below.
 inline std::vector<torch::Tensor> parameterShapedViews(
-    const ipc::Segment& segment, float* base, std::function<void(void*)> keep = [](void*) {}) {
+    const ipc::Segment& segment, float* base, std::function<void(void*)> keep = [](void*) {},
+    int tensor_device = -1) {
   std::vector<torch::Tensor> out;
   const ipc::ParamEntry* table = segment.paramTable();
+  const torch::TensorOptions options = floatOptions(tensor_device);
   for (uint32_t i = 0; i < segment.header()->num_params; ++i) {
     std::vector<int64_t> shape(table[i].shape.dims, table[i].shape.dims + table[i].shape.ndim);
-    out.push_back(torch::from_blob(base + table[i].offset, shape, keep, torch::kFloat32));
+    out.push_back(torch::from_blob(base + table[i].offset, shape, keep, options));
   }
   return out;
 }

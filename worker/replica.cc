@@ -59,8 +59,7 @@ ModelParams describeModel(const std::string& path) {
 }
 
 bool sharedBufferType(const torch::Tensor& t) {
-  return t.device().is_cpu() &&
-         (t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kInt64);
+  return t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kInt64;
 }
 
 torch::Tensor lossSum(ipc::LossKind loss, const torch::Tensor& output,
@@ -80,16 +79,29 @@ torch::Tensor lossSum(ipc::LossKind loss, const torch::Tensor& output,
   raise(ErrorKind::kInvalidArgument, "unknown loss kind");
 }
 
-Replica::Replica(const ipc::Segment& segment, uint32_t slot)
-    : segment_(segment), slot_(slot), loss_(static_cast<ipc::LossKind>(segment.header()->loss)) {
+Replica::Replica(const ipc::Segment& segment, uint32_t slot, const gpu::EngineMemory* memory)
+    : segment_(segment),
+      slot_(slot),
+      memory_(memory != nullptr && memory->onDevice() ? memory : nullptr),
+      loss_(static_cast<ipc::LossKind>(segment.header()->loss)) {
   const ipc::SegmentHeader* h = segment.header();
   SHMGRAD_CHECK(slot < h->num_slots, ErrorKind::kInvalidArgument, "worker slot ", slot,
                 " >= slots ", h->num_slots);
   module_ = loadModel(h->model_path);
   module_.train();
+  options_ = torch::TensorOptions().dtype(torch::kFloat32);
+  if (memory_ != nullptr) {
+    device_ = memory_->ordinal(slot);
+    const int tensor_device = memory_->tensorDevice(device_);
+    if (tensor_device >= 0) {
+      const torch::Device device(torch::kCUDA, static_cast<c10::DeviceIndex>(tensor_device));
+      module_.to(device);  // its own buffers; the parameters become views below
+      options_ = options_.device(device);
+    }
+  }
   const ipc::ParamEntry* table = segment.paramTable();
-  float* params = segment.params();
-  float* grads = segment.slot(slot);
+  float* params = memory_ ? memory_->params(slot) : segment.params();
+  float* grads = memory_ ? memory_->slot(slot) : segment.slot(slot);
   torch::NoGradGuard no_grad;
   size_t i = 0;
   for (const auto& np : module_.named_parameters(/*recurse=*/true)) {
@@ -104,10 +116,9 @@ Replica::Replica(const ipc::Segment& segment, uint32_t slot)
         ErrorKind::kInvalidArgument, "model parameter ", i, " (", np.name, ", ", p.sizes(),
         ") does not match the engine's (", e.name, ", ", c10::IntArrayRef(shape),
         "); was the file replaced after the engine started?");
-    auto opts = torch::TensorOptions().dtype(torch::kFloat32);
     // The parameter's storage becomes the shared buffer: every worker and the trainer
     // see the same bytes, so an optimizer step is seen by all with no copy.
-    p.set_data(torch::from_blob(params + e.offset, shape, opts));
+    p.set_data(torch::from_blob(params + e.offset, shape, options_));
     params_.push_back(p);
     ++i;
   }
@@ -151,25 +162,32 @@ void Replica::publishBuffers(uint8_t* dst) {
 void Replica::bindGradients(float* base) {
   if (base == grads_base_) return;
   const ipc::ParamEntry* table = segment_.paramTable();
-  auto opts = torch::TensorOptions().dtype(torch::kFloat32);
   for (size_t i = 0; i < params_.size(); ++i) {
     // A defined .grad is accumulated into in place by autograd: backward writes
     // straight into shared memory.
-    params_[i].mutable_grad() = torch::from_blob(base + table[i].offset, params_[i].sizes(), opts);
+    params_[i].mutable_grad() =
+        torch::from_blob(base + table[i].offset, params_[i].sizes(), options_);
   }
   grads_base_ = base;
 }
 
 void Replica::zeroGrad() {
-  std::memset(segment_.slot(slot_), 0, segment_.header()->param_floats * sizeof(float));
+  if (memory_ != nullptr) {
+    memory_->zero(device_, memory_->slot(slot_), segment_.header()->param_floats);
+  } else {
+    std::memset(segment_.slot(slot_), 0, segment_.header()->param_floats * sizeof(float));
+  }
 }
 
 double Replica::accumulate(const torch::Tensor& inputs, const torch::Tensor& targets,
                            float grad_scale) {
-  torch::jit::IValue out = module_.forward({inputs});
+  // On a device the batch is copied there (the step's inputs, never its gradients).
+  const bool moved = options_.device().is_cuda();
+  torch::jit::IValue out = module_.forward({moved ? inputs.to(options_.device()) : inputs});
   SHMGRAD_CHECK(out.isTensor(), ErrorKind::kInvalidArgument, "the model's forward returned ",
                 out.tagKind(), "; shmgrad needs a model whose forward returns one Tensor");
-  torch::Tensor loss = lossSum(loss_, out.toTensor(), targets);
+  torch::Tensor loss =
+      lossSum(loss_, out.toTensor(), moved ? targets.to(options_.device()) : targets);
   double value = loss.item<double>();
   if (grad_scale == 1.0f) {
     loss.backward();

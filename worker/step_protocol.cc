@@ -26,6 +26,8 @@ StepParticipant::StepParticipant(const ipc::Segment& segment, uint32_t slot, int
       parent_pid_(parent_pid) {
   SHMGRAD_CHECK(slot < h_->num_slots, ErrorKind::kInvalidArgument, "worker slot ", slot,
                 " is out of range: the engine has ", h_->num_slots, " slots");
+  // The coordinator gives its workers the CUDA library it loaded ($SHMGRAD_CUDA_LIBRARY).
+  mem_ = std::make_unique<gpu::EngineMemory>(segment);
 }
 
 bool StepParticipant::becomeReady() {
@@ -162,7 +164,11 @@ void StepParticipant::runStep(uint32_t e, ShardComputer& computer) {
         publish(seg_.buffers());
       }
     }
-    reducePhase(shard);
+    try {
+      reducePhase(shard);
+    } catch (const std::exception& ex) {  // a device's error: the trainer reports it
+      setError("", ex.what());
+    }
     me_.reduce_ns = ipc::monotonicNs() - t2;
     // Reduce barrier: the last to finish its slice completes the step.
     if (ipc::arriveBarrier(c_.reduce_barrier, e) == shard.participants) {
@@ -206,9 +212,14 @@ bool StepParticipant::prepareShard(uint32_t e, Shard* s) {
   // Alone, this worker's gradient is the result: backward writes into the reduced
   // buffer and applies the mean's scale itself, and there is nothing to reduce. Not when
   // accumulating: the previous result must stay intact until the step is done.
-  const bool alone = n == 1 && s->accumulate == ipc::Accumulate::kFresh;
-  s->grads = alone ? seg_.reduced() : seg_.slot(slot_);
-  s->grad_scale = alone ? r.scale : 1.0f;
+  // On devices, only where the reduced buffer is on this worker's device (the trainer's):
+  // a parameter's .grad must be on its device.
+  s->device = mem_->ordinal(slot_);
+  s->tensor_device = mem_->tensorDevice(s->device);
+  s->alone =
+      n == 1 && s->accumulate == ipc::Accumulate::kFresh && s->device == mem_->trainerOrdinal();
+  s->grads = s->alone ? mem_->reduced() : mem_->slot(slot_);
+  s->grad_scale = s->alone ? r.scale : 1.0f;
   s->seed = r.seed;
   s->train = r.train_mode != 0;
   spin_ns_ = std::min<uint64_t>(r.spin_ns, ipc::kMaxSpinNs);
@@ -286,10 +297,10 @@ void resolveBatch(const ipc::Segment& seg, Shard* s) {
 
 void StepParticipant::computePhase(const Shard& shard, ShardComputer& computer) {
   me_.examples = shard.size();
-  // Zeroed, never released: autograd accumulates into a defined .grad in place.
-  std::memset(shard.grads, 0, h_->param_floats * sizeof(float));
-  if (shard.size() <= 0) return;
   try {
+    // Zeroed, never released: autograd accumulates into a defined .grad in place.
+    mem_->zero(shard.device, shard.grads, h_->param_floats);
+    if (shard.size() <= 0) return;
     Shard s = shard;
     resolveBatch(seg_, &s);
     // The passes, for every kind of worker: they bound the activation memory of a large
@@ -303,6 +314,8 @@ void StepParticipant::computePhase(const Shard& shard, ShardComputer& computer) 
       loss += r.loss_sum;
       count += r.count;
     }
+    // Backward's kernels have written the slot before the others read it.
+    mem_->synchronize(shard.device);
     me_.loss_sum = loss;
     me_.count = count;
     me_.nonfinite_loss = std::isfinite(loss) ? 0 : 1;
@@ -352,15 +365,16 @@ void StepParticipant::reducePhase(const Shard& shard) {
   const double count = mean ? stepCount(shard) : 0;
   const bool by_examples = !mean || count == static_cast<double>(r.num_examples);
   const float scale = !mean ? 1.0f : count > 0 ? ipc::meanScale(count) : 0.0f;
-  if (n == 1 && shard.accumulate == ipc::Accumulate::kFresh) {
+  const int dev = shard.device;  // where this reducer runs: its own device, or the host
+  if (shard.alone) {
     // The gradient is already in the reduced buffer (prepareShard), scaled by r.scale;
     // only a mean over counts other than the examples rescales it. Then look for
     // non-finite values, as the reducers of a larger step do.
     if (!by_examples) {
-      ipc::scaleSlice(shard.grads, 0, h_->param_floats,
-                      count > 0 ? static_cast<float>(r.num_examples / count) : 0.0f);
+      mem_->scale(dev, shard.grads, 0, h_->param_floats,
+                  count > 0 ? static_cast<float>(r.num_examples / count) : 0.0f);
     }
-    if (ipc::anyNonFinite(shard.grads, 0, h_->param_floats)) {
+    if (mem_->anyNonFinite(dev, shard.grads, 0, h_->param_floats)) {
       me_.nonfinite_grad.store(1, std::memory_order_relaxed);
     }
     return;
@@ -368,27 +382,27 @@ void StepParticipant::reducePhase(const Shard& shard) {
   uint64_t b, end;
   ipc::sliceBounds(h_->param_floats, n, shard.rank, &b, &end);
   const float* ins[ipc::kMaxWorkers];
-  for (uint32_t k = 0; k < n; ++k) ins[k] = seg_.slot(r.participants[k]);
-  float* out = seg_.reduced();
+  for (uint32_t k = 0; k < n; ++k) ins[k] = mem_->slot(r.participants[k]);
+  float* out = mem_->reduced();
   if (shard.accumulate == ipc::Accumulate::kFresh) {
-    ipc::reduceSlice(out, ins, n, b, end, scale);
+    mem_->reduce(dev, out, nullptr, 0.0f, ins, n, b, end, scale);
   } else {
     // out = a * prev + b * sum: the previous result is left intact (a retry adds once).
     const bool into_accum = shard.accumulate == ipc::Accumulate::kReducedToAccum;
-    const float* prev = into_accum ? seg_.reduced() : seg_.accum();
-    out = into_accum ? seg_.accum() : seg_.reduced();
+    const float* prev = into_accum ? mem_->reduced() : mem_->accum();
+    out = into_accum ? mem_->accum() : mem_->reduced();
     float a = 1.0f, s = 1.0f;
     if (mean) {
       const double total = r.prev_count + count;
       a = total > 0 ? static_cast<float>(r.prev_count / total) : 0.0f;
       s = total > 0 ? ipc::meanScale(total) : 0.0f;
     }
-    ipc::accumulateSlice(out, prev, a, ins, n, b, end, s);
+    mem_->reduce(dev, out, prev, a, ins, n, b, end, s);
   }
-  if (ipc::anyNonFinite(out, b, end)) {
+  if (mem_->anyNonFinite(dev, out, b, end)) {
     // Name the culprits: whose slot holds the non-finite values in this slice.
     for (uint32_t k = 0; k < n; ++k) {
-      if (ipc::anyNonFinite(ins[k], b, end)) {
+      if (mem_->anyNonFinite(dev, ins[k], b, end)) {
         h_->workers[r.participants[k]].nonfinite_grad.store(1, std::memory_order_relaxed);
       }
     }

@@ -4,13 +4,17 @@
 // python/worker_binding.cc); waiting for a step, validating the request, both barriers,
 // the in-place reduction of its slice and the result record are this code's, written once.
 //
-// No libtorch here: the protocol touches only the segment.
+// No libtorch here: the protocol touches only the segment, and for an engine with devices
+// the device buffers through gpu::EngineMemory (libshmgrad_cuda.so, loaded with dlopen).
 #pragma once
 
 #include <chrono>
-#include <stdexcept>
 #include <cstdint>
+#include <memory>
+#include <stdexcept>
 #include <string>
+
+#include "gpu/engine_memory.h"
 
 #include "ipc/futex.h"
 #include "ipc/layout.h"
@@ -43,8 +47,15 @@ struct Shard {
   // worker is the only participant (its gradient is then the result, see `grads`).
   float grad_scale = 1.0f;
   // Where backward must accumulate, already zeroed: this worker's slot, or the reduced
-  // buffer itself when it is the step's only participant (no reduction copy).
+  // buffer itself when it is the step's only participant (no reduction copy) and, on
+  // devices, computes on the trainer's device (`alone`).
   float* grads = nullptr;
+  bool alone = false;
+  // The CUDA ordinal whose memory `grads` (and the parameters this worker computes with)
+  // lie in, -1 for a CPU engine; and the device index tensors over that memory take (-1:
+  // CPU tensors, also for a CUDA library whose "device" memory is host memory).
+  int device = -1;
+  int tensor_device = -1;
 
   ipc::BatchKind kind = ipc::BatchKind::kIndices;
   // kIndices: indices[0 .. end-begin) into the engine's dataset, each checked in range.
@@ -143,6 +154,9 @@ class StepParticipant {
   // record (the last reducer completes the step and wakes the trainer).
   void runStep(uint32_t e, ShardComputer& computer);
   int exitCode() const { return exit_code_; }
+  // The step memory this participant computes in: for its compute phase's parameter and
+  // gradient views.
+  const gpu::EngineMemory& memory() const { return *mem_; }
 
  private:
   bool prepareShard(uint32_t e, Shard* shard);
@@ -162,6 +176,7 @@ class StepParticipant {
   ipc::WorkerRecord& me_;
   const uint32_t slot_;
   const int parent_pid_;
+  std::unique_ptr<gpu::EngineMemory> mem_;
   uint32_t last_epoch_ = 0;
   uint64_t spin_ns_ = 0;          // the current step's StepRequest::spin_ns, bounded
   uint64_t barrier_spin_ns_ = 0;  // and its barrier_spin_ns

@@ -1,5 +1,6 @@
 #include "worker/worker_loop.h"
 
+#include <dlfcn.h>
 #include <malloc.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -72,6 +73,15 @@ class ScriptShardComputer : public ShardComputer {
   torch::Tensor inputs_, targets_;  // the current shard's batch
 };
 
+// libtorch's CUDA half. Workers link torch_cpu only, so that a CPU engine's workers load
+// no CUDA library; a worker on a device loads it, which registers torch's CUDA kernels.
+void loadTorchCuda() {
+  if (dlopen("libtorch_cuda.so", RTLD_NOW | RTLD_GLOBAL) != nullptr) return;
+  raise(ErrorKind::kNotFound,
+        "a worker on a GPU needs libtorch_cuda.so, from a CUDA build of torch (", dlerror(),
+        "); install torch with CUDA, or serve without devices");
+}
+
 void configureTorch(uint32_t threads) {
   // Run the TorchScript graph as it is, with eager autograd per op, instead of letting
   // the profiling executor rewrite it into differentiable subgraphs: on the CPU (no
@@ -99,7 +109,9 @@ int runWorker(const WorkerOptions& o) {
     participant = std::make_unique<StepParticipant>(*seg, o.slot, o.parent_pid);
     keepFreedMemory();
     configureTorch(seg->header()->threads_per_worker);
-    replica = std::make_unique<Replica>(*seg, o.slot);
+    const gpu::EngineMemory& memory = participant->memory();
+    if (memory.tensorDevice(memory.ordinal(o.slot)) >= 0) loadTorchCuda();
+    replica = std::make_unique<Replica>(*seg, o.slot, &memory);
     computer = std::make_unique<ScriptShardComputer>(*seg, *replica);
   } catch (const std::exception& e) {
     if (participant)

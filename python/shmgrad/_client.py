@@ -9,7 +9,7 @@ from typing import List, Optional
 
 import torch
 
-from . import errors, multinode
+from . import _gpu, errors, multinode
 from ._native import _C, DEFAULTS
 from ._eager import REDUCTIONS, compiled_original, has_batchnorm, shared_buffers, step_seed
 from ._status import EngineStatus, read_status
@@ -676,7 +676,7 @@ def attach(
     """
     _C.check_engine_name(name)
     _check_buffers(buffers)
-    trainer = _C.Trainer.attach(name, timeout=timeout)
+    trainer = _C.Trainer.attach(name, timeout=timeout, cuda_library=_gpu.LIBRARY)
     return Client(
         name,
         trainer,

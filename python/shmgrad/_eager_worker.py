@@ -58,6 +58,12 @@ class ShardRunner:
                 f"has {names[:5]}...: the job file does not match this engine"
             )
         self.params = [p for _, p in named]
+        # An engine with devices: this worker's model, batches and gradient slot are on
+        # its GPU (its buffers moved there; its parameters become views below).
+        self.device = None if participant.device < 0 else torch.device("cuda", participant.device)
+        if self.device is not None:
+            torch.cuda.set_device(self.device)
+            self.model.to(self.device)
         self.slot_grads = participant.slot_views()
         self.reduced_grads = participant.reduced_views()
         with torch.no_grad():
@@ -162,6 +168,13 @@ class ShardRunner:
         return (float(loss.detach()) * per_example, count)
 
     def _batch(self, shard, start, stop):
+        batch = self._host_batch(shard, start, stop)
+        if self.device is None:
+            return batch
+        # After collate: the step's inputs go to the device (never its gradients).
+        return self._eager._map_tensors(batch, lambda t: t.to(self.device, non_blocking=True))
+
+    def _host_batch(self, shard, start, stop):
         if shard.kind == "explicit":
             return (shard.inputs[start:stop], shard.targets[start:stop])
         if shard.kind == "structured":

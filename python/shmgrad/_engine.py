@@ -351,7 +351,9 @@ class Engine(Client):
             device=device,
         )
         try:
-            trainer = _C.Trainer.attach(server.name, timeout=ATTACH_TIMEOUT_S)
+            trainer = _C.Trainer.attach(
+                server.name, timeout=ATTACH_TIMEOUT_S, cuda_library=_gpu.LIBRARY
+            )
         except BaseException:
             server.stop()
             raise

@@ -3,9 +3,8 @@ round-robin placement, and the checks that say at once what a machine lacks.
 
 The CUDA path is ``libshmgrad_cuda.so`` beside the extension (gpu/cuda_ops.h), built when
 nvcc was found at install time and loaded (by gpu/cuda_library.h, with dlopen) only for an
-engine given devices: a CPU engine needs no CUDA library. GPU workers themselves are not
-in this release yet (docs/GPU.md): with every check passed, an engine with devices= says
-so.
+engine given devices: a CPU engine needs no CUDA library. docs/GPU.md says where an engine's
+device memory lives and how a step runs on it.
 """
 
 import ctypes
@@ -75,7 +74,11 @@ def placement(workers: int, ordinals: List[int]) -> List[int]:
 
 
 def _library_path() -> str:
-    """LIBRARY, or the error naming why this installation has none."""
+    """$SHMGRAD_CUDA_LIBRARY (as for the engine's own processes), else LIBRARY, or the
+    error naming why this installation has none."""
+    override = os.environ.get("SHMGRAD_CUDA_LIBRARY")
+    if override:
+        return override
     if not build_info()["cuda"]:
         raise errors.InvalidArgumentError(
             "devices= needs shmgrad's CUDA path, and this shmgrad was built without it (no "
@@ -114,7 +117,12 @@ def _load():
         "shmgrad_cuda_ipc_close": [i, u64],
         "shmgrad_cuda_copy_to_device": [i, u64, vp, u64],
         "shmgrad_cuda_copy_to_host": [i, vp, u64, u64],
-        "shmgrad_cuda_sum_slots": [i, u64, u64, u64, u32, u64, u64, u64, f32, f32, u64, i],
+        "shmgrad_cuda_memory_kind": [],
+        "shmgrad_cuda_zero": [i, u64, u64],
+        "shmgrad_cuda_synchronize": [i],
+        "shmgrad_cuda_copy_peer": [i, u64, i, u64, u64],
+        "shmgrad_cuda_reduce": [i, u64, u64, ctypes.POINTER(u64), u32, u64, u64, f32, f32],
+        "shmgrad_cuda_any_nonfinite": [i, u64, u64, u64, ctypes.POINTER(i)],
     }.items():
         getattr(lib, fn).argtypes = args
     lib.shmgrad_cuda_error_name.restype = ctypes.c_char_p
@@ -153,8 +161,3 @@ def check_devices(ordinals: List[int]) -> None:
             f"devices= names cuda:{missing[0]}, and this machine shows {count} GPU(s) "
             f"(cuda:0 to cuda:{count - 1})"
         )
-    raise NotImplementedError(
-        "GPU workers are not in this release yet: the CUDA path (device buffers with IPC "
-        f"handles, the on-device reduction) is built and sees {count} GPU(s), but workers "
-        "still compute on the CPU (docs/GPU.md); leave devices= out"
-    )

@@ -79,6 +79,7 @@ def test_devices_without_a_gpu_fail_at_once_and_leave_nothing(tmp_path):
 
 
 def test_each_missing_piece_is_named(monkeypatch):
+    monkeypatch.delenv("SHMGRAD_CUDA_LIBRARY", raising=False)
     # Without the CUDA path built.
     monkeypatch.setattr(_gpu, "_library", None)
     monkeypatch.setattr(_gpu, "build_info", lambda: {"cuda": False})
@@ -90,7 +91,7 @@ def test_each_missing_piece_is_named(monkeypatch):
     with pytest.raises(errors.InvalidArgumentError, match="missing from this installation"):
         _gpu.device_count()
     # A driver and one GPU, then: a torch without CUDA, an ordinal past the GPUs, and,
-    # with nothing missing, the plain statement that GPU workers are not in this release.
+    # with nothing missing, no error.
     monkeypatch.setattr(_gpu, "device_count", lambda: 1)
     monkeypatch.setattr(torch.version, "cuda", None)
     with pytest.raises(errors.InvalidArgumentError, match="built without CUDA"):
@@ -98,8 +99,7 @@ def test_each_missing_piece_is_named(monkeypatch):
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     with pytest.raises(errors.InvalidArgumentError, match="names cuda:1.*shows 1 GPU"):
         _gpu.check_devices([0, 1])
-    with pytest.raises(NotImplementedError, match="GPU workers are not in this release"):
-        _gpu.check_devices([0])
+    _gpu.check_devices([0])
 
 
 def test_the_cuda_library_reports_no_driver_as_an_error_code():
@@ -113,23 +113,27 @@ def test_the_cuda_library_reports_no_driver_as_an_error_code():
     assert code in (35, 100) and count.value == 0
 
 
-def test_slots_are_summed_on_the_device_in_slot_order():
+def test_inputs_are_reduced_on_the_device_in_list_order():
     _gpu_or_skip()
     lib = _gpu._load()
     g = torch.Generator().manual_seed(0)
-    slots, n = 3, 100_003
-    stride = (n + 63) // 64 * 64
-    host = torch.randn(slots, stride, generator=g)
-    dev = host.cuda()
+    n = 100_003
+    host = [torch.randn(n, generator=g) for _ in range(3)]
+    dev = [h.cuda() for h in host]
+    ins = (ctypes.c_uint64 * 3)(*(d.data_ptr() for d in dev))
     out = torch.empty(n, device="cuda")
     mid = n // 2 // 64 * 64
     for begin, end in ((0, mid), (mid, n)):  # two slices, as two workers reduce them
-        code = lib.shmgrad_cuda_sum_slots(
-            0, out.data_ptr(), 0, dev.data_ptr(), slots, stride, begin, end, 0.0, 0.5, 0, 1
-        )
+        code = lib.shmgrad_cuda_reduce(0, out.data_ptr(), 0, ins, 3, begin, end, 0.0, 0.5)
         assert code == 0, _gpu._describe(lib, code)
-    expected = 0.5 * ((host[0, :n] + host[1, :n]) + host[2, :n])
+    expected = 0.5 * ((host[0] + host[1]) + host[2])
     assert torch.equal(out.cpu(), expected)
+    # In place over prev (out == prev), a and b powers of two: exact on the device too.
+    prev = torch.randn(n, generator=g)
+    acc = prev.cuda()
+    code = lib.shmgrad_cuda_reduce(0, acc.data_ptr(), acc.data_ptr(), ins, 3, 0, n, 0.25, 2.0)
+    assert code == 0, _gpu._describe(lib, code)
+    assert torch.equal(acc.cpu(), 0.25 * prev + 2.0 * ((host[0] + host[1]) + host[2]))
 
 
 _CHILD = """
