@@ -9,6 +9,7 @@
 #include <cstring>
 #include <thread>
 
+#include "ipc/device_table.h"
 #include "ipc/error.h"
 #include "ipc/futex.h"
 #include "ipc/layout.h"
@@ -97,6 +98,18 @@ EngineStatus readStatus(const std::string& name) {
   s.worker_restarts = c.worker_restarts.load();
   s.target_workers = c.target_workers.load();
   s.slots = h->num_slots;  // validateHeader: 1..kMaxWorkers
+  // The device table was validated with the header; bounds are checked again where read.
+  const auto* table = seg->region<ipc::DeviceTable>(h->device);
+  const uint32_t num_devices = std::min(table->count, ipc::kMaxDevices);
+  for (uint32_t d = 0; d < num_devices; ++d) {
+    s.devices += (d > 0 ? ",cuda:" : "cuda:") + std::to_string(table->devices[d].ordinal);
+  }
+  if (num_devices > 1) s.param_sync_bytes = h->param_floats * sizeof(float) * (num_devices - 1);
+  auto deviceOf = [&](uint32_t slot) -> std::string {
+    const int d = table->slot_device[slot];
+    if (d < 0 || static_cast<uint32_t>(d) >= num_devices) return "cpu";
+    return "cuda:" + std::to_string(table->devices[d].ordinal);
+  };
 
   for (uint32_t i = 0; i < h->num_slots; ++i) {
     const ipc::WorkerRecord& w = h->workers[i];
@@ -109,6 +122,7 @@ EngineStatus readStatus(const std::string& name) {
     ws.restarts = w.restarts.load();
     ws.busy_epoch = w.busy_epoch.load();
     ws.assigned_epoch = w.assigned_epoch.load();
+    ws.device = deviceOf(i);
     s.workers.push_back(std::move(ws));
   }
 
@@ -142,10 +156,16 @@ std::string formatStatus(const EngineStatus& s) {
           "steps served %" PRIu64 ", aborted %" PRIu64 ", retried %" PRIu64
           ", worker restarts %" PRIu64 "\n",
           s.steps_served, s.steps_aborted, s.step_retries, s.worker_restarts);
+  if (!s.devices.empty()) {
+    appendf(&out,
+            "devices %s (the trainer's first): %" PRIu64
+            " bytes copied device to device per step to bring the others' parameters up to date\n",
+            s.devices.c_str(), s.param_sync_bytes);
+  }
   appendf(&out, "workers (target %u of %u slots):\n", s.target_workers, s.slots);
   for (const WorkerStatus& w : s.workers) {
-    appendf(&out, "  worker %u: pid %d, %s, restarts %u\n", w.slot, w.pid, w.state.c_str(),
-            w.restarts);
+    appendf(&out, "  worker %u: pid %d, %s, restarts %u, %s\n", w.slot, w.pid, w.state.c_str(),
+            w.restarts, w.device.c_str());
   }
   if (!s.recent_steps.empty()) {
     appendf(&out, "last %zu steps (ms): wall = compute (slowest worker) + reduce + wait\n",

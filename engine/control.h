@@ -22,7 +22,8 @@ namespace shmgrad::engine {
   X(std::string, state, "starting, ready, dead, exited or retired (ipc::kWorkerStateNames)") \
   X(uint32_t, restarts, "replacements of this slot's process")                               \
   X(uint32_t, busy_epoch, "the step it is working on now, 0 when idle")                      \
-  X(uint32_t, assigned_epoch, "the last step it was picked for")
+  X(uint32_t, assigned_epoch, "the last step it was picked for")                             \
+  X(std::string, device, "where it computes: cpu, or cuda:N (engines with devices)")
 struct WorkerStatus {
   SHMGRAD_WORKER_STATUS_FIELDS(SHMGRAD_DECLARE_FIELD)
 };
@@ -42,33 +43,36 @@ struct StepSummary {
 };
 
 // Everything `shmgrad status` prints, as data.
-#define SHMGRAD_ENGINE_STATUS_FIELDS(X)                                                         \
-  X(std::string, name, "")                                                                      \
-  X(std::string, state, "starting, serving, stopping or failed (ipc::kEngineStateNames)")       \
-  X(int32_t, coordinator_pid, "")                                                               \
-  X(bool, coordinator_alive, "")                                                                \
-  X(std::string, segment_path, "")                                                              \
-  X(uint64_t, segment_bytes, "")                                                                \
-  X(std::string, model_path, "")                                                                \
-  X(std::string, loss, "TorchScript workers' loss (eager workers run the job's own)")           \
-  X(std::string, worker_kind, "script (TorchScript, C++) or eager (Python)")                    \
-  X(std::string, job_path, "eager: the pickled job the workers load")                           \
-  X(uint32_t, num_params, "parameter tensors")                                                  \
-  X(uint64_t, param_floats, "floats the parameters take, padding for alignment included")       \
-  X(std::string, dataset, "its description, empty without one")                                 \
-  X(int64_t, dataset_size, "")                                                                  \
-  X(int64_t, max_batch, "")                                                                     \
-  X(uint32_t, threads_per_worker, "")                                                           \
-  X(int32_t, trainer_pid, "the trainer that holds the engine, 0 when none does")                \
-  X(uint32_t, step_epoch, "the last step published")                                            \
-  X(uint64_t, steps_served, "")                                                                 \
-  X(uint64_t, steps_aborted, "steps abandoned because a worker died, then re-run")              \
-  X(uint64_t, step_retries, "")                                                                 \
-  X(uint64_t, worker_restarts, "")                                                              \
-  X(uint32_t, target_workers, "the worker count asked for (resize)")                            \
-  X(uint32_t, slots, "gradient slots: the most workers there can be")                           \
-  X(std::vector<::shmgrad::engine::WorkerStatus>, workers, "every slot that has had a process") \
-  X(std::vector<::shmgrad::engine::StepSummary>, recent_steps,                                  \
+#define SHMGRAD_ENGINE_STATUS_FIELDS(X)                                                          \
+  X(std::string, name, "")                                                                       \
+  X(std::string, state, "starting, serving, stopping or failed (ipc::kEngineStateNames)")        \
+  X(int32_t, coordinator_pid, "")                                                                \
+  X(bool, coordinator_alive, "")                                                                 \
+  X(std::string, segment_path, "")                                                               \
+  X(uint64_t, segment_bytes, "")                                                                 \
+  X(std::string, model_path, "")                                                                 \
+  X(std::string, loss, "TorchScript workers' loss (eager workers run the job's own)")            \
+  X(std::string, worker_kind, "script (TorchScript, C++) or eager (Python)")                     \
+  X(std::string, job_path, "eager: the pickled job the workers load")                            \
+  X(uint32_t, num_params, "parameter tensors")                                                   \
+  X(uint64_t, param_floats, "floats the parameters take, padding for alignment included")        \
+  X(std::string, dataset, "its description, empty without one")                                  \
+  X(int64_t, dataset_size, "")                                                                   \
+  X(int64_t, max_batch, "")                                                                      \
+  X(uint32_t, threads_per_worker, "")                                                            \
+  X(int32_t, trainer_pid, "the trainer that holds the engine, 0 when none does")                 \
+  X(uint32_t, step_epoch, "the last step published")                                             \
+  X(uint64_t, steps_served, "")                                                                  \
+  X(uint64_t, steps_aborted, "steps abandoned because a worker died, then re-run")               \
+  X(uint64_t, step_retries, "")                                                                  \
+  X(uint64_t, worker_restarts, "")                                                               \
+  X(uint32_t, target_workers, "the worker count asked for (resize)")                             \
+  X(uint32_t, slots, "gradient slots: the most workers there can be")                            \
+  X(std::string, devices, "the GPUs it serves, the trainer's first (cuda:1,cuda:0); empty: CPU") \
+  X(uint64_t, param_sync_bytes,                                                                  \
+    "device to device bytes a step costs to bring the other GPUs' parameters up to date")        \
+  X(std::vector<::shmgrad::engine::WorkerStatus>, workers, "every slot that has had a process")  \
+  X(std::vector<::shmgrad::engine::StepSummary>, recent_steps,                                   \
     "oldest first, at most ipc::kStatsRing")
 struct EngineStatus {
   SHMGRAD_ENGINE_STATUS_FIELDS(SHMGRAD_DECLARE_FIELD)

@@ -72,10 +72,7 @@ class Coordinator {
                   h()->data_count > 0 ? ", dataset " : "", h()->data_description);
       for (const auto& [ordinal, ptr] : device_ptrs_) {
         (void)ptr;
-        std::printf(
-            "shmgrad: cuda:%d holds the engine's device buffers (workers compute on "
-            "the CPU: GPU workers are not built yet)\n",
-            ordinal);
+        std::printf("shmgrad: cuda:%d holds the engine's device buffers\n", ordinal);
       }
       std::fflush(stdout);
     }

@@ -35,8 +35,8 @@ struct ServeOptions {
   int64_t eager_dataset_size = 0;
   std::string owned_dir;  // removed (its plain files, then itself) when the engine stops
   // CUDA ordinals: the coordinator allocates each device's buffers (ipc/device_table.h)
-  // with libshmgrad_cuda.so and publishes their IPC handles; it frees them at stop.
-  // GPU workers are not built yet: the workers still compute on the CPU (docs/GPU.md).
+  // with libshmgrad_cuda.so and publishes their IPC handles; it frees them at stop. The
+  // workers compute in that memory, placed round-robin (docs/GPU.md).
   std::vector<int> devices;
 };
 

@@ -642,8 +642,9 @@ GradientStats Trainer::run(int64_t B, const GradientOptions& o, uint32_t kind, u
   if (mem_ != nullptr && mem_->onDevice()) {
     // The optimizer's step (on this process's device) is done before any worker reads the
     // parameters, and every other device's copy of them is brought up to date.
+    const uint64_t t0 = ipc::monotonicNs();
     mem_->synchronize(mem_->trainerOrdinal());
-    mem_->syncParams();
+    if (mem_->syncParams() > 0) stats.param_sync_seconds = (ipc::monotonicNs() - t0) / 1e9;
   }
   for (int attempt = 0;; ++attempt) {
     SHMGRAD_CHECK(serving() && (attempt == 0 || ipc::processAlive(seg_->header()->coordinator_pid)),

@@ -82,19 +82,20 @@ struct WorkerStepStats {
 
 // Where the wall time went, for accounting the fixed cost of a step (CLOCK_MONOTONIC,
 // comparable across processes): wall = prepare + step + finish.
-#define SHMGRAD_GRADIENT_STATS_FIELDS(X)                                                \
-  X(int64_t, num_examples, "")                                                          \
-  X(double, loss_sum, "")                                                               \
-  X(double, count, "the mean's denominator: num_examples, or forward's counts summed")  \
-  X(double, loss, "loss_sum, or loss_sum / count with mean")                            \
-  X(double, wall_seconds, "this call, entry to return")                                 \
-  X(double, prepare_seconds, "entry to publish: checks, batch copy, stale workers")     \
-  X(double, step_seconds, "publish to the last reducer's done")                         \
-  X(double, wake_seconds, "publish to the last participant starting (wake-up latency)") \
-  X(double, finish_seconds, "done to return: the trainer's wake-up and collect")        \
-  X(double, reduce_seconds, "the slowest worker's slice of the reduction")              \
-  X(int, retries, "re-runs after a worker died")                                        \
-  X(bool, nonfinite, "NaN or infinity somewhere (see workers)")                         \
+#define SHMGRAD_GRADIENT_STATS_FIELDS(X)                                                        \
+  X(int64_t, num_examples, "")                                                                  \
+  X(double, loss_sum, "")                                                                       \
+  X(double, count, "the mean's denominator: num_examples, or forward's counts summed")          \
+  X(double, loss, "loss_sum, or loss_sum / count with mean")                                    \
+  X(double, wall_seconds, "this call, entry to return")                                         \
+  X(double, prepare_seconds, "entry to publish: checks, batch copy, stale workers")             \
+  X(double, step_seconds, "publish to the last reducer's done")                                 \
+  X(double, wake_seconds, "publish to the last participant starting (wake-up latency)")         \
+  X(double, finish_seconds, "done to return: the trainer's wake-up and collect")                \
+  X(double, reduce_seconds, "the slowest worker's slice of the reduction")                      \
+  X(int, retries, "re-runs after a worker died")                                                \
+  X(double, param_sync_seconds, "engines on several GPUs: the parameters copied to the others") \
+  X(bool, nonfinite, "NaN or infinity somewhere (see workers)")                                 \
   X(std::vector<::shmgrad::WorkerStepStats>, workers, "the workers that took part, in rank order")
 struct GradientStats {
   SHMGRAD_GRADIENT_STATS_FIELDS(SHMGRAD_DECLARE_FIELD)

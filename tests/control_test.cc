@@ -233,8 +233,8 @@ TEST_P(ReadStatusTest, ReturnsExactlyWhatTheSegmentHolds) {
       text, "steps served " + std::to_string(served) + ", aborted 3, retried 2, worker restarts 5"))
       << text;
   EXPECT_TRUE(contains(text, "workers (target 2 of 3 slots):")) << text;
-  EXPECT_TRUE(contains(text, "  worker 0: pid 1001, ready, restarts 1\n")) << text;
-  EXPECT_TRUE(contains(text, "  worker 2: pid 1003, retired, restarts 0\n")) << text;
+  EXPECT_TRUE(contains(text, "  worker 0: pid 1001, ready, restarts 1, cpu\n")) << text;
+  EXPECT_TRUE(contains(text, "  worker 2: pid 1003, retired, restarts 0, cpu\n")) << text;
   EXPECT_FALSE(contains(text, "worker 1:")) << text;
   EXPECT_EQ(contains(text, "last " + std::to_string(shown) + " steps (ms)"), shown > 0) << text;
   // Every shown step's line, in order, oldest first.
@@ -293,7 +293,9 @@ TEST(FormatStatusTest, UsesTheStructOnly) {
   s.trainer_pid = 0;
   s.target_workers = 1;
   s.slots = 2;
-  s.workers.push_back({1, 77, "dead", 9, 0, 0});
+  s.devices = "cuda:1,cuda:0";
+  s.param_sync_bytes = 256;
+  s.workers.push_back({1, 77, "dead", 9, 0, 0, "cuda:0"});
   const std::string text = formatStatus(s);
   EXPECT_TRUE(contains(text,
                        "engine nowhere (stopping), coordinator pid 12345 (not running), "
@@ -302,7 +304,8 @@ TEST(FormatStatusTest, UsesTheStructOnly) {
   EXPECT_TRUE(contains(text, "model /m.pt, loss nll, 4 parameter tensors, 64 floats\n")) << text;
   EXPECT_FALSE(contains(text, "dataset")) << text;
   EXPECT_TRUE(contains(text, "trainer: none\n")) << text;
-  EXPECT_TRUE(contains(text, "  worker 1: pid 77, dead, restarts 9\n")) << text;
+  EXPECT_TRUE(contains(text, "  worker 1: pid 77, dead, restarts 9, cuda:0\n")) << text;
+  EXPECT_TRUE(contains(text, "devices cuda:1,cuda:0 (the trainer's first): 256 bytes")) << text;
   EXPECT_FALSE(contains(text, "steps (ms)")) << text;
 }
 

@@ -21,6 +21,15 @@ ignored folder .device/ (at most 64 MiB):
                                examples/adaptive_batch.py shortened (like for like, one
                                worker per core); all within --deadline (470 s), skipping
                                what does not fit; report.md and the results go into DIR.
+  --run --gpu --out DIR        the GPU workers' checks instead (issue 21): the build,
+                               tests/python/test_gpu.py and test_gpu_workers.py (their
+                               GPU cases: exactness against one process for 1, 2 and 4
+                               workers on the device, eager BatchNorm with a random
+                               dataset, 20 optimizer steps, a SIGKILLed worker retried,
+                               nothing left on the device or in /dev/shm), and the seed
+                               case (WRN-16-4, batch 128) as one process, with a deep copy
+                               per gradient, through Dask and through shmgrad with 1, 2
+                               and 4 workers on the GPU, in one run, with ratios.
   --run --dry-run --out DIR    the same here, against .venv, scaled to this machine.
 """
 
@@ -319,7 +328,16 @@ def _libz():
 
 
 def run_checks(args):
-    scale = SCALES["local" if args.dry_run else "device"]
+    scale = dict(SCALES["local" if args.dry_run else "device"])
+    if args.gpu:
+        # The GPU workers' checks (issue 21): their tests on both backends, then the seed
+        # case through shmgrad on the GPU beside its baselines; the CPU benchmark and the
+        # adaptive example are the other runs'.
+        scale["tests"] = ["test_gpu.py", "test_gpu_workers.py"]
+        scale["test_timeout"] = 240
+        scale["probe_args"] = ["--shmgrad=1,2,4"]
+        scale["probe_timeout"] = 150
+        args.skip = ",".join(filter(None, [args.skip, "bench", "adaptive"]))
     out_dir = os.path.abspath(args.out)
     os.makedirs(out_dir, exist_ok=True)
     base = args.python or (
@@ -361,7 +379,8 @@ def run_checks(args):
     ):
         probe = os.path.join(out_dir, "gpu.json")
         report["steps"]["gpu-probe"] = run(
-            [python, os.path.join(ROOT, "tools", "gpu_probe.py"), probe],
+            [python, os.path.join(ROOT, "tools", "gpu_probe.py"), probe]
+            + scale.get("probe_args", []),
             timeout=budget(scale["probe_timeout"]),
             env=env,
             out=os.path.join(out_dir, "gpu.log"),
@@ -501,7 +520,8 @@ def main():
     ap.add_argument(
         "--gpu",
         action="store_true",
-        help="also the GPU workers' checks: refused until GPU workers are built",
+        help="the GPU workers' checks instead of the CPU ones: the GPU tests "
+        "(test_gpu.py, test_gpu_workers.py) and the seed case through shmgrad on the GPU",
     )
     ap.add_argument("--out", default="device-check-out", help="the report's folder (--run)")
     ap.add_argument("--python", default=None, help="the interpreter to build against")
@@ -517,12 +537,6 @@ def main():
         help="steps to leave out, comma-separated: gpu-probe, bench, tests, adaptive",
     )
     args = ap.parse_args()
-    if args.gpu:
-        raise SystemExit(
-            "device-check --gpu: GPU workers are not built yet, so there is no GPU "
-            "training to check; every --run already runs the CUDA path's own tests "
-            "(tests/python/test_gpu.py: the reduction kernel, IPC handles across processes)"
-        )
     if args.run:
         return run_checks(args)
     prepare(args.python or sys.executable)

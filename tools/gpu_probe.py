@@ -6,7 +6,8 @@ torch.multiprocessing, incremented by the child, seen by the parent); and the se
 baselines on the GPU: Wide-ResNet-16-4 at batch 128 on CIFAR-sized inputs as one process,
 with a deep copy of the model per gradient (what a task scheduler does), with a pickle
 round trip per gradient (what a process-based scheduler pays at least), and through Dask
-(threads, a deep copy per task). Writes JSON to the path given, prints it too.
+(threads, a deep copy per task); with --shmgrad=1,2,4 also through shmgrad's GPU workers
+(issue 21), all in one run. Writes JSON to the path given, prints it too.
 """
 
 import copy
@@ -114,8 +115,41 @@ def seed_case(steps):
     return {k: (round(v, 2) if isinstance(v, float) else v) for k, v in res.items()}
 
 
+def shmgrad_seed_case(steps, workers_list):
+    """The seed case through shmgrad's GPU workers on cuda:0 (TorchScript workers, the
+    batch given from host memory as a user's loader gives it), 1, 2, 4 workers sharing the
+    device; ratios against one process measured in the same run (seed_case)."""
+    import shmgrad
+    from shmgrad_tools.bench.models import make_model
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(BATCH, 3, 32, 32, generator=g)
+    y = torch.randint(0, 10, (BATCH,), generator=g)
+    res = {}
+    for n in workers_list:
+        model = make_model("wrn")
+        try:
+            with shmgrad.Engine(
+                model=model, workers=n, loss="cross_entropy", devices=["cuda:0"], mode="script"
+            ) as engine:
+                engine.bind(model)
+
+                def step():
+                    engine.gradient(inputs=x, targets=y)
+
+                res[f"shmgrad_{n}_workers_ms"] = timed_ms(step, steps, 2)
+                res[f"shmgrad_{n}_workers_status"] = engine.status().devices
+        except Exception as e:  # noqa: BLE001 - what broke is the finding
+            res[f"shmgrad_{n}_workers_error"] = repr(e)[:2000]
+    return res
+
+
 def main():
-    out = sys.argv[1] if len(sys.argv) > 1 else None
+    args = [a for a in sys.argv[1:] if not a.startswith("--shmgrad=")]
+    shmgrad_workers = [
+        int(w) for a in sys.argv[1:] if a.startswith("--shmgrad=") for w in a[10:].split(",")
+    ]
+    out = args[0] if args else None
     facts = {"cuda_available": torch.cuda.is_available(), "torch": torch.__version__}
     if not torch.cuda.is_available():
         print(json.dumps(facts))
@@ -132,7 +166,15 @@ def main():
         allocator_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
     )
     facts["ipc"] = ipc_check()
-    facts["seed_case_wrn_b128"] = seed_case(steps=int(os.environ.get("GPU_PROBE_STEPS", "20")))
+    steps = int(os.environ.get("GPU_PROBE_STEPS", "20"))
+    facts["seed_case_wrn_b128"] = case = seed_case(steps=steps)
+    if shmgrad_workers:
+        ours = shmgrad_seed_case(steps, shmgrad_workers)
+        base = case["one_process_ms"]
+        for k, v in ours.items():
+            case[k] = round(v, 2) if isinstance(v, float) else v
+            if k.endswith("_ms"):
+                case["ratios_to_one_process"][k] = round(v / base, 2)
     text = json.dumps(facts, indent=2)
     print(text)
     if out:

@@ -182,6 +182,7 @@ def serve(
         input_capacity_mb=input_capacity_mb,
         startup_timeout=startup_timeout,
         eager_job=eager_job,
+        devices=tuple(ordinals) if ordinals is not None else None,
     )
     server = Server(Launcher(options), mode, mode_reason, files)
     try:
@@ -287,11 +288,12 @@ class Engine(Client):
             either). Each worker compiles when it first meets a shape, inside that step
             (warm up before timing); gradients stay exact.
         devices, device: GPUs for the workers (``devices=["cuda:0", "cuda:1"]``, or
-            ``device="cuda"`` for every visible one). **GPU workers are not in this release
-            yet** (docs/GPU.md): the CUDA path is built and checked, and an engine given
-            devices raises at once, before anything starts, naming what this machine lacks
-            (no CUDA path built, no driver, no GPU, a torch without CUDA, an ordinal past the
-            visible GPUs), or NotImplementedError where nothing is missing.
+            ``device="cuda"`` for every visible one), placed round-robin, several per
+            device; the bound module's parameters and ``.grad`` are then the first
+            device's memory (docs/GPU.md: built and tested on a stand-in device, not yet
+            run on a GPU). On a machine that lacks something it raises at once, before
+            anything starts, naming it (no CUDA path built, no driver, no GPU, a torch
+            without CUDA, an ordinal past the visible GPUs).
 
     Raises what ``serve`` reported when it could not start (InvalidArgumentError for a
     file that is not TorchScript or an unknown dataset, NoSpaceError when /dev/shm is too

@@ -70,6 +70,7 @@ class ServeOptions:
     input_capacity_mb: int = DEFAULTS["input_capacity_mb"]
     startup_timeout: float = DEFAULTS["startup_timeout"]
     eager_job: Optional[object] = None  # shmgrad._eager.EagerJob: Python workers run it
+    devices: Optional[tuple] = None  # CUDA ordinals (--devices); None: a CPU engine
 
     def environment(self) -> Optional[dict]:
         """serve's environment: this process's, and for eager workers a PYTHONPATH that
@@ -107,6 +108,8 @@ class ServeOptions:
             args += ["--dataset", str(self.dataset)]
         if self.eager_job is not None:
             args += self.eager_job.serve_arguments()
+        if self.devices:
+            args += ["--devices", ",".join(str(d) for d in self.devices)]
         return args
 
 

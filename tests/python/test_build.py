@@ -365,8 +365,20 @@ def test_device_check_prepares_and_dry_runs(tmp_path):
     report_md = (out / "report.md").read_text()
     assert "Process settings: alike" in report_md
     assert "## Adaptive batches, like for like" in report_md
-    gpu = subprocess.run([script, "--gpu"], capture_output=True, text=True, timeout=60)
-    assert gpu.returncode != 0 and "GPU workers are not built yet" in gpu.stderr
+    # --gpu: the GPU workers' tests instead of the CPU benchmark (here: their fake-device
+    # cases run, their GPU cases skip with the reason; no GPU, so no probe).
+    gpu_out = tmp_path / "gpu"
+    gpu = subprocess.run(
+        [script, "--run", "--dry-run", "--gpu", "--out", str(gpu_out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert gpu.returncode == 0, gpu.stdout[-3000:] + gpu.stderr[-3000:]
+    with open(gpu_out / "report.json") as f:
+        assert json.load(f)["steps"] == {"build": 0, "tests": 0}
+    tests_log = (gpu_out / "tests.log").read_text()
+    assert " passed" in tests_log and "failed" not in tests_log, tests_log[-2000:]
     # A lease too short for everything: what does not fit is skipped, said, and fails.
     short = subprocess.run(
         [script, "--run", "--dry-run", "--deadline", "1", "--skip", "adaptive"],

@@ -1,26 +1,31 @@
-"""GPU workers end to end, on machines without a GPU: the fake device library
-(tests/fake_cuda.cc, compiled here) stands in for libshmgrad_cuda.so. Its "device"
-allocations are host memory, so tensors over them are CPU tensors; everything else is the
-path a GPU engine takes: the coordinator allocates each device's buffers and publishes
-their IPC handles, workers open them, compute with their device's parameters into their
-slot there, the library reduces the slots into the first device's reduced gradient, the
-trainer's parameters and .grad are that memory, and the other devices' parameters are
-brought up to date before each step. On a GPU the same tests run for real in
-test_gpu.py (tools/device-check)."""
+"""GPU workers end to end, on two backends:
+
+- ``fake``, everywhere: the fake device library (tests/fake_cuda.cc, compiled here) stands
+  in for libshmgrad_cuda.so. Its "device" allocations are host memory, so tensors over
+  them are CPU tensors; everything else is the path a GPU engine takes: the coordinator
+  allocates each device's buffers and publishes their IPC handles, workers open them,
+  compute with their device's parameters into their slot there, the library reduces the
+  slots into the first device's reduced gradient, the trainer's parameters and .grad are
+  that memory, and the other devices' parameters are brought up to date before each step.
+- ``cuda``, where a GPU is (tools/device-check --gpu): the same tests against the real
+  library and device, skipped with the reason elsewhere. TF32 is turned off in every
+  process (NVIDIA_TF32_OVERRIDE=0), so results are float32 up to summation order.
+"""
 
 import glob
 import os
 import shutil
-import signal
 import subprocess
+import time
 
 import pytest
 import torch
 
 import shmgrad
+from shmgrad import _gpu, errors
 
 from conftest import Cnn, reference_gradient, relative_error
-from test_faults import STEP_TIMEOUT_S, GradientCall, SlowCnn, wait_for, wait_until_busy
+from test_faults import STEP_TIMEOUT_S, GradientCall, wait_for, wait_until_busy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -49,15 +54,49 @@ def fake_library(tmp_path_factory):
     return str(out)
 
 
-@pytest.fixture
-def fake_devices(fake_library, monkeypatch):
-    """Two fake GPUs for this test's engines (their processes inherit the environment)."""
-    monkeypatch.setenv("SHMGRAD_CUDA_LIBRARY", fake_library)
-    monkeypatch.setenv("FAKE_CUDA_DEVICES", "2")
+def _free_device_bytes():
+    return [torch.cuda.mem_get_info(d)[0] for d in range(torch.cuda.device_count())]
+
+
+@pytest.fixture(params=["fake", "cuda"])
+def backend(request, monkeypatch):
+    """Sets the engines' environment for the backend; after the test, nothing is left in
+    /dev/shm, and on a GPU its free memory is back to what it was."""
+    if request.param == "fake":
+        monkeypatch.setenv("SHMGRAD_CUDA_LIBRARY", request.getfixturevalue("fake_library"))
+        monkeypatch.setenv("FAKE_CUDA_DEVICES", "2")
+        count, free = 2, None
+    else:
+        monkeypatch.delenv("SHMGRAD_CUDA_LIBRARY", raising=False)
+        try:
+            count = _gpu.device_count()
+        except errors.InvalidArgumentError as exc:
+            pytest.skip(f"no GPU here: {exc}")
+        monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.cuda.init()
+        free = _free_device_bytes()
     before = set(glob.glob("/dev/shm/shmgrad-fakecuda-*"))
-    yield
+    yield request.param, count
     left = set(glob.glob("/dev/shm/shmgrad-fakecuda-*")) - before
     assert not left, f"device allocations left behind: {sorted(left)}"
+    if free is not None:
+        # The coordinator frees its allocations at stop: free memory comes back (within
+        # 64 MiB of what this process's own CUDA context may have taken meanwhile).
+        deadline = time.monotonic() + 10
+        while any(a < b - (64 << 20) for a, b in zip(_free_device_bytes(), free)):
+            assert time.monotonic() < deadline, (free, _free_device_bytes())
+            time.sleep(0.1)
+
+
+def _needs(backend, devices):
+    if backend[1] < len(devices):
+        pytest.skip(f"{len(devices)} GPUs needed, {backend[1]} here")
+
+
+def _cpu(tensors):
+    return [t.detach().cpu() for t in tensors]
 
 
 class BnCnn(torch.nn.Module):
@@ -71,9 +110,19 @@ class BnCnn(torch.nn.Module):
         return self.fc(torch.flatten(torch.relu(self.bn(self.conv(x))), 1))
 
 
+class SleepyCnn(Cnn):
+    """Forward sleeps 0.3 s: a step is busy long enough, on any device, to kill a worker
+    in the middle of it (eager workers only)."""
+
+    def forward(self, x):
+        time.sleep(0.3)
+        return super().forward(x)
+
+
 PLACEMENTS = [
     (["cuda:0"], 1),
-    (["cuda:0"], 3),
+    (["cuda:0"], 2),
+    (["cuda:0"], 4),
     (["cuda:1", "cuda:0"], 2),
     (["cuda:0", "cuda:1"], 3),
 ]
@@ -81,7 +130,8 @@ PLACEMENTS = [
 
 @pytest.mark.parametrize("mode", ["eager", "script"])
 @pytest.mark.parametrize("devices,workers", PLACEMENTS)
-def test_gradients_and_training_match_one_process(fake_devices, devices, workers, mode):
+def test_gradients_and_training_match_one_process(backend, devices, workers, mode):
+    _needs(backend, devices)
     torch.manual_seed(4)
     model = Cnn()
     ref = Cnn()
@@ -91,31 +141,44 @@ def test_gradients_and_training_match_one_process(fake_devices, devices, workers
         model=model, workers=workers, loss="cross_entropy", devices=devices, mode=mode
     ) as engine:
         engine.bind(model)
+        status = engine.status()
+        placed = [devices[i % len(devices)] for i in range(workers)]  # round-robin
+        assert [w.device for w in status.workers] == placed
+        assert status.devices == ",".join(devices)
+        param_bytes = sum(p.numel() for p in model.parameters()) * 4
+        assert status.param_sync_bytes >= param_bytes * (len(devices) - 1)
+        assert (status.param_sync_bytes > 0) == (len(devices) > 1)
+        assert f"restarts 0, {placed[0]}" in status.text
+        on_gpu = backend[0] == "cuda"
+        assert all(p.is_cuda == on_gpu for p in model.parameters())
         for b in (1, 7, 90):
             engine.gradient(inputs=x[:b], targets=y[:b])
             expected = reference_gradient(ref, "cross_entropy", x[:b], y[:b])
-            assert relative_error([p.grad for p in model.parameters()], expected) < 1e-5, b
+            assert relative_error(_cpu(p.grad for p in model.parameters()), expected) < 1e-5, b
         # Training: the optimizer steps the first device's parameters; workers on the
         # other device compute with them after the engine brings their copy up to date.
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
         g = torch.Generator().manual_seed(1)
-        for _ in range(8):
+        for _ in range(20):
             idx = torch.randint(0, 90, (24,), generator=g)
             opt.zero_grad()
-            engine.gradient(inputs=x[idx], targets=y[idx], reduction="mean")
+            stats = engine.gradient(inputs=x[idx], targets=y[idx], reduction="mean")
+            assert (stats.param_sync_seconds > 0) == (len(devices) > 1)
             opt.step()
             ref_opt.zero_grad()
             torch.nn.functional.cross_entropy(ref(x[idx]), y[idx]).backward()
             ref_opt.step()
-        assert relative_error(list(model.parameters()), list(ref.parameters())) < 1e-4
+        assert relative_error(_cpu(model.parameters()), list(ref.parameters())) < 1e-4
 
 
-def test_eager_batchnorm_and_a_random_dataset_match_one_process(fake_devices):
-    """An eager model with BatchNorm over a dataset that augments at random, on two
-    devices: each worker normalises its shard with the shard's statistics (as DDP does), so
-    the reference is one process computing each shard from the same draws, and the shared
-    statistics afterwards are the shards' average."""
+@pytest.mark.parametrize("devices", [["cuda:0"], ["cuda:0", "cuda:1"]])
+def test_eager_batchnorm_and_a_random_dataset_match_one_process(backend, devices):
+    """An eager model with BatchNorm over a dataset that augments at random: each worker
+    normalises its shard with the shard's statistics (as DDP does), so the reference is
+    one process computing each shard from the same draws, and the shared statistics
+    afterwards are the shards' average."""
+    _needs(backend, devices)
     torch.manual_seed(8)
     data = torch.randn(64, 1, 12, 12)
     labels = torch.randint(0, 5, (64,))
@@ -136,7 +199,7 @@ def test_eager_batchnorm_and_a_random_dataset_match_one_process(fake_devices):
         loss="cross_entropy",
         dataset=Noisy(),
         mode="eager",
-        devices=["cuda:0", "cuda:1"],
+        devices=devices,
     ) as engine:
         engine.bind(model)
         idx = list(range(0, 64, 2))  # 32 examples: 16 a worker
@@ -150,44 +213,43 @@ def test_eager_batchnorm_and_a_random_dataset_match_one_process(fake_devices):
             g = [p.grad for p in ref.parameters()]
             grads = g if grads is None else [a + b for a, b in zip(grads, g)]
             means.append(ref.bn.running_mean.clone())
-        assert relative_error([p.grad for p in model.parameters()], grads) < 1e-5
-        assert relative_error(model.bn.running_mean, (means[0] + means[1]) / 2) < 1e-5
+        assert relative_error(_cpu(p.grad for p in model.parameters()), grads) < 1e-5
+        assert relative_error(model.bn.running_mean.cpu(), (means[0] + means[1]) / 2) < 1e-5
 
 
-def test_worker_killed_mid_step_on_a_device_is_rerun_exactly(fake_devices):
-    """A worker on the second device SIGKILLed while it computes: the step is aborted and
-    re-run with its replacement (which opens the device's buffers again), exactly."""
+@pytest.mark.parametrize("devices", [["cuda:0"], ["cuda:0", "cuda:1"]])
+def test_worker_killed_mid_step_on_a_device_is_rerun_exactly(backend, devices):
+    """A worker (the last device's) SIGKILLed while it computes: the step is aborted and
+    re-run with its replacement, which opens the device's buffers again, exactly."""
+    _needs(backend, devices)
     torch.manual_seed(1)
-    model = SlowCnn()
-    x, y = torch.randn(1501, 1, 28, 28), torch.randint(0, 5, (1501,))
-    ref = reference_gradient(model, "cross_entropy", x, y)
+    model, twin = SleepyCnn(), SleepyCnn()  # the twin stays on the CPU: the reference
+    twin.load_state_dict(model.state_dict())
+    x, y = torch.randn(48, 1, 12, 12), torch.randint(0, 5, (48,))
+    ref = reference_gradient(twin, "cross_entropy", x, y)
     with shmgrad.Engine(
-        model=model, workers=3, loss="cross_entropy", devices=["cuda:0", "cuda:1"]
+        model=model, workers=3, loss="cross_entropy", devices=devices, mode="eager"
     ) as engine:
         engine.bind(model)
         engine.gradient(inputs=x[:8], targets=y[:8])  # warm up
         before = engine.status()
-        slot = 1  # round-robin: slot 1 is cuda:1's
+        slot = len(devices) - 1  # round-robin: slot 1 is cuda:1's
         call = GradientCall(engine, inputs=x, targets=y, timeout=STEP_TIMEOUT_S)
         try:
             wait_until_busy(engine.name, slot=slot, after_epoch=before.step_epoch)
-            os.kill(before.worker(slot).pid, signal.SIGKILL)
+            os.kill(before.worker(slot).pid, 9)
         finally:
             call.join()
         stats = call.result()
         assert stats.retries == 1
-        assert relative_error([p.grad for p in model.parameters()], ref) < 1e-5
+        assert relative_error(_cpu(p.grad for p in model.parameters()), ref) < 1e-5
         wait_for(
             lambda: engine.status().worker(slot).restarts == before.worker(slot).restarts + 1,
             10,
             f"worker {slot}'s restart to be counted",
         )
-        stats = engine.gradient(inputs=x[:64], targets=y[:64])
-        assert stats.num_examples == 64 and stats.retries == 0
-        assert (
-            relative_error(
-                [p.grad for p in model.parameters()],
-                reference_gradient(model, "cross_entropy", x[:64], y[:64]),
-            )
-            < 1e-5
-        )
+        assert engine.status().worker(slot).device == devices[slot % len(devices)]
+        stats = engine.gradient(inputs=x[:16], targets=y[:16])
+        assert stats.num_examples == 16 and stats.retries == 0
+        expected = reference_gradient(twin, "cross_entropy", x[:16], y[:16])
+        assert relative_error(_cpu(p.grad for p in model.parameters()), expected) < 1e-5
