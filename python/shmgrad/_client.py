@@ -187,6 +187,10 @@ class Client:
         self._last_mean = None  # its reduction; None: no result yet
         self._has_batchnorm = False
         self._warned_passes = False
+        # A GPU engine: the bound module's parameters are on this device, and its buffers
+        # are device copies of the shared (host) ones, exchanged around each step.
+        self._device = None if trainer.device < 0 else torch.device("cuda", trainer.device)
+        self._buffer_mirrors = []
         if process_group is not None:
             try:
                 self._nodes = multinode.NodeGroup(
@@ -299,11 +303,13 @@ class Client:
         self._has_batchnorm = has_batchnorm(module)
         if self._nodes is not None:
             self._nodes.broadcast_parameters()  # every node takes rank 0's values
+            self._pull_buffers()
         return given
 
     def _bind_buffers(self, module):
         # The engine's shared buffers (BatchNorm statistics) by name: the module's values
-        # are copied in once, then its buffers view them, so after every step it holds the
+        # are copied in once, then its buffers view them (on a GPU engine: copies on the
+        # device, exchanged with them around each step), so after every step it holds the
         # first participant's statistics and evaluates correctly with no extra pass.
         views = dict(self._trainer.buffer_views())
         own = dict(shared_buffers(module))
@@ -312,6 +318,7 @@ class Client:
                 f"the module's buffers {sorted(own)[:4]}... differ from the engine's "
                 f"{sorted(views)[:4]}...: bind the module the engine was started with"
             )
+        mirrors = []
         with torch.no_grad():
             for n, b in own.items():
                 if tuple(b.shape) != tuple(views[n].shape) or b.dtype != views[n].dtype:
@@ -320,7 +327,24 @@ class Client:
                         f"engine's {tuple(views[n].shape)} ({views[n].dtype})"
                     )
                 views[n].copy_(b)
-                b.data = views[n]
+                if self._device is None:
+                    b.data = views[n]
+                else:  # beside parameters on the GPU: a copy there, kept up to date
+                    b.data = views[n].to(self._device)
+                    mirrors.append((b, views[n]))
+        self._buffer_mirrors = mirrors
+
+    def _push_buffers(self):
+        """A GPU engine's bound module's buffers into the shared ones (before a step)."""
+        with torch.no_grad():
+            for own, shared in self._buffer_mirrors:
+                shared.copy_(own)
+
+    def _pull_buffers(self):
+        """The shared buffers into a GPU engine's bound module's (after a step)."""
+        with torch.no_grad():
+            for own, shared in self._buffer_mirrors:
+                own.copy_(shared)
 
     def gradient(
         self,
@@ -501,10 +525,12 @@ class Client:
             def local_step():
                 return t.gradient(None, x, y, *args)
 
+        self._push_buffers()
         if nodes is None:
             stats = GradientStats(local_step())
         else:
             stats = GradientStats(*nodes.gradient(None if empty else local_step, mean))
+        self._pull_buffers()
         if onto_nodes:
             # accum = a * accum + b * (this micro-batch's global result): a = b = 1 for a
             # sum; for a mean, weights by the previous count P and this one's C.

@@ -116,11 +116,12 @@ def serve(
     loss_reduction: Optional[str] = None,
     devices=None,
     device=None,
+    trainer_device=None,
 ) -> Server:
     """Starts an engine and returns once it serves, without attaching to it: a
     :class:`Server`. The arguments are :class:`Engine`'s (which is this, plus a trainer
     attached). Raises what :class:`Engine` raises at start-up; nothing is left behind."""
-    ordinals = _gpu.parse_devices(devices, device)
+    ordinals = _gpu.parse_devices(devices, device, trainer_device)
     if ordinals is not None:
         _gpu.check_devices(ordinals)  # before anything starts: what the machine lacks
     loss_names = _C.loss_names()
@@ -289,11 +290,12 @@ class Engine(Client):
             (warm up before timing); gradients stay exact.
         devices, device: GPUs for the workers (``devices=["cuda:0", "cuda:1"]``, or
             ``device="cuda"`` for every visible one), placed round-robin, several per
-            device; the bound module's parameters and ``.grad`` are then the first
-            device's memory (docs/GPU.md: built and tested on a stand-in device, not yet
-            run on a GPU). On a machine that lacks something it raises at once, before
-            anything starts, naming it (no CUDA path built, no driver, no GPU, a torch
-            without CUDA, an ordinal past the visible GPUs).
+            device; the bound module's parameters and ``.grad`` are then the trainer's
+            device's memory: the first listed, or ``trainer_device=`` (one of them)
+            (docs/GPU.md: built and tested on a stand-in device, not yet run on a GPU).
+            On a machine that lacks something it raises at once, before anything starts,
+            naming it (no CUDA path built, no driver, no GPU, a torch without CUDA, an
+            ordinal past the visible GPUs).
 
     Raises what ``serve`` reported when it could not start (InvalidArgumentError for a
     file that is not TorchScript or an unknown dataset, NoSpaceError when /dev/shm is too
@@ -329,6 +331,7 @@ class Engine(Client):
         buffers: str = "average",
         devices=None,
         device=None,
+        trainer_device=None,
     ):
         if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
             raise errors.InvalidArgumentError(f"seed must be an int >= 0, got {seed!r}")
@@ -351,6 +354,7 @@ class Engine(Client):
             loss_reduction=loss_reduction,
             devices=devices,
             device=device,
+            trainer_device=trainer_device,
         )
         try:
             trainer = _C.Trainer.attach(

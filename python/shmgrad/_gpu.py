@@ -21,10 +21,37 @@ LIBRARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libshmgrad_c
 _library = None
 
 
-def parse_devices(devices=None, device=None) -> Optional[List[int]]:
+def parse_devices(devices=None, device=None, trainer_device=None) -> Optional[List[int]]:
     """The CUDA ordinals an engine serves, from ``devices=`` (a list of ``"cuda:N"``,
-    ``torch.device`` or ints) or ``device="cuda"`` (every visible GPU); None for a CPU
-    engine. Refuses CPU devices, duplicates and both arguments together."""
+    ``torch.device`` or ints) or ``device="cuda"`` (every visible GPU), the trainer's
+    first (the first listed, or ``trainer_device``, which must be one of them); None for a
+    CPU engine. Refuses CPU devices, duplicates and both arguments together."""
+    ordinals = _parse_ordinals(devices, device)
+    if trainer_device is None:
+        return ordinals
+    if ordinals is None:
+        raise errors.InvalidArgumentError(
+            "trainer_device= names the trainer's GPU among the engine's: give devices= (or "
+            "device='cuda') too"
+        )
+    try:
+        d = torch.device(
+            f"cuda:{trainer_device}" if isinstance(trainer_device, int) else trainer_device
+        )
+    except (RuntimeError, TypeError) as exc:
+        raise errors.InvalidArgumentError(
+            f"trainer_device={trainer_device!r} is no device: name one of devices= ('cuda:1')"
+        ) from exc
+    ordinal = d.index if d.index is not None else 0
+    if d.type != "cuda" or ordinal not in ordinals:
+        raise errors.InvalidArgumentError(
+            f"trainer_device={trainer_device!r} is not one of the engine's GPUs "
+            f"({', '.join(f'cuda:{o}' for o in ordinals)}): name one of them"
+        )
+    return [ordinal] + [o for o in ordinals if o != ordinal]
+
+
+def _parse_ordinals(devices, device) -> Optional[List[int]]:
     if devices is None and device is None:
         return None
     if devices is not None and device is not None:

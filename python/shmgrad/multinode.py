@@ -55,6 +55,7 @@ STAGED_MAX_BYTES = 256 * 1024
 _LOSS_SUM, _NONFINITE, _WEIGHT, _COUNTS = 0, 1, 2, 3
 _CHECKSUM_BYTES = 8
 _GPU_ONLY_BACKENDS = ("nccl",)
+_CPU = torch.device("cpu")
 
 
 class NodeStats:
@@ -133,17 +134,25 @@ class NodeGroup:
         engine_name: str,
         bucket_cap_mb: Optional[float] = None,
     ):
-        self._pg = _check_process_group(process_group)
-        self.rank = dist.get_rank(self._pg)
-        self.size = dist.get_world_size(self._pg)
         self._grad = trainer.gradient_buffer()
         self._params = trainer.parameter_buffer()
-        self._buffers = _Buffers(trainer.buffer_views())
+        # A CPU engine's gradient is all-reduced by gloo; a GPU engine's (on its first
+        # device) by NCCL, every collective's tensors on that device.
+        self._device = self._grad.device
+        self._pg = _check_process_group(process_group, self._device)
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)  # NCCL's objects (layouts) go through it
+        self.rank = dist.get_rank(self._pg)
+        self.size = dist.get_world_size(self._pg)
+        self._buffers = _Buffers(trainer.buffer_views(), self._device)
         buckets = _buckets(self._grad, bucket_cap_mb)
         self._failed = _COUNTS + self.size  # where the failed flags start
         record = self._failed + self.size
         n = self._grad.numel()
-        if bucket_cap_mb is None and n * self._grad.element_size() <= STAGED_MAX_BYTES:
+        self._record_on_device = None  # NCCL: the record's copy on the device
+        on_device = self._device.type != "cpu"
+        small = n * self._grad.element_size() <= STAGED_MAX_BYTES
+        if not on_device and bucket_cap_mb is None and small:
             # The gradient, then the record (float32: counts exact to 2^24 examples).
             self._staging = torch.zeros(n + record, dtype=self._grad.dtype)
             self._record = self._staging[n:]
@@ -151,7 +160,12 @@ class NodeGroup:
         else:
             self._staging = None
             self._record = torch.zeros(record, dtype=torch.float64)
-            self._collectives = [self._record] + buckets
+            if on_device:
+                self._record_on_device = torch.zeros(
+                    record, dtype=torch.float64, device=self._device
+                )
+            first = self._record if self._record_on_device is None else self._record_on_device
+            self._collectives = [first] + buckets
         self._fields = self._record.numpy()  # the same memory; element access without torch
         self.allreduce_bytes = sum(t.numel() * t.element_size() for t in self._collectives)
         self._broken: Optional[errors.NodeError] = None
@@ -284,6 +298,15 @@ class NodeGroup:
         )
 
     def _allreduce(self):
+        if self._record_on_device is not None:
+            # NCCL: the record goes to the device and back (a few dozen bytes); the
+            # collectives run on NCCL's stream after the work issued before them.
+            self._record_on_device.copy_(self._record)
+            works = [dist.all_reduce(t, group=self._pg, async_op=True) for t in self._collectives]
+            for w in works:
+                w.wait()
+            self._record.copy_(self._record_on_device)  # waits for the all-reduce
+            return
         if self._staging is not None:
             n = self._grad.numel()
             self._staging[:n].copy_(self._grad)
@@ -302,7 +325,9 @@ class NodeGroup:
         Returns it when every node has the same; raises ConsistencyError naming the first
         rank that differs."""
         self._check_usable()
-        mine = torch.tensor([checksum(self.parameters_and_buffers)], dtype=torch.int64)
+        mine = torch.tensor(
+            [checksum(self.parameters_and_buffers)], dtype=torch.int64, device=self._device
+        )
         every = [torch.zeros_like(mine) for _ in range(self.size)]
         self._collective(
             "comparing parameter checksums", lambda: dist.all_gather(every, mine, group=self._pg)
@@ -364,25 +389,26 @@ class NodeGroup:
 
 # -- helpers --------------------------------------------------------------------------
 def checksum(tensors: Sequence[torch.Tensor]) -> int:
-    """A 64-bit checksum (BLAKE2b) of CPU tensors' bytes, in order: equal only for
-    bit-identical contents, as far as 64 bits tell."""
+    """A 64-bit checksum (BLAKE2b) of tensors' bytes (a GPU tensor's copied to the host),
+    in order: equal only for bit-identical contents, as far as 64 bits tell."""
     digest = hashlib.blake2b(digest_size=_CHECKSUM_BYTES)
     for t in tensors:
-        digest.update(memoryview(t.detach().contiguous().numpy()).cast("B"))
+        digest.update(memoryview(t.detach().cpu().contiguous().numpy()).cast("B"))
     return int.from_bytes(digest.digest(), "little", signed=True)
 
 
 class _Buffers:
     """The engine's shared buffers (BatchNorm statistics), broadcast as one flat tensor per
-    dtype: a copy into it, one broadcast, a copy back."""
+    dtype (on `device`: the collectives' device): a copy into it, one broadcast, a copy
+    back."""
 
-    def __init__(self, views):
+    def __init__(self, views, device=_CPU):
         self.tensors = [t for _, t in views]
         self.layout = [(n, tuple(t.shape), str(t.dtype)) for n, t in views]
         self._groups = []
         for dtype in sorted({t.dtype for t in self.tensors}, key=str):
             members = [t for t in self.tensors if t.dtype == dtype]
-            flat = torch.zeros(sum(t.numel() for t in members), dtype=dtype)
+            flat = torch.zeros(sum(t.numel() for t in members), dtype=dtype, device=device)
             self._groups.append(
                 (members, flat, list(torch.split(flat, [t.numel() for t in members])))
             )
@@ -399,7 +425,7 @@ class _Buffers:
                 t.copy_(part.view_as(t))
 
 
-def _check_process_group(pg):
+def _check_process_group(pg, device=_CPU):
     if not dist.is_available() or not dist.is_initialized():
         raise errors.InvalidArgumentError(
             "process_group: torch.distributed is not initialised: call "
@@ -412,10 +438,17 @@ def _check_process_group(pg):
             f"torch.distributed.group.WORLD), got {type(pg).__name__}"
         )
     backend = dist.get_backend(pg)
-    if backend in _GPU_ONLY_BACKENDS:
+    if device.type == "cpu" and backend in _GPU_ONLY_BACKENDS:
         raise errors.InvalidArgumentError(
-            f"process_group: the {backend} backend reduces GPU tensors, and an engine's "
-            "gradient is in host memory: use a gloo group (see docs/MULTINODE.md)"
+            f"process_group: the {backend} backend reduces GPU tensors, and this engine's "
+            "gradient is in host memory: use a gloo group, or give the engine devices= "
+            "(GPU workers) (see docs/MULTINODE.md)"
+        )
+    if device.type == "cuda" and backend not in _GPU_ONLY_BACKENDS:
+        raise errors.InvalidArgumentError(
+            f"process_group: this engine's gradient is on {device}, and the {backend} "
+            "backend would take it through the host: use an nccl group "
+            "(torch.distributed.init_process_group('nccl', ...)), one rank per node"
         )
     if dist.get_rank(pg) < 0:
         raise errors.InvalidArgumentError("process_group: this process is not a member of it")

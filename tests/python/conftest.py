@@ -4,6 +4,8 @@ no test leaves a shared-memory segment behind."""
 import copy
 import glob
 import os
+import shutil
+import subprocess
 import sys
 
 import numpy as np
@@ -97,6 +99,39 @@ def no_leaked_segments():
     yield
     leaked = {s for s in set(segments()) - before if ours(s)}
     assert not leaked, f"segments left in /dev/shm: {sorted(leaked)}"
+
+
+@pytest.fixture(scope="session")
+def fake_cuda_library(tmp_path_factory):
+    """tests/fake_cuda.cc built here: libshmgrad_cuda.so's C interface on host memory, a
+    stand-in device for engines with devices= on machines without a GPU (set
+    SHMGRAD_CUDA_LIBRARY to it)."""
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        pytest.skip("no C++ compiler here to build the fake device library")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = tmp_path_factory.mktemp("fakecuda") / "libfake_cuda.so"
+    subprocess.run(
+        [
+            compiler,
+            "-std=c++17",
+            "-O1",
+            "-shared",
+            "-fPIC",
+            f"-I{root}",
+            os.path.join(root, "tests", "fake_cuda.cc"),
+            "-o",
+            str(out),
+            "-lrt",
+        ],
+        check=True,
+    )
+    return str(out)
+
+
+def fake_allocations():
+    """The fake device's allocations in /dev/shm (tests/fake_cuda.cc names them)."""
+    return set(glob.glob("/dev/shm/shmgrad-fakecuda-*"))
 
 
 @pytest.fixture

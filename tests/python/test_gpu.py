@@ -55,6 +55,21 @@ def test_devices_are_read_and_placed_round_robin():
     ]:
         with pytest.raises(errors.InvalidArgumentError, match=words):
             _gpu.parse_devices(**bad)
+    # The trainer's GPU goes first (its device holds the reduced gradient).
+    assert _gpu.parse_devices(devices=["cuda:0", "cuda:1", "cuda:2"], trainer_device="cuda:2") == [
+        2,
+        0,
+        1,
+    ]
+    assert _gpu.parse_devices(devices=[1, 0], trainer_device=torch.device("cuda", 1)) == [1, 0]
+    for bad, words in [
+        (dict(devices=["cuda:0"], trainer_device="cuda:1"), "not one of the engine's GPUs"),
+        (dict(devices=["cuda:0"], trainer_device="cpu"), "not one of the engine's GPUs"),
+        (dict(trainer_device="cuda:0"), "give devices="),
+        (dict(devices=["cuda:0"], trainer_device="gpu9"), "no device"),
+    ]:
+        with pytest.raises(errors.InvalidArgumentError, match=words):
+            _gpu.parse_devices(**bad)
     with pytest.raises(errors.InvalidArgumentError, match="1 to 16 devices"):
         _gpu.placement(2, list(range(17)))
 

@@ -12,10 +12,7 @@
   process (NVIDIA_TF32_OVERRIDE=0), so results are float32 up to summation order.
 """
 
-import glob
 import os
-import shutil
-import subprocess
 import time
 
 import pytest
@@ -24,34 +21,8 @@ import torch
 import shmgrad
 from shmgrad import _gpu, errors
 
-from conftest import Cnn, reference_gradient, relative_error
+from conftest import Cnn, fake_allocations, reference_gradient, relative_error
 from test_faults import STEP_TIMEOUT_S, GradientCall, wait_for, wait_until_busy
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-@pytest.fixture(scope="module")
-def fake_library(tmp_path_factory):
-    compiler = shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        pytest.skip("no C++ compiler here to build the fake device library")
-    out = tmp_path_factory.mktemp("fakecuda") / "libfake_cuda.so"
-    subprocess.run(
-        [
-            compiler,
-            "-std=c++17",
-            "-O1",
-            "-shared",
-            "-fPIC",
-            f"-I{ROOT}",
-            os.path.join(ROOT, "tests", "fake_cuda.cc"),
-            "-o",
-            str(out),
-            "-lrt",
-        ],
-        check=True,
-    )
-    return str(out)
 
 
 def _free_device_bytes():
@@ -63,7 +34,7 @@ def backend(request, monkeypatch):
     """Sets the engines' environment for the backend; after the test, nothing is left in
     /dev/shm, and on a GPU its free memory is back to what it was."""
     if request.param == "fake":
-        monkeypatch.setenv("SHMGRAD_CUDA_LIBRARY", request.getfixturevalue("fake_library"))
+        monkeypatch.setenv("SHMGRAD_CUDA_LIBRARY", request.getfixturevalue("fake_cuda_library"))
         monkeypatch.setenv("FAKE_CUDA_DEVICES", "2")
         count, free = 2, None
     else:
@@ -77,9 +48,9 @@ def backend(request, monkeypatch):
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.cuda.init()
         free = _free_device_bytes()
-    before = set(glob.glob("/dev/shm/shmgrad-fakecuda-*"))
+    before = fake_allocations()
     yield request.param, count
-    left = set(glob.glob("/dev/shm/shmgrad-fakecuda-*")) - before
+    left = fake_allocations() - before
     assert not left, f"device allocations left behind: {sorted(left)}"
     if free is not None:
         # The coordinator frees its allocations at stop: free memory comes back (within
@@ -155,6 +126,10 @@ def test_gradients_and_training_match_one_process(backend, devices, workers, mod
             engine.gradient(inputs=x[:b], targets=y[:b])
             expected = reference_gradient(ref, "cross_entropy", x[:b], y[:b])
             assert relative_error(_cpu(p.grad for p in model.parameters()), expected) < 1e-5, b
+        if on_gpu:  # a batch already on the device is taken as it is
+            engine.gradient(inputs=x.cuda(), targets=y.cuda())
+            expected = reference_gradient(ref, "cross_entropy", x, y)
+            assert relative_error(_cpu(p.grad for p in model.parameters()), expected) < 1e-5
         # Training: the optimizer steps the first device's parameters; workers on the
         # other device compute with them after the engine brings their copy up to date.
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -170,6 +145,37 @@ def test_gradients_and_training_match_one_process(backend, devices, workers, mod
             torch.nn.functional.cross_entropy(ref(x[idx]), y[idx]).backward()
             ref_opt.step()
         assert relative_error(_cpu(model.parameters()), list(ref.parameters())) < 1e-4
+
+
+def test_resizing_places_new_workers_round_robin_from_the_trainers_device(backend):
+    devices = ["cuda:0", "cuda:1"] if backend[1] >= 2 else ["cuda:0"]
+    trainer = devices[-1]
+    order = [trainer] + [d for d in devices if d != trainer]  # the trainer's first
+    torch.manual_seed(6)
+    model, twin = Cnn(), Cnn()
+    twin.load_state_dict(model.state_dict())
+    x, y = torch.randn(60, 1, 12, 12), torch.randint(0, 5, (60,))
+    with shmgrad.Engine(
+        model=model,
+        workers=2,
+        max_workers=4,
+        loss="cross_entropy",
+        devices=devices,
+        trainer_device=trainer,
+    ) as engine:
+        engine.bind(model)
+        assert engine.status().devices == ",".join(order)
+        if backend[0] == "cuda":
+            assert all(p.device == torch.device(trainer) for p in model.parameters())
+        for n in (4, 1, 3):
+            engine.resize(n)
+            ready = engine.status().ready_workers
+            assert len(ready) == n
+            assert [w.device for w in ready] == [order[w.slot % len(order)] for w in ready]
+            stats = engine.gradient(inputs=x, targets=y)
+            assert stats.workers == n
+            expected = reference_gradient(twin, "cross_entropy", x, y)
+            assert relative_error(_cpu(p.grad for p in model.parameters()), expected) < 1e-5
 
 
 @pytest.mark.parametrize("devices", [["cuda:0"], ["cuda:0", "cuda:1"]])
@@ -215,6 +221,12 @@ def test_eager_batchnorm_and_a_random_dataset_match_one_process(backend, devices
             means.append(ref.bn.running_mean.clone())
         assert relative_error(_cpu(p.grad for p in model.parameters()), grads) < 1e-5
         assert relative_error(model.bn.running_mean.cpu(), (means[0] + means[1]) / 2) < 1e-5
+        # The trainer's module evaluates where its parameters are, with those statistics.
+        device = next(model.parameters()).device
+        assert model.bn.running_mean.device == device
+        model.eval()
+        with torch.no_grad():
+            assert model(x.to(device)).shape == (32, 5)
 
 
 @pytest.mark.parametrize("devices", [["cuda:0"], ["cuda:0", "cuda:1"]])
@@ -253,3 +265,82 @@ def test_worker_killed_mid_step_on_a_device_is_rerun_exactly(backend, devices):
         assert stats.num_examples == 16 and stats.retries == 0
         expected = reference_gradient(twin, "cross_entropy", x[:16], y[:16])
         assert relative_error(_cpu(p.grad for p in model.parameters()), expected) < 1e-5
+
+
+def test_a_node_group_all_reduces_with_the_backend_of_its_engine(backend):
+    """Across nodes a GPU engine's gradient is all-reduced by NCCL on its device, a host
+    one's by gloo. Here one node (world size 1: NCCL allows one rank per GPU, and a test
+    has one GPU at most), in this process: the node group's layout check, broadcasts,
+    all-reduce of gradient and record, buffers and checksum, with the backend's tensors
+    on the engine's device; the gradient is the engine's own."""
+    import datetime
+
+    import torch.distributed as dist
+    from test_multinode import _free_port
+
+    group_backend = "nccl" if backend[0] == "cuda" else "gloo"
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        group_backend,
+        init_method=f"tcp://127.0.0.1:{_free_port()}",
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        torch.manual_seed(12)
+        model, twin = BnCnn(), BnCnn()
+        twin.load_state_dict(model.state_dict())
+        x, y = torch.randn(40, 1, 12, 12), torch.randint(0, 5, (40,))
+        with shmgrad.Engine(
+            model=model,
+            workers=2,
+            loss="cross_entropy",
+            devices=["cuda:0"],
+            mode="eager",
+            process_group=dist.group.WORLD,
+        ) as engine:
+            engine.bind(model)
+            stats = engine.gradient(inputs=x, targets=y, reduction="mean")
+            assert stats.nodes == 1 and stats.num_examples == 40
+            grads = None
+            for half in (slice(0, 20), slice(20, 40)):  # each worker's shard, its statistics
+                ref = BnCnn()
+                ref.load_state_dict(twin.state_dict())
+                loss = torch.nn.functional.cross_entropy(ref(x[half]), y[half], reduction="sum")
+                (loss / 40).backward()
+                g = [p.grad for p in ref.parameters()]
+                grads = g if grads is None else [a + b for a, b in zip(grads, g)]
+            assert relative_error(_cpu(p.grad for p in model.parameters()), grads) < 1e-5
+            assert isinstance(engine.check_consistency(), int)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_group_of_the_other_backend_is_refused_naming_the_right_one(monkeypatch):
+    import datetime
+
+    import torch.distributed as dist
+    from shmgrad import multinode
+    from test_multinode import _free_port
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{_free_port()}",
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        world = dist.group.WORLD
+        with pytest.raises(errors.InvalidArgumentError, match="use an nccl group"):
+            multinode._check_process_group(world, torch.device("cuda", 0))
+        assert multinode._check_process_group(world, torch.device("cpu")) is world
+        monkeypatch.setattr(dist, "get_backend", lambda pg=None: "nccl")
+        with pytest.raises(errors.InvalidArgumentError, match="use a gloo group, or give"):
+            multinode._check_process_group(world, torch.device("cpu"))
+        assert multinode._check_process_group(world, torch.device("cuda", 0)) is world
+    finally:
+        monkeypatch.undo()
+        dist.destroy_process_group()

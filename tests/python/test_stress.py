@@ -3,7 +3,10 @@ eager Python): it must find no wrong gradient, no hang and no leaked segment, wh
 workers and trainers are killed and the engine is shrunk and grown back."""
 
 import json
+import os
 import subprocess
+
+from conftest import fake_allocations
 
 
 def test_stress_short_run(tmp_path):
@@ -83,3 +86,43 @@ def test_stress_help_and_bad_arguments():
         timeout=60,
     )
     assert out.returncode != 0 and "invalid choice: 'fast'" in out.stderr
+
+
+def test_stress_gpu_workers_on_the_fake_device(tmp_path, fake_cuda_library):
+    """--devices: both kinds of worker over two devices (the fake device library here; a
+    GPU where tools/device-check runs it), with kills, restarts and resizes."""
+    counts_path = tmp_path / "stress.json"
+    before = fake_allocations()
+    env = dict(os.environ, SHMGRAD_CUDA_LIBRARY=fake_cuda_library, FAKE_CUDA_DEVICES="2")
+    out = subprocess.run(
+        [
+            "shmgrad",
+            "stress",
+            "--name",
+            "stress-test",
+            "--steps",
+            "25",
+            "--kill-rate",
+            "0.3",
+            "--resize-rate",
+            "0.2",
+            "--seed",
+            "3",
+            "--step-timeout",
+            "30",
+            "--devices",
+            "cuda:0,cuda:1",
+            "--json",
+            str(counts_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    with open(counts_path) as f:
+        counts = json.load(f)
+    assert counts["ok"] is True and counts["steps"] == 50, counts
+    assert counts["kills"] > 0 and counts["resizes"] > 0, counts
+    assert fake_allocations() == before, "device allocations left behind"

@@ -23,8 +23,11 @@ in total,
 (and, with --json PATH, writes the counters to PATH as JSON: the totals at the top
 level, each kind's under "runs") and exits non-zero if any of the last four is not 0.
 
+With --devices the engines' workers compute on those GPUs (docs/GPU.md; on a machine
+without one, SHMGRAD_CUDA_LIBRARY may name the test double tests/fake_cuda.cc builds).
+
 Run: shmgrad stress --name NAME [--mode script|eager|both] [--steps N] [--kill-rate R]
-                    [--seed S] [--json PATH]
+                    [--seed S] [--devices cuda:0,...] [--json PATH]
 """
 
 import argparse
@@ -82,6 +85,12 @@ def build_parser():
         help="seconds after which a step counts as a hang (default 120)",
     )
     ap.add_argument(
+        "--devices",
+        default=None,
+        help="GPU workers: the engines' devices, e.g. cuda:0,cuda:1 (placed round-robin; "
+        "default: CPU workers)",
+    )
+    ap.add_argument(
         "--json", metavar="PATH", help="also write the run's counters to PATH as one JSON object"
     )
     return ap
@@ -92,6 +101,8 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.steps < 1 or args.workers < 1 or args.max_batch < 1:
         ap.error("--steps, --workers and --max-batch must be >= 1")
+    if args.devices is not None:
+        args.devices = [d if d.startswith("cuda") else f"cuda:{d}" for d in args.devices.split(",")]
     for flag, rate in (
         ("--kill-rate", args.kill_rate),
         ("--resize-rate", args.resize_rate),

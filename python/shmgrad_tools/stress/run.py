@@ -74,8 +74,9 @@ class Counts:
 
 
 def _reference(model, loss, x, y, mean):
-    """The gradient of ``loss`` (summed over the batch) or of its mean, in this process."""
-    m = copy.deepcopy(model)
+    """The gradient of ``loss`` (summed over the batch) or of its mean, in this process,
+    on the CPU (the engine's model may be on a GPU)."""
+    m = copy.deepcopy(model).cpu()
     for p in m.parameters():
         p.grad = None
     total = loss(m(x), y)
@@ -119,7 +120,11 @@ class StressRun:
             server = None
             try:
                 server = self.workload.serve(
-                    self.name, self.args.workers, max(self.args.max_batch, CHILD_BATCH), tmp
+                    self.name,
+                    self.args.workers,
+                    max(self.args.max_batch, CHILD_BATCH),
+                    tmp,
+                    devices=getattr(self.args, "devices", None),
                 )
                 self._attach()
                 before = read_status(self.name)
@@ -306,7 +311,8 @@ class StressRun:
         try:
             stats = call()
             self.counts.recoveries += stats.retries
-            if relative_error([p.grad for p in self.model.parameters()], ref) > MAX_GRADIENT_ERROR:
+            grads = [p.grad.cpu() for p in self.model.parameters()]
+            if relative_error(grads, ref) > MAX_GRADIENT_ERROR:
                 self.counts.wrong += 1
             self.opt.step()
         except errors.EngineTimeoutError as exc:

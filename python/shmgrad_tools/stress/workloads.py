@@ -102,7 +102,7 @@ class ScriptWorkload:
         self.data_y = torch.randint(0, CLASSES, (DATASET_SIZE,))
         self.model = StressNet()
 
-    def serve(self, name, workers, max_batch, tmp) -> shmgrad.Server:
+    def serve(self, name, workers, max_batch, tmp, devices=None) -> shmgrad.Server:
         np.save(os.path.join(tmp, "x.npy"), self.data_x.numpy())
         np.save(os.path.join(tmp, "y.npy"), self.data_y.numpy())
         return shmgrad.serve(
@@ -113,6 +113,7 @@ class ScriptWorkload:
             loss="cross_entropy",
             dataset=f"npy:{tmp}/x.npy,{tmp}/y.npy",
             max_batch=max_batch,
+            devices=devices,
         )
 
     def loss(self, outputs, targets):
@@ -137,7 +138,7 @@ class EagerWorkload:
         )
         self.model = UnscriptableStressNet()
 
-    def serve(self, name, workers, max_batch, tmp) -> shmgrad.Server:
+    def serve(self, name, workers, max_batch, tmp, devices=None) -> shmgrad.Server:
         return shmgrad.serve(
             name=name,
             model=self.model,
@@ -146,6 +147,7 @@ class EagerWorkload:
             loss=smoothed_cross_entropy,
             dataset=self.dataset,
             max_batch=max_batch,
+            devices=devices,
         )
 
     def loss(self, outputs, targets):
