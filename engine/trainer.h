@@ -122,7 +122,8 @@ class Trainer {
   const std::vector<ParamInfo>& parameters() const { return params_; }
   // Tensors aliasing the engine's shared parameters (writes are seen by every worker)
   // and its reduced gradient. They keep the mapping alive while they exist. For an
-  // engine with devices they are CUDA tensors on its first device (device()).
+  // engine with devices they are CUDA tensors on its first device (device()), over
+  // memory the coordinator frees when it stops: copy what must outlive the engine.
   std::vector<torch::Tensor> parameterViews() const;
   std::vector<torch::Tensor> gradientViews() const;
   // The whole parameter buffer and the whole reduced gradient as one flat float32

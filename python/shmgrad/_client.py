@@ -648,13 +648,28 @@ class Client:
         """Releases the engine (the next trainer may attach); idempotent.
 
         Bound modules keep working tensors (the shared memory stays mapped while they
-        exist), but further gradients need a new client.
+        exist; a GPU engine's bound module gets its own copies on its device, since the
+        engine's device memory goes with the engine), but further gradients need a new
+        client.
         """
         if self._closed:
             return
         self._closed = True
+        if getattr(self, "_device", None) is not None:
+            self._detach_from_device_memory()
         if self._trainer is not None:
             self._trainer.close()
+
+    def _detach_from_device_memory(self):
+        # The engine's device buffers are freed when it stops (and this process's IPC
+        # mapping of them closes with the last view): the module keeps copies.
+        with torch.no_grad():
+            for p in self._bound:
+                p.data = p.data.clone()
+                if p.grad is not None:
+                    p.grad = p.grad.clone()
+        self._param_views = []
+        self._grad_sets = ([], [])
 
     def _check_open(self):
         if self._closed or self._trainer is None:

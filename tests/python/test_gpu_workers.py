@@ -145,6 +145,13 @@ def test_gradients_and_training_match_one_process(backend, devices, workers, mod
             torch.nn.functional.cross_entropy(ref(x[idx]), y[idx]).backward()
             ref_opt.step()
         assert relative_error(_cpu(model.parameters()), list(ref.parameters())) < 1e-4
+    # The engine is gone: the module keeps its trained parameters (on a GPU engine, its
+    # own copies on the device, made when the trainer closed) and still computes.
+    assert relative_error(_cpu(model.parameters()), list(ref.parameters())) < 1e-4
+    assert all(p.is_cuda == on_gpu for p in model.parameters())
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        assert model(x[:3].to(device)).shape == (3, 5)
 
 
 def test_resizing_places_new_workers_round_robin_from_the_trainers_device(backend):
