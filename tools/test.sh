@@ -58,6 +58,7 @@ if [ -z "${SHMGRAD_SKIP_OLDEST:-}" ]; then
   TORCH_OLD="$("$OLDEST_VENV/bin/python" -c 'import torch; print(torch.__version__)')"
   stamp "Python tests against torch $TORCH_OLD: pytest tests/python (the core)"
   (cd tests/python && "$OLDEST_VENV/bin/python" -m pytest -q -p no:cacheprovider \
-    -m "not newest_torch_only" test_build.py test_engine.py test_eager.py test_launcher.py)
+    -m "not newest_torch_only" test_build.py test_engine.py test_eager.py test_launcher.py \
+    test_gpu_workers.py)
 fi
 stamp "all tests done"
