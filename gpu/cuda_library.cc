@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <string>
 #include <utility>
 
@@ -173,6 +175,23 @@ bool CudaLibrary::anyNonFinite(int device, uint64_t ptr, uint64_t begin, uint64_
   return found != 0;
 }
 
+namespace {
+
+// CUDA maps a handle once per process (a second cudaIpcOpenMemHandle of a handle that is
+// open fails): every DeviceMapping of the same allocation in this process shares one
+// opening, closed with the last of them.
+struct Opened {
+  uint64_t ptr;
+  int mappings;
+};
+std::mutex g_opened_mu;
+std::map<std::pair<int, IpcHandle>, Opened>& openedHandles() {
+  static auto* opened = new std::map<std::pair<int, IpcHandle>, Opened>();
+  return *opened;
+}
+
+}  // namespace
+
 DeviceMapping::DeviceMapping(std::shared_ptr<const CudaLibrary> cuda, const ipc::Segment& segment,
                              uint32_t device_index)
     : cuda_(std::move(cuda)) {
@@ -189,13 +208,25 @@ DeviceMapping::DeviceMapping(std::shared_ptr<const CudaLibrary> cuda, const ipc:
   ordinal_ = e.ordinal;
   slots_ = e.slots;
   layout_ = e.layout;
-  IpcHandle handle;
-  std::memcpy(handle.data(), e.ipc_handle, handle.size());
-  base_ = cuda_->ipcOpen(ordinal_, handle);
+  std::memcpy(handle_.data(), e.ipc_handle, handle_.size());
+  std::lock_guard<std::mutex> lock(g_opened_mu);
+  auto it = openedHandles().find({ordinal_, handle_});
+  if (it != openedHandles().end()) {
+    ++it->second.mappings;
+    base_ = it->second.ptr;
+    return;
+  }
+  base_ = cuda_->ipcOpen(ordinal_, handle_);
+  openedHandles()[{ordinal_, handle_}] = {base_, 1};
 }
 
 DeviceMapping::~DeviceMapping() {
-  if (base_ != 0) cuda_->ipcClose(ordinal_, base_);
+  if (base_ == 0) return;
+  std::lock_guard<std::mutex> lock(g_opened_mu);
+  auto it = openedHandles().find({ordinal_, handle_});
+  if (it == openedHandles().end() || --it->second.mappings > 0) return;
+  openedHandles().erase(it);
+  cuda_->ipcClose(ordinal_, base_);
 }
 
 uint64_t DeviceMapping::slot(uint32_t local) const {

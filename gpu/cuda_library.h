@@ -81,7 +81,8 @@ class CudaLibrary {
 };
 
 // One device's buffers as a worker or trainer sees them: the published table entry's IPC
-// handle opened in this process (closed on destruction), and the addresses of its regions
+// handle opened in this process (once per process however many mappings share it, as CUDA
+// requires; closed with the last), and the addresses of its regions
 // from the layout that validateDeviceTable checked against the segment's own sizes (again
 // here, at open: the segment is shared memory).
 class DeviceMapping {
@@ -108,6 +109,7 @@ class DeviceMapping {
   int ordinal_ = -1;
   uint32_t slots_ = 0;
   ipc::DeviceLayout layout_{};
+  IpcHandle handle_{};
   uint64_t base_ = 0;
 };
 

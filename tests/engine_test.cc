@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <set>
 #include <tuple>
 
@@ -321,13 +322,20 @@ TEST(DeviceBuffersTest, EachDeviceGetsItsBuffersAndHandleAndLosesThemAtStop) {
         cuda->copyToHost(m.ordinal(), slot.data(), m.slot(local), slot.size() * 4);
         for (float v : slot) ASSERT_EQ(v, 0.0f);
       }
-      // A write through one mapping is what another mapping of the device reads.
+      // A write through one mapping is what another mapping of the device reads: both
+      // share this process's one opening of the handle (CUDA, and the fake, refuse a
+      // second), which outlives the first mapping.
       const float mark = 3.25f;
       cuda->copyToDevice(m.ordinal(), m.reduced(), &mark, sizeof mark);
-      gpu::DeviceMapping other(cuda, seg, d);
+      auto other = std::make_unique<gpu::DeviceMapping>(cuda, seg, d);
+      EXPECT_EQ(other->reduced(), m.reduced());
+      {
+        gpu::DeviceMapping third(cuda, seg, d);  // opened and released while others live
+      }
       float seen = 0.0f;
-      cuda->copyToHost(m.ordinal(), &seen, other.reduced(), sizeof seen);
+      cuda->copyToHost(m.ordinal(), &seen, other->reduced(), sizeof seen);
       EXPECT_EQ(seen, mark);
+      other.reset();
       EXPECT_TRUE(throwsKind(ErrorKind::kInvalidArgument, [&] { (void)m.slot(m.slots()); }));
     }
     EXPECT_TRUE(throwsKind(ErrorKind::kInvalidArgument,

@@ -25,10 +25,11 @@
 namespace {
 
 constexpr int kSuccess = 0, kInvalidValue = 1, kMemoryAllocation = 2, kNoDevice = 100,
-              kInvalidDevice = 101, kInvalidHandle = 400;
+              kInvalidDevice = 101, kAlreadyMapped = 208, kInvalidHandle = 400;
 
 struct Mapping {
-  std::string name;  // empty for an opened handle
+  std::string name;    // the object this process allocated; empty for an opened handle
+  std::string opened;  // the object an opened handle names
   uint64_t bytes;
 };
 std::mutex g_mu;
@@ -61,7 +62,8 @@ int mapObject(const char* name, int flags, uint64_t bytes, uint64_t* ptr) {
   if (p == MAP_FAILED) return kMemoryAllocation;
   *ptr = reinterpret_cast<uintptr_t>(p);
   std::lock_guard<std::mutex> lock(g_mu);
-  g_maps[*ptr] = {flags & O_CREAT ? name : "", static_cast<uint64_t>(st.st_size)};
+  g_maps[*ptr] = {flags & O_CREAT ? name : "", flags & O_CREAT ? "" : name,
+                  static_cast<uint64_t>(st.st_size)};
   return kSuccess;
 }
 
@@ -96,6 +98,10 @@ FAKE_API const char* shmgrad_cuda_error_name(int code) {
       return "cudaErrorNoDevice";
     case kInvalidDevice:
       return "cudaErrorInvalidDevice";
+    case kAlreadyMapped:
+      return "cudaErrorAlreadyMapped";
+    case kInvalidHandle:
+      return "cudaErrorInvalidResourceHandle";
     default:
       return "cudaErrorUnknown";
   }
@@ -141,6 +147,15 @@ FAKE_API int shmgrad_cuda_ipc_open(int device, const uint8_t handle[SHMGRAD_IPC_
   char name[SHMGRAD_IPC_HANDLE_BYTES + 1] = {};
   std::memcpy(name, handle, SHMGRAD_IPC_HANDLE_BYTES);
   if (std::strncmp(name, "/shmgrad-fakecuda-", 18) != 0) return kInvalidHandle;
+  {
+    // As CUDA: a process cannot open its own allocation's handle, nor open a handle that
+    // it has open already (one mapping per handle per context).
+    std::lock_guard<std::mutex> lock(g_mu);
+    for (const auto& [p, m] : g_maps) {
+      if (m.name == name) return kInvalidHandle;
+      if (m.opened == name) return kAlreadyMapped;
+    }
+  }
   return mapObject(name, O_RDWR, 0, ptr);
 }
 FAKE_API int shmgrad_cuda_ipc_close(int device, uint64_t ptr) {

@@ -351,3 +351,29 @@ def test_a_group_of_the_other_backend_is_refused_naming_the_right_one(monkeypatc
     finally:
         monkeypatch.undo()
         dist.destroy_process_group()
+
+
+def test_a_trainer_attaches_again_while_views_of_the_devices_live(backend):
+    """CUDA opens an IPC handle once per process: a second trainer in the same process,
+    while tensors of the first one's mapping live, shares that opening (and the fake
+    device refuses a second opening as CUDA does)."""
+    torch.manual_seed(2)
+    model = Cnn()
+    x, y = torch.randn(20, 1, 12, 12), torch.randint(0, 5, (20,))
+    server = shmgrad.serve(model=model, workers=2, loss="cross_entropy", devices=["cuda:0"])
+    try:
+        first = shmgrad.attach(server.name)
+        kept = first.gradient_tensors()
+        first.gradient(inputs=x, targets=y)
+        first.close()
+        second = shmgrad.attach(server.name)
+        try:
+            second.gradient(inputs=x, targets=y)
+            assert relative_error(_cpu(second.gradient_tensors()), _cpu(kept)) == 0.0
+            expected = reference_gradient(model, "cross_entropy", x, y)
+            assert relative_error(_cpu(kept), expected) < 1e-5
+        finally:
+            second.close()
+        del kept
+    finally:
+        server.stop()
