@@ -370,13 +370,17 @@ def run_checks(args):
     if os.path.isdir(data) and not os.path.isdir(FASHION_MNIST):
         env["SHMGRAD_FASHION_MNIST_DIR"] = data
     # In the order of what a short lease must not miss: the GPU's facts, the tests, the
-    # benchmark, the adaptive example. A step the deadline leaves no time for is skipped.
+    # benchmark, the adaptive example (with --gpu the tests first: they are what the GPU
+    # path has never shown). A step the deadline leaves no time for is skipped.
     skip = set(args.skip.split(",")) if args.skip else set()
-    if (
-        "gpu-probe" not in skip
-        and report["facts"].get("cuda_available") == "True"
-        and budget(scale["probe_timeout"])
-    ):
+
+    def probe_step():
+        if (
+            "gpu-probe" in skip
+            or report["facts"].get("cuda_available") != "True"
+            or not budget(scale["probe_timeout"])
+        ):
+            return
         probe = os.path.join(out_dir, "gpu.json")
         report["steps"]["gpu-probe"] = run(
             [python, os.path.join(ROOT, "tools", "gpu_probe.py"), probe]
@@ -389,16 +393,22 @@ def run_checks(args):
             with open(probe) as f:
                 report["gpu"] = json.load(f)
         finish()
-    if rc == 0 and "tests" not in skip and budget(scale["test_timeout"]):
+
+    def tests_step():
+        if rc != 0 or "tests" in skip or not budget(scale["test_timeout"]):
+            return
         tests = [os.path.join(ROOT, "tests", "python", t) for t in scale["tests"]]
         report["steps"]["tests"] = run(
-            [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+            [python, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *tests],
             timeout=budget(scale["test_timeout"]),
             cwd=os.path.join(ROOT, "tests", "python"),
             env=env,
             out=os.path.join(out_dir, "tests.log"),
         )
         finish()
+
+    for step in (tests_step, probe_step) if args.gpu else (probe_step, tests_step):
+        step()
     if rc == 0 and "bench" not in skip and budget(scale["bench_timeout"]):
         bench_out = os.path.join(out_dir, "bench")
         report["steps"]["bench"] = run(
