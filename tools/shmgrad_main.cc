@@ -198,8 +198,9 @@ Command addServe(CLI::App& app, engine::ServeOptions* o) {
       ->type_name("FD")
       ->check(kOpenDescriptor);
   cmd->add_option("--devices", o->devices,
-                  "CUDA ordinals (0,1): allocate the engine's buffers on these\n"
-                  "GPUs; the workers still compute on the CPU (docs/GPU.md)")
+                  "CUDA ordinals (0,1): the workers compute on these GPUs,\n"
+                  "round-robin; the first holds the trainer's parameters and\n"
+                  "reduced gradient (docs/GPU.md)")
       ->delimiter(',')
       ->type_name("N,N");
   cmd->add_flag("--quiet", o->quiet, "print nothing but errors");
