@@ -118,12 +118,11 @@ TEST(EngineTest, MoreWorkersThanExamplesAndOtherLosses) {
   }
 }
 
-TEST(EngineTest, TwentySgdStepsMatchSingleProcessTraining) {
-  Fixture f = makeFixture("cnn", 21);
-  const std::string name = uniqueName("train");
-  EngineProcess engine(name, {"--model", f.model, "--workers", "3", "--loss", "cross_entropy",
-                              "--dataset", "npy:" + f.inputs_npy + "," + f.targets_npy});
-  auto t = Trainer::attach(name);
+// `steps` SGD steps (momentum 0.9, mean over `batch` random indices) through the engine,
+// the trainer's optimizer stepping its parameter views, against the same training in one
+// process: the parameters must agree, and must have moved.
+void expectTrainingMatchesOneProcess(Trainer* t, const Fixture& f, int steps, int64_t batch,
+                                     uint64_t seed) {
   std::vector<torch::Tensor> params = t->parameterViews();
   std::vector<torch::Tensor> grads = t->gradientViews();
   for (size_t i = 0; i < params.size(); ++i) {
@@ -137,9 +136,9 @@ TEST(EngineTest, TwentySgdStepsMatchSingleProcessTraining) {
   for (const auto& p : ref.parameters()) ref_params.push_back(p);
   torch::optim::SGD ref_opt(ref_params, torch::optim::SGDOptions(0.05).momentum(0.9));
 
-  torch::manual_seed(5);
-  for (int step = 0; step < 20; ++step) {
-    torch::Tensor idx = torch::randint(0, kExamples, {32}, torch::kInt64);
+  torch::manual_seed(seed);
+  for (int step = 0; step < steps; ++step) {
+    torch::Tensor idx = torch::randint(0, kExamples, {batch}, torch::kInt64);
     GradientOptions o;
     o.mean = true;
     t->gradient(idx, o);
@@ -156,6 +155,15 @@ TEST(EngineTest, TwentySgdStepsMatchSingleProcessTraining) {
   std::vector<torch::Tensor> init_params;
   for (const auto& p : init.parameters()) init_params.push_back(p.detach());
   EXPECT_GT(relativeError(params, init_params), 1e-3);
+}
+
+TEST(EngineTest, TwentySgdStepsMatchSingleProcessTraining) {
+  Fixture f = makeFixture("cnn", 21);
+  const std::string name = uniqueName("train");
+  EngineProcess engine(name, {"--model", f.model, "--workers", "3", "--loss", "cross_entropy",
+                              "--dataset", "npy:" + f.inputs_npy + "," + f.targets_npy});
+  auto t = Trainer::attach(name);
+  expectTrainingMatchesOneProcess(t.get(), f, 20, 32, 5);
 }
 
 TEST(EngineTest, BadInputIsAnErrorAndTheEngineKeepsServing) {
@@ -467,34 +475,7 @@ TEST_P(DeviceStepTest, TrainingMatchesOneProcessOnEveryDevice) {
       name, {"--model", f.model, "--workers", std::to_string(workers), "--loss", "cross_entropy",
              "--devices", devices, "--dataset", "npy:" + f.inputs_npy + "," + f.targets_npy});
   auto t = Trainer::attach(name);
-  std::vector<torch::Tensor> params = t->parameterViews();
-  std::vector<torch::Tensor> grads = t->gradientViews();
-  for (size_t i = 0; i < params.size(); ++i) {
-    params[i].set_requires_grad(true);
-    params[i].mutable_grad() = grads[i];
-  }
-  torch::optim::SGD opt(params, torch::optim::SGDOptions(0.05).momentum(0.9));
-  torch::jit::Module ref = torch::jit::load(f.model);
-  std::vector<torch::Tensor> ref_params;
-  for (const auto& p : ref.parameters()) ref_params.push_back(p);
-  torch::optim::SGD ref_opt(ref_params, torch::optim::SGDOptions(0.05).momentum(0.9));
-  torch::manual_seed(6);
-  for (int step = 0; step < 10; ++step) {
-    torch::Tensor idx = torch::randint(0, kExamples, {24}, torch::kInt64);
-    GradientOptions o;
-    o.mean = true;
-    t->gradient(idx, o);
-    opt.step();
-    ref_opt.zero_grad();
-    torch::Tensor out = ref.forward({f.x.index_select(0, idx)}).toTensor();
-    torch::nn::functional::cross_entropy(out, f.y.index_select(0, idx)).backward();
-    ref_opt.step();
-  }
-  EXPECT_LT(relativeError(params, ref_params), 1e-4);
-  torch::jit::Module init = torch::jit::load(f.model);
-  std::vector<torch::Tensor> init_params;
-  for (const auto& p : init.parameters()) init_params.push_back(p.detach());
-  EXPECT_GT(relativeError(params, init_params), 1e-3);
+  expectTrainingMatchesOneProcess(t.get(), f, 10, 24, 6);
 }
 
 INSTANTIATE_TEST_SUITE_P(Placements, DeviceStepTest,

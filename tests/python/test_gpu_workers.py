@@ -12,6 +12,8 @@
   process (NVIDIA_TF32_OVERRIDE=0), so results are float32 up to summation order.
 """
 
+import contextlib
+import datetime
 import os
 import time
 
@@ -68,6 +70,27 @@ def _needs(backend, devices):
 
 def _cpu(tensors):
     return [t.detach().cpu() for t in tensors]
+
+
+@contextlib.contextmanager
+def _one_rank_group(group_backend):
+    """torch.distributed initialised in this process as a group of one rank; yields the
+    module, destroys the group after."""
+    import torch.distributed as dist
+    from test_multinode import _free_port
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        group_backend,
+        init_method=f"tcp://127.0.0.1:{_free_port()}",
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        yield dist
+    finally:
+        dist.destroy_process_group()
 
 
 class BnCnn(torch.nn.Module):
@@ -280,21 +303,7 @@ def test_a_node_group_all_reduces_with_the_backend_of_its_engine(backend):
     has one GPU at most), in this process: the node group's layout check, broadcasts,
     all-reduce of gradient and record, buffers and checksum, with the backend's tensors
     on the engine's device; the gradient is the engine's own."""
-    import datetime
-
-    import torch.distributed as dist
-    from test_multinode import _free_port
-
-    group_backend = "nccl" if backend[0] == "cuda" else "gloo"
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        group_backend,
-        init_method=f"tcp://127.0.0.1:{_free_port()}",
-        rank=0,
-        world_size=1,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
+    with _one_rank_group("nccl" if backend[0] == "cuda" else "gloo") as dist:
         torch.manual_seed(12)
         model, twin = BnCnn(), BnCnn()
         twin.load_state_dict(model.state_dict())
@@ -320,26 +329,12 @@ def test_a_node_group_all_reduces_with_the_backend_of_its_engine(backend):
                 grads = g if grads is None else [a + b for a, b in zip(grads, g)]
             assert relative_error(_cpu(p.grad for p in model.parameters()), grads) < 1e-5
             assert isinstance(engine.check_consistency(), int)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_group_of_the_other_backend_is_refused_naming_the_right_one(monkeypatch):
-    import datetime
-
-    import torch.distributed as dist
     from shmgrad import multinode
-    from test_multinode import _free_port
 
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{_free_port()}",
-        rank=0,
-        world_size=1,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
+    with _one_rank_group("gloo") as dist:
         world = dist.group.WORLD
         with pytest.raises(errors.InvalidArgumentError, match="use an nccl group"):
             multinode._check_process_group(world, torch.device("cuda", 0))
@@ -348,9 +343,7 @@ def test_a_group_of_the_other_backend_is_refused_naming_the_right_one(monkeypatc
         with pytest.raises(errors.InvalidArgumentError, match="use a gloo group, or give"):
             multinode._check_process_group(world, torch.device("cpu"))
         assert multinode._check_process_group(world, torch.device("cuda", 0)) is world
-    finally:
         monkeypatch.undo()
-        dist.destroy_process_group()
 
 
 def test_a_trainer_attaches_again_while_views_of_the_devices_live(backend):

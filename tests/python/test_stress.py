@@ -9,32 +9,33 @@ import subprocess
 from conftest import fake_allocations
 
 
-def test_stress_short_run(tmp_path):
-    counts_path = tmp_path / "stress.json"
-    out = subprocess.run(
-        [
-            "shmgrad",
-            "stress",
-            "--name",
-            "stress-test",
-            "--steps",
-            "40",
-            "--kill-rate",
-            "0.3",
-            "--trainer-restart-rate",
-            "0.05",
-            "--resize-rate",
-            "0.2",
-            "--seed",
-            "7",
-            "--step-timeout",
-            "30",
-            "--json",
-            str(counts_path),
-        ],
+def _run_stress(counts_path, *args, env=None):
+    """`shmgrad stress --name stress-test ARGS --json COUNTS_PATH`, bounded."""
+    return subprocess.run(
+        ["shmgrad", "stress", "--name", "stress-test", *args, "--json", str(counts_path)],
         capture_output=True,
         text=True,
         timeout=600,
+        env=env,
+    )
+
+
+def test_stress_short_run(tmp_path):
+    counts_path = tmp_path / "stress.json"
+    out = _run_stress(
+        counts_path,
+        "--steps",
+        "40",
+        "--kill-rate",
+        "0.3",
+        "--trainer-restart-rate",
+        "0.05",
+        "--resize-rate",
+        "0.2",
+        "--seed",
+        "7",
+        "--step-timeout",
+        "30",
     )
     assert out.returncode == 0, out.stdout + out.stderr
     with open(counts_path) as f:
@@ -94,30 +95,20 @@ def test_stress_gpu_workers_on_the_fake_device(tmp_path, fake_cuda_library):
     counts_path = tmp_path / "stress.json"
     before = fake_allocations()
     env = dict(os.environ, SHMGRAD_CUDA_LIBRARY=fake_cuda_library, FAKE_CUDA_DEVICES="2")
-    out = subprocess.run(
-        [
-            "shmgrad",
-            "stress",
-            "--name",
-            "stress-test",
-            "--steps",
-            "25",
-            "--kill-rate",
-            "0.3",
-            "--resize-rate",
-            "0.2",
-            "--seed",
-            "3",
-            "--step-timeout",
-            "30",
-            "--devices",
-            "cuda:0,cuda:1",
-            "--json",
-            str(counts_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
+    out = _run_stress(
+        counts_path,
+        "--steps",
+        "25",
+        "--kill-rate",
+        "0.3",
+        "--resize-rate",
+        "0.2",
+        "--seed",
+        "3",
+        "--step-timeout",
+        "30",
+        "--devices",
+        "cuda:0,cuda:1",
         env=env,
     )
     assert out.returncode == 0, out.stdout + out.stderr
