@@ -128,13 +128,15 @@ class EagerParticipant {
                   "' runs TorchScript workers, not eager ones");
   }
 
-  // Over this worker's step memory: the segment's, or its device's (engines with devices).
-  std::vector<torch::Tensor> views(float* base, int ordinal) const {
+  // Over this worker's step memory: the segment's, or a device's (engines with devices).
+  std::vector<torch::Tensor> views(float* base, int tensor_device) const {
     auto keep = seg_;
     return worker::parameterShapedViews(
-        *seg_, base, [keep](void*) {}, memory().tensorDevice(ordinal));
+        *seg_, base, [keep](void*) {}, tensor_device);
   }
   const gpu::EngineMemory& memory() const { return participant_->memory(); }
+  // The CUDA device index this worker's tensors are on, -1 for CPU tensors.
+  int device() const { return memory().tensorDevice(memory().ordinal(slot_)); }
   std::vector<std::string> parameterNames() const {
     std::vector<std::string> out;
     const ipc::ParamEntry* table = seg_->paramTable();
@@ -200,23 +202,18 @@ void bindEagerWorker(py::module_& m) {
       .def_property_readonly("dataset_size",
                              [](const EagerParticipant& p) { return p.seg_->header()->data_count; })
       .def("parameter_names", &EagerParticipant::parameterNames)
-      .def_property_readonly(
-          "device",
-          [](const EagerParticipant& p) {
-            return p.memory().tensorDevice(p.memory().ordinal(p.slot_));
-          },
-          "the CUDA device index this worker computes on, or -1 for the CPU")
-      .def("parameter_views",
-           [](const EagerParticipant& p) {
-             return p.views(p.memory().params(p.slot_), p.memory().ordinal(p.slot_));
-           })
+      .def_property_readonly("device", &EagerParticipant::device,
+                             "the CUDA device index this worker computes on, or -1 for the CPU")
+      .def(
+          "parameter_views",
+          [](const EagerParticipant& p) { return p.views(p.memory().params(p.slot_), p.device()); })
       .def("slot_views",
-           [](const EagerParticipant& p) {
-             return p.views(p.memory().slot(p.slot_), p.memory().ordinal(p.slot_));
-           })
+           [](const EagerParticipant& p) { return p.views(p.memory().slot(p.slot_), p.device()); })
       .def("reduced_views",
            [](const EagerParticipant& p) {
-             return p.views(p.memory().reduced(), p.memory().trainerOrdinal());
+             // A worker uses them only when alone on the trainer's device (Shard::alone).
+             return p.views(p.memory().reduced(),
+                            p.memory().tensorDevice(p.memory().trainerOrdinal()));
            })
       .def("report_startup_failure",
            [](EagerParticipant& p, const std::string& text) {

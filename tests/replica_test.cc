@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "gpu/engine_memory.h"
 #include "ipc/error.h"
 #include "ipc/layout.h"
 #include "ipc/segment.h"
@@ -163,8 +164,9 @@ TEST_P(ReplicaTest, GradientsAreWrittenIntoTheSharedSlot) {
   const ipc::ParamEntry* table = seg->paramTable();
   const uint64_t pf = h->param_floats;
 
-  worker::Replica r0(*seg, 0);
-  worker::Replica r1(*seg, 1);
+  const gpu::EngineMemory memory(*seg);  // a CPU engine: the segment's own memory
+  worker::Replica r0(*seg, 0, memory);
+  worker::Replica r1(*seg, 1, memory);
   ASSERT_EQ(r0.parameters().size(), h->num_params);
   ASSERT_EQ(r1.parameters().size(), h->num_params);
   r0.zeroGrad();
@@ -302,16 +304,19 @@ TEST(ReplicaErrorsTest, SlotOutOfRangeAndMismatchedModel) {
     const std::string name = uniqueName("replica-slot");
     SegmentGuard guard(name);
     auto seg = ipc::Segment::create(specFor(name, mlp, model, 2));
-    EXPECT_TRUE(throwsKind(ErrorKind::kInvalidArgument, [&] { worker::Replica r(*seg, 2); }));
+    const gpu::EngineMemory memory(*seg);
+    EXPECT_TRUE(
+        throwsKind(ErrorKind::kInvalidArgument, [&] { worker::Replica r(*seg, 2, memory); }));
   }
   {
     // The segment describes the MLP but its model path names the CNN.
     const std::string name = uniqueName("replica-mismatch");
     SegmentGuard guard(name);
     auto seg = ipc::Segment::create(specFor(name, cnn, model, 1));
+    const gpu::EngineMemory memory(*seg);
     std::string message;
     EXPECT_TRUE(throwsKind(
-        ErrorKind::kInvalidArgument, [&] { worker::Replica r(*seg, 0); }, &message));
+        ErrorKind::kInvalidArgument, [&] { worker::Replica r(*seg, 0, memory); }, &message));
     EXPECT_NE(message.find("does not match"), std::string::npos) << message;
   }
 }

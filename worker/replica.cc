@@ -79,29 +79,23 @@ torch::Tensor lossSum(ipc::LossKind loss, const torch::Tensor& output,
   raise(ErrorKind::kInvalidArgument, "unknown loss kind");
 }
 
-Replica::Replica(const ipc::Segment& segment, uint32_t slot, const gpu::EngineMemory* memory)
+Replica::Replica(const ipc::Segment& segment, uint32_t slot, const gpu::EngineMemory& memory)
     : segment_(segment),
       slot_(slot),
-      memory_(memory != nullptr && memory->onDevice() ? memory : nullptr),
+      memory_(memory),
       loss_(static_cast<ipc::LossKind>(segment.header()->loss)) {
   const ipc::SegmentHeader* h = segment.header();
   SHMGRAD_CHECK(slot < h->num_slots, ErrorKind::kInvalidArgument, "worker slot ", slot,
                 " >= slots ", h->num_slots);
   module_ = loadModel(h->model_path);
   module_.train();
-  options_ = torch::TensorOptions().dtype(torch::kFloat32);
-  if (memory_ != nullptr) {
-    device_ = memory_->ordinal(slot);
-    const int tensor_device = memory_->tensorDevice(device_);
-    if (tensor_device >= 0) {
-      const torch::Device device(torch::kCUDA, static_cast<c10::DeviceIndex>(tensor_device));
-      module_.to(device);  // its own buffers; the parameters become views below
-      options_ = options_.device(device);
-    }
-  }
+  device_ = memory.ordinal(slot);
+  options_ = floatOptions(memory.tensorDevice(device_));
+  // On a device the module's own buffers move there; its parameters become views below.
+  if (options_.device().is_cuda()) module_.to(options_.device());
   const ipc::ParamEntry* table = segment.paramTable();
-  float* params = memory_ ? memory_->params(slot) : segment.params();
-  float* grads = memory_ ? memory_->slot(slot) : segment.slot(slot);
+  float* params = memory.params(slot);
+  float* grads = memory.slot(slot);
   torch::NoGradGuard no_grad;
   size_t i = 0;
   for (const auto& np : module_.named_parameters(/*recurse=*/true)) {
@@ -172,11 +166,7 @@ void Replica::bindGradients(float* base) {
 }
 
 void Replica::zeroGrad() {
-  if (memory_ != nullptr) {
-    memory_->zero(device_, memory_->slot(slot_), segment_.header()->param_floats);
-  } else {
-    std::memset(segment_.slot(slot_), 0, segment_.header()->param_floats * sizeof(float));
-  }
+  memory_.zero(device_, memory_.slot(slot_), segment_.header()->param_floats);
 }
 
 double Replica::accumulate(const torch::Tensor& inputs, const torch::Tensor& targets,

@@ -35,11 +35,11 @@ torch::Tensor lossSum(ipc::LossKind loss, const torch::Tensor& output, const tor
 
 class Replica {
  public:
-  // Loads the segment's model and binds its parameters to the shared buffer and its
-  // gradients to slot `slot`: the segment's, or for an engine with devices `memory`'s
-  // (the parameters of the slot's device, its slot there; the model moved to that
-  // device). Throws if the model does not match the segment.
-  Replica(const ipc::Segment& segment, uint32_t slot, const gpu::EngineMemory* memory = nullptr);
+  // Loads the segment's model and binds its parameters to the shared parameters and its
+  // gradients to slot `slot`, where `memory` keeps them: the segment, or for an engine
+  // with devices the slot's device (the model moved there). Throws if the model does not
+  // match the segment.
+  Replica(const ipc::Segment& segment, uint32_t slot, const gpu::EngineMemory& memory);
 
   // Zeroes the slot (the gradients stay defined, so autograd accumulates in place).
   void zeroGrad();
@@ -66,9 +66,9 @@ class Replica {
  private:
   const ipc::Segment& segment_;
   uint32_t slot_;
-  const gpu::EngineMemory* memory_;  // nullptr: the segment's memory
-  int device_ = -1;                  // the slot's CUDA ordinal, -1: the host
-  torch::TensorOptions options_;     // float32, on the device the memory is
+  const gpu::EngineMemory& memory_;
+  int device_ = -1;               // the slot's CUDA ordinal, -1: the host
+  torch::TensorOptions options_;  // float32, on the device the memory is
   torch::jit::Module module_;
   std::vector<torch::Tensor> params_;
   float* grads_base_ = nullptr;

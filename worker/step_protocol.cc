@@ -215,7 +215,6 @@ bool StepParticipant::prepareShard(uint32_t e, Shard* s) {
   // On devices, only where the reduced buffer is on this worker's device (the trainer's):
   // a parameter's .grad must be on its device.
   s->device = mem_->ordinal(slot_);
-  s->tensor_device = mem_->tensorDevice(s->device);
   s->alone =
       n == 1 && s->accumulate == ipc::Accumulate::kFresh && s->device == mem_->trainerOrdinal();
   s->grads = s->alone ? mem_->reduced() : mem_->slot(slot_);

@@ -52,10 +52,8 @@ struct Shard {
   float* grads = nullptr;
   bool alone = false;
   // The CUDA ordinal whose memory `grads` (and the parameters this worker computes with)
-  // lie in, -1 for a CPU engine; and the device index tensors over that memory take (-1:
-  // CPU tensors, also for a CUDA library whose "device" memory is host memory).
+  // lie in, -1 for a CPU engine.
   int device = -1;
-  int tensor_device = -1;
 
   ipc::BatchKind kind = ipc::BatchKind::kIndices;
   // kIndices: indices[0 .. end-begin) into the engine's dataset, each checked in range.

@@ -111,7 +111,7 @@ int runWorker(const WorkerOptions& o) {
     configureTorch(seg->header()->threads_per_worker);
     const gpu::EngineMemory& memory = participant->memory();
     if (memory.tensorDevice(memory.ordinal(o.slot)) >= 0) loadTorchCuda();
-    replica = std::make_unique<Replica>(*seg, o.slot, &memory);
+    replica = std::make_unique<Replica>(*seg, o.slot, memory);
     computer = std::make_unique<ScriptShardComputer>(*seg, *replica);
   } catch (const std::exception& e) {
     if (participant)

@@ -34,21 +34,26 @@ def parse_devices(devices=None, device=None, trainer_device=None) -> Optional[Li
             "trainer_device= names the trainer's GPU among the engine's: give devices= (or "
             "device='cuda') too"
         )
-    try:
-        d = torch.device(
-            f"cuda:{trainer_device}" if isinstance(trainer_device, int) else trainer_device
-        )
-    except (RuntimeError, TypeError) as exc:
-        raise errors.InvalidArgumentError(
-            f"trainer_device={trainer_device!r} is no device: name one of devices= ('cuda:1')"
-        ) from exc
-    ordinal = d.index if d.index is not None else 0
-    if d.type != "cuda" or ordinal not in ordinals:
+    kind, ordinal = _device_of(
+        trainer_device,
+        f"trainer_device={trainer_device!r} is no device: name one of devices= ('cuda:1')",
+    )
+    if kind != "cuda" or ordinal not in ordinals:
         raise errors.InvalidArgumentError(
             f"trainer_device={trainer_device!r} is not one of the engine's GPUs "
             f"({', '.join(f'cuda:{o}' for o in ordinals)}): name one of them"
         )
     return [ordinal] + [o for o in ordinals if o != ordinal]
+
+
+def _device_of(item, no_device: str):
+    """``(type, ordinal)`` of a device given as ``"cuda:N"``, a ``torch.device`` or an int
+    (a CUDA ordinal; no index means 0); InvalidArgumentError(no_device) for anything else."""
+    try:
+        d = torch.device(f"cuda:{item}" if isinstance(item, int) else item)
+    except (RuntimeError, TypeError) as exc:
+        raise errors.InvalidArgumentError(no_device) from exc
+    return d.type, d.index if d.index is not None else 0
 
 
 def _parse_ordinals(devices, device) -> Optional[List[int]]:
@@ -71,19 +76,16 @@ def _parse_ordinals(devices, device) -> Optional[List[int]]:
         devices = [devices]
     ordinals = []
     for item in devices:
-        try:
-            d = torch.device(f"cuda:{item}" if isinstance(item, int) else item)
-        except (RuntimeError, TypeError) as exc:
-            raise errors.InvalidArgumentError(
-                f"devices= holds {item!r}, which is no device: name GPUs as 'cuda:0', "
-                "'cuda:1', ... or by their index"
-            ) from exc
-        if d.type != "cuda":
+        kind, ordinal = _device_of(
+            item,
+            f"devices= holds {item!r}, which is no device: name GPUs as 'cuda:0', 'cuda:1', "
+            "... or by their index",
+        )
+        if kind != "cuda":
             raise errors.InvalidArgumentError(
                 f"devices= holds {item!r}: it lists GPUs ('cuda:0', ...); leave devices= out "
                 "for a CPU engine"
             )
-        ordinal = d.index if d.index is not None else 0
         if ordinal in ordinals:
             raise errors.InvalidArgumentError(
                 f"devices= lists cuda:{ordinal} twice: give each GPU once (workers share GPUs "
