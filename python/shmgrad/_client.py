@@ -525,16 +525,22 @@ class Client:
             def local_step():
                 return t.gradient(None, x, y, *args)
 
-        self._push_buffers()
+        if self._buffer_mirrors:
+            self._push_buffers()
+        # What follows the step runs with the caches cold (this process slept through it):
+        # every attribute read and context manager here costs microseconds, so the common
+        # case (one node, no buffers to mirror) reads as little as it can.
         if nodes is None:
-            stats = GradientStats(local_step())
+            native = local_step()
+            stats, count = GradientStats(native), native.count
         else:
             stats = GradientStats(*nodes.gradient(None if empty else local_step, mean))
-        self._pull_buffers()
+            count = stats.count
+        if self._buffer_mirrors:
+            self._pull_buffers()
         if onto_nodes:
             # accum = a * accum + b * (this micro-batch's global result): a = b = 1 for a
             # sum; for a mean, weights by the previous count P and this one's C.
-            count = stats.count
             acc, fresh = self._grad_sets[1], self._grad_sets[0]
             if mean:
                 total = prev_count + count
@@ -544,9 +550,9 @@ class Client:
                 torch._foreach_add_(acc, fresh)
             self._current, self._last_count = 1, prev_count + count
         elif mode == 0:
-            self._current, self._last_count = 0, stats.count
+            self._current, self._last_count = 0, count
         else:
-            self._current, self._last_count = 1 - self._current, prev_count + stats.count
+            self._current, self._last_count = 1 - self._current, prev_count + count
         self._last_mean = mean
         if self._bound:
             self._relink_grads()
