@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 EXPECTED_SYSTEMS = {"single-1t", "single", "shmgrad", "eager", "ddp", "dask"}
+PAIRED_SYSTEMS = {"shmgrad-paired", "eager-paired", "ddp-paired"}
 
 
 def _finite_positive(x):
@@ -18,7 +19,16 @@ def _finite_positive(x):
 def test_quick_tiny_bench(tmp_path):
     out = tmp_path / "bench"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "shmgrad_tools.bench", "--quick", "--tiny", "--out", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "shmgrad_tools.bench",
+            "--quick",
+            "--tiny",
+            "--paired",
+            "--out",
+            str(out),
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -48,7 +58,20 @@ def test_quick_tiny_bench(tmp_path):
         got = {
             r["system"] for r in records if r["workers"] == workers or r["system"] == "single-1t"
         }
-        assert EXPECTED_SYSTEMS <= got, (workers, got)
+        assert EXPECTED_SYSTEMS | PAIRED_SYSTEMS <= got, (workers, got)
+        # --paired: DDP and both engines took turns on every batch, one ratio per pair.
+        paired = {r["system"]: r for r in records if r["workers"] == workers}
+        ddp = paired["ddp-paired"]
+        for system in ("shmgrad-paired", "eager-paired"):
+            r = paired[system]
+            assert r["n"] == ddp["n"] == len(r["paired_ratios"]) >= 2, r
+            ratios = [d / s for d, s in zip(ddp["times_s"], r["times_s"])]
+            assert r["paired_ratios"] == ratios
+            assert _finite_positive(r["paired_ratio_median"])
+            assert any(
+                t["config"] == f"tiny b128 N={workers}" and t["target"].startswith(system[:-7])
+                for t in result["targets"]
+            ), result["targets"]
     for r in records:
         assert r["model"] == "tiny" and r["batch"] == 128
         assert r["times_s"] and all(_finite_positive(t) for t in r["times_s"]), r
@@ -57,7 +80,7 @@ def test_quick_tiny_bench(tmp_path):
         assert r["min_s"] <= r["median_s"] <= r["max_s"]
         if r["system"] != "single-1t":
             assert _finite_positive(r["ratio_to_shmgrad"]), r
-        if r["system"] in ("shmgrad", "eager"):
+        if r["system"] in ("shmgrad", "eager", "shmgrad-paired", "eager-paired"):
             assert math.isfinite(r["overhead_median"]) and r["overhead_median"] < 1.0
             assert _finite_positive(r["compute_max_median_s"])
         if r["system"] == "ddp":
@@ -110,8 +133,8 @@ def test_help_documents_every_option():
 
 
 def test_node_options_without_nodes_are_refused(tmp_path):
-    """--paired, --pin and --bucket-cap-mb mean nothing on one node: refused, naming the
-    fix, before anything runs (no output directory)."""
+    """--pin and --bucket-cap-mb mean nothing on one node: refused, naming the fix,
+    before anything runs (no output directory)."""
     out = tmp_path / "never"
     p = subprocess.run(
         [
@@ -119,8 +142,9 @@ def test_node_options_without_nodes_are_refused(tmp_path):
             "-m",
             "shmgrad_tools.bench",
             "--tiny",
-            "--paired",
             "--pin",
+            "--bucket-cap-mb",
+            "4",
             "--out",
             str(out),
         ],
@@ -129,7 +153,7 @@ def test_node_options_without_nodes_are_refused(tmp_path):
         timeout=60,
     )
     assert p.returncode != 0
-    assert "--paired, --pin" in p.stderr and "add --nodes K" in p.stderr, p.stderr
+    assert "--pin, --bucket-cap-mb" in p.stderr and "add --nodes K" in p.stderr, p.stderr
     assert not out.exists()
 
 

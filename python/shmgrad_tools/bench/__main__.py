@@ -231,11 +231,14 @@ def build_parser():
     ap.add_argument(
         "--paired",
         action="store_true",
-        help="with --nodes: also run shmgrad's nodes and DDP's ranks in the same "
-        "processes, every batch through both in turn (the order reversed "
-        "each batch), so that both see the same moments of a noisy "
-        "machine; reported as shmgrad-nodes-paired and ddp-paired, with "
-        "the median of the per-step ratios",
+        help="also run DDP and shmgrad in the same processes, every batch through "
+        "each in turn (the order reversed each batch), so that both see the same "
+        "moments of a noisy machine; reported with the median of the per-step "
+        "ratios DDP / shmgrad. On one machine: DDP's rank 0 is also the trainer "
+        "of an engine of N workers (TorchScript, and eager workers if 'eager' is "
+        "measured): ddp-paired, shmgrad-paired, eager-paired. With --nodes: "
+        "each rank is both a shmgrad node and a DDP rank: shmgrad-nodes-paired "
+        "and ddp-paired",
     )
     ap.add_argument(
         "--pin",
@@ -288,7 +291,6 @@ def resolve(args):
     node_only = [
         opt
         for opt, on in (
-            ("--paired", args.paired),
             ("--pin", args.pin),
             ("--bucket-cap-mb", args.bucket_cap_mb is not None),
         )
@@ -452,6 +454,8 @@ def measure(args):
                     ),
                     ref,
                 )
+            if args.paired:
+                measure_paired(args, records, base, model_name, batch, n, ref, budget)
             if "dask" in systems:
                 record(
                     base,
@@ -464,18 +468,19 @@ def measure(args):
                 )
     models.set_threads(1)
 
-    # Ratios to shmgrad (and DDP's to eager), same model, batch and N.
-    shm, eager = (
+    # Ratios to shmgrad (and DDP's to eager), same model, batch and N; a paired record's
+    # to the paired shmgrad's (the steps it took turns with).
+    shm, eager, shm_paired = (
         {
             (r["model"], r["batch"], r["workers"]): r
             for r in records
             if r["system"] == system and "median_s" in r
         }
-        for system in ("shmgrad", "eager")
+        for system in ("shmgrad", "eager", "shmgrad-paired")
     )
     for r in records:
         key = (r["model"], r["batch"], r["workers"])
-        s = shm.get(key)
+        s = (shm_paired if r["system"].endswith("-paired") else shm).get(key)
         if r["system"] in ("ddp", "compiled", "bf16") and key in eager and "median_s" in r:
             r["ratio_to_eager"] = r["median_s"] / eager[key]["median_s"]
         if s is not None and "median_s" in r:
@@ -488,6 +493,46 @@ def measure(args):
                 if (r["model"], r["batch"], n) in shm and "median_s" in r
             }
     return records
+
+
+def measure_paired(args, records, base, model_name, batch, n, ref, budget):
+    """--paired on one machine: DDP and the engine systems of the run (shmgrad, eager)
+    in the same processes, every batch through each in turn (runners.run_local_paired);
+    recorded as ddp-paired, shmgrad-paired and eager-paired."""
+    systems = [s for s in ("shmgrad", "eager") if s in args.systems]
+    if not systems:
+        return
+    est = sum(
+        r["median_s"]
+        for r in records
+        if (r["model"], r["batch"], r["workers"]) == (model_name, batch, n)
+        and r["system"] in systems + ["ddp"]
+        and "median_s" in r
+    )
+    reps = runners.ddp_repeats(budget, est or None)
+    pair = {}
+
+    def run(system):
+        if not pair:
+            pair.update(
+                runners.run_local_paired(
+                    model_name,
+                    batch,
+                    args.warmup,
+                    reps,
+                    n,
+                    args.seed,
+                    now() + args.timeout,
+                    f"bench-{os.getpid()}-p{len(records)}",
+                    systems,
+                )
+            )
+        return pair[system]
+
+    for system in ["ddp"] + systems:
+        run_config(records, base, f"{system}-paired", n, lambda s=system: run(f"{s}-paired"), ref)
+        if "error" in records[-1]:
+            return
 
 
 def measure_nodes(args):

@@ -12,6 +12,9 @@ LABELS = {
     "bf16": "shmgrad eager, bfloat16 autocast, N workers",
     "ddp": "DDP gloo, N processes",
     "dask": "Dask deep-copy, N threads",
+    "shmgrad-paired": "shmgrad, N workers, in turn with DDP",
+    "eager-paired": "shmgrad eager, N workers, in turn with DDP",
+    "ddp-paired": "DDP gloo, N processes, in turn with shmgrad",
 }
 
 
@@ -95,6 +98,17 @@ def evaluate_targets(records, reductions):
                 }
             )
     for r in records:
+        if r["system"] in ("shmgrad-paired", "eager-paired") and "paired_ratio_median" in r:
+            out.append(
+                {
+                    "target": f"{r['system'][:-7]} faster than ddp, paired (median of the "
+                    "per-step ratios)",
+                    "config": f"{r['model']} b{r['batch']} N={r['workers']}",
+                    "value": f"ddp/{r['system'][:-7]} = {r['paired_ratio_median']:.3f}x",
+                    "met": r["paired_ratio_median"] > 1.0,
+                }
+            )
+    for r in records:
         if r["system"] in ("ddp", "dask") and "ratio_to_shmgrad" in r:
             out.append(
                 {
@@ -153,6 +167,9 @@ def table(records, reductions, targets):
         "bf16": 5,
         "ddp": 6,
         "dask": 7,
+        "shmgrad-paired": 8,
+        "eager-paired": 9,
+        "ddp-paired": 10,
     }
     rows = sorted(
         records, key=lambda r: (r["model"], r["batch"], r["workers"], order.get(r["system"], 9))
@@ -183,6 +200,12 @@ def table(records, reductions, targets):
                 f"reduce phase {fmt_ms(r['reduce_median_s'])} ms "
                 f"({r['reduce_phase_gbps']:.1f} GB/s)"
             )
+        if r["system"] in ("shmgrad-paired", "eager-paired"):
+            notes.append(f"overhead {r['overhead_median'] * 100:.1f}%")
+            notes.append(f"slowest worker f+b {fmt_ms(r['compute_max_median_s'])} ms")
+            notes.append(f"per-step DDP / this: median {r['paired_ratio_median']:.3f}x")
+        if r["system"] == "ddp-paired":
+            notes.append("in turn with shmgrad-paired (and eager-paired), step by step")
         if r["system"] in ("single", "single-1t"):
             notes.append(f"{r['threads']} thread{'s' if r['threads'] > 1 else ''}")
         if "ratio_to_eager" in r:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from shmgrad import Engine, program
 from . import ddp, models
 from . import nodes as nodes_rank
+from . import paired as paired_rank
 from .timing import now, timed_steps
 
 
@@ -363,6 +364,49 @@ def run_paired(
     for rec in (node_rec, ddp_rec):
         rec.update({"total_s": total, "paired_ratios": ratios})
     return {"shmgrad-nodes": (node_rec, node[0]["grad"]), "ddp": (ddp_rec, ranks[0]["grad"])}
+
+
+def run_local_paired(
+    model_name, batch, warmup, repeats, workers, seed, deadline, engine_prefix, systems
+):
+    """``--paired`` on one machine: DDP with ``workers`` ranks and, in its rank 0, an
+    engine of ``workers`` workers for each of ``systems`` ("shmgrad", "eager"), every
+    batch through each in turn (bench/paired.py). Returns ``{system + "-paired": (record,
+    grad)}`` for "ddp" and each of ``systems``; each engine's record carries the per-step
+    ratios DDP / engine (``paired_ratios``) of steps a moment apart, and their median."""
+    results, total = _run_ranks(
+        paired_rank.rank_main,
+        workers,
+        (workers, _free_port(), model_name, batch, warmup, repeats, seed, engine_prefix, systems),
+        deadline,
+        "paired DDP rank and shmgrad trainer",
+    )
+    ddp_times = _step_times({r: res["ddp"] for r, res in results.items()})
+    out = {
+        "ddp-paired": (
+            {"times_s": ddp_times, "threads": 1, "total_s": total},
+            results[0]["ddp"]["grad"],
+        )
+    }
+    for system in systems:
+        res = results[0][system]  # the engine's trainer is rank 0
+        times = [e - s for s, e in zip(res["start"], res["end"])]
+        ratios = [d / s for d, s in zip(ddp_times, times)]
+        out[f"{system}-paired"] = (
+            {
+                "times_s": times,
+                "threads": 1,
+                "total_s": total,
+                "compute_max_median_s": statistics.median(res["compute"]),
+                "overhead_median": statistics.median(
+                    (t - c) / t for t, c in zip(times, res["compute"])
+                ),
+                "paired_ratios": ratios,
+                "paired_ratio_median": statistics.median(ratios),
+            },
+            res["grad"],
+        )
+    return out
 
 
 def ddp_repeats(budget, est_step):
