@@ -424,6 +424,7 @@ class Coordinator {
     for (;;) {
       if (g_signal != 0 || c().stop_requested.load(std::memory_order_acquire) != 0) return;
       reap();
+      replaceAbandoned();
       const bool growing = resize();
       uint32_t v = c().coordinator_wake.load(std::memory_order_acquire);
       if (g_signal != 0 || c().stop_requested.load() != 0) return;
@@ -456,6 +457,44 @@ class Coordinator {
       c().worker_restarts.fetch_add(1);
       spawn(static_cast<uint32_t>(slot));
     }
+  }
+
+  // A step the trainer gave up on at its timeout (abandon_epoch) leaves its participants
+  // computing it, or hung in it for good: a dataset read, a collective or a CUDA kernel
+  // that never returns. Each worker still busy with such a step kAbandonGraceNs after this
+  // loop first saw it so (ipc::kAbandonGraceNs) is killed, and reap() replaces it, so that the
+  // engine serves the next call instead of waiting for it forever. A step aborted because a worker
+  // died is not abandoned: the trainer waits for its other participants (within its timeout) and
+  // re-runs it.
+  void replaceAbandoned() {
+    const uint32_t abandoned = c().abandon_epoch.load(std::memory_order_acquire);
+    const uint64_t now = ipc::monotonicNs();
+    for (uint32_t i = 0; i < h()->num_slots; ++i) {
+      const ipc::WorkerRecord& w = h()->workers[i];
+      const uint32_t busy = w.busy_epoch.load(std::memory_order_acquire);
+      const int pid = w.pid.load();
+      if (abandoned == 0 || pid <= 0 || busy == 0 || busy > abandoned) {
+        abandoned_since_[i] = 0;
+        continue;
+      }
+      if (abandoned_since_[i] == 0) {
+        abandoned_since_[i] = now;
+      } else if (now - abandoned_since_[i] > ipc::kAbandonGraceNs && isChild(pid)) {
+        std::fprintf(stderr,
+                     "shmgrad: worker %u (pid %d) is still busy with step %u, which the trainer "
+                     "abandoned at its timeout, %.0f s later; killing it (a replacement starts)\n",
+                     i, pid, busy, ipc::kAbandonGraceNs / 1e9);
+        killWorker(pid);
+        abandoned_since_[i] = now;  // once per grace period at most
+      }
+    }
+  }
+
+  // Whether pid is a child of this process not yet reaped: a pid read from the segment is
+  // checked before a signal goes to it.
+  static bool isChild(pid_t pid) {
+    siginfo_t info{};
+    return waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOHANG | WNOWAIT) == 0;
   }
 
   // Grows or shrinks the set of running workers to target_workers. Returns true while a
@@ -588,7 +627,8 @@ class Coordinator {
   std::shared_ptr<gpu::CudaLibrary> cuda_;             // loaded for --devices only
   std::vector<std::pair<int, uint64_t>> device_ptrs_;  // (ordinal, allocation) to free
   uint32_t active_ = 0;
-  uint64_t retired_ns_[ipc::kMaxWorkers] = {};  // when each slot was last retired
+  uint64_t retired_ns_[ipc::kMaxWorkers] = {};       // when each slot was last retired
+  uint64_t abandoned_since_[ipc::kMaxWorkers] = {};  // busy with an abandoned step since
 };
 
 }  // namespace

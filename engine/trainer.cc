@@ -436,8 +436,11 @@ void Trainer::waitIdle(uint64_t deadline_ns) {
     }
     if (!busy) break;
     SHMGRAD_CHECK(ipc::monotonicNs() < deadline_ns, ErrorKind::kTimeout, "engine '", name_,
-                  "': workers still busy with an abandoned step after the call's timeout; "
-                  "try again with a larger timeout, or restart the engine");
+                  "': workers still busy with an abandoned step after the call's timeout (the "
+                  "engine replaces a worker still busy with a step ",
+                  ipc::kAbandonGraceNs / 1000000000,
+                  " s after that step's timeout); try again, "
+                  "with a larger timeout if the workers are slow");
     std::this_thread::sleep_for(kIdlePoll);
   }
   dirty_ = false;
@@ -671,6 +674,12 @@ GradientStats Trainer::run(int64_t B, const GradientOptions& o, uint32_t kind, u
     // The step did not finish: end it for every waiter, the one abort path.
     dirty_ = true;
     ipc::abortStep(c, e);
+    if (outcome == Outcome::kTimedOut) {
+      // Given up on: the coordinator replaces a participant still busy with it after a
+      // grace period (hung), so that the next call does not wait for it forever.
+      c.abandon_epoch.store(e, std::memory_order_release);
+      ipc::bumpAndWake(&c.coordinator_wake);
+    }
     SHMGRAD_CHECK(outcome != Outcome::kEngineGone, ErrorKind::kNotFound, "engine '", name_,
                   "' stopped during the step");
     SHMGRAD_CHECK(outcome != Outcome::kTimedOut, ErrorKind::kTimeout, "engine '", name_,

@@ -32,7 +32,7 @@
 namespace shmgrad::ipc {
 
 constexpr uint64_t kMagic = 0x31444152474d4853ull;  // "SHMGRAD1", little endian
-constexpr uint32_t kLayoutVersion = 7;
+constexpr uint32_t kLayoutVersion = 8;
 constexpr uint64_t kAlign = 64;  // every region and tensor starts on a cache line
 constexpr uint32_t kAlignFloats = kAlign / sizeof(float);
 constexpr uint32_t kMaxWorkers = 64;            // gradient slots in one segment, at most
@@ -55,6 +55,9 @@ constexpr int64_t kMaxDimSize = int64_t{1} << 40;        // one dimension of a s
 constexpr uint64_t kMaxNumel = uint64_t{1} << 40;        // elements of one tensor or example
 constexpr uint64_t kMaxParamFloats = uint64_t{1} << 40;  // floats in the parameter buffer
 constexpr uint64_t kMaxSpinNs = 10000000;                // a request's spin_ns, at most (10 ms)
+// A worker still busy with a step the trainer abandoned at its timeout (abandon_epoch), this
+// long after the coordinator first saw it so, is taken for hung and replaced.
+constexpr uint64_t kAbandonGraceNs = 2000000000;
 
 // Enumerations stored in the segment, each with its names right below it. A value read
 // from shared memory is checked with the *Valid() helper before it is used as an index.
@@ -287,6 +290,9 @@ struct alignas(64) ControlBlock {
   std::atomic<uint32_t> done_epoch;                   // last reducer: step finished
   uint64_t done_ns;                   // CLOCK_MONOTONIC of the last done_epoch store
   std::atomic<uint32_t> abort_epoch;  // coordinator: step lost a worker
+  // trainer: the last step it gave up on at its timeout; a worker still busy with it (or
+  // an older step) after the coordinator's grace period is killed and replaced.
+  std::atomic<uint32_t> abandon_epoch;
   alignas(64) std::atomic<uint32_t> coordinator_wake;  // bumped on stop/resize requests
   std::atomic<uint32_t> stop_requested;
   std::atomic<uint32_t> engine_state;            // EngineState

@@ -4,6 +4,8 @@
 // object's name, so a handle opens in another process as a real one does. Frees unlink
 // the object: a test sees in /dev/shm whether every allocation was freed.
 // FAKE_CUDA_DEVICES (default 2) devices are visible; 0 acts as "no device".
+// FAKE_CUDA_HANG_FILE names a file: a shmgrad_cuda_synchronize that finds it there does
+// not return for ten minutes, whatever happens to the file (a kernel that hangs).
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -180,7 +182,11 @@ FAKE_API int shmgrad_cuda_zero(int device, uint64_t ptr, uint64_t bytes) {
   std::memset(reinterpret_cast<void*>(ptr), 0, bytes);
   return kSuccess;
 }
-FAKE_API int shmgrad_cuda_synchronize(int device) { return use(device); }
+FAKE_API int shmgrad_cuda_synchronize(int device) {
+  const char* hang = std::getenv("FAKE_CUDA_HANG_FILE");
+  if (hang != nullptr && access(hang, F_OK) == 0) sleep(600);
+  return use(device);
+}
 FAKE_API int shmgrad_cuda_copy_peer(int dst_device, uint64_t dst, int src_device, uint64_t src,
                                     uint64_t bytes) {
   if (dst == 0 || src == 0) return kInvalidValue;

@@ -313,15 +313,30 @@ class HangingDataset(NoisyDataset):
         return super().__getitem__(i)
 
 
-def test_hung_worker_ends_in_timeout():
-    with shmgrad.Engine(
-        model=Unscriptable(), loss=smooth_loss, dataset=HangingDataset(), workers=1
-    ) as engine:
-        engine.gradient_tensors()
+def test_hung_worker_ends_in_timeout_and_is_replaced():
+    """A worker hung in its step (here a dataset read that never returns) ends the call in
+    EngineTimeoutError at its timeout; the coordinator then replaces the worker still busy
+    with the abandoned step, and the next call gets the exact gradient from the
+    replacement (the engine's only worker: nothing else could have computed it)."""
+    torch.manual_seed(3)
+    model, ds = Unscriptable(), HangingDataset()
+    ref = copy_of(model)
+    with shmgrad.Engine(model=model, loss=smooth_loss, dataset=ds, workers=1) as engine:
+        engine.bind(model)
+        hung_pid = engine.status().worker(0).pid
         t0 = time.monotonic()
-        with pytest.raises(shmgrad.EngineTimeoutError):
-            engine.gradient([4, 5, 6], timeout=2)
-        assert time.monotonic() - t0 < 30
+        with pytest.raises(shmgrad.EngineTimeoutError, match="did not finish within 2 s"):
+            engine.gradient([4, 5, 6], timeout=2, seed=1)
+        assert time.monotonic() - t0 < 10
+        st = engine.status()
+        assert st.steps_aborted == 1 and st.worker(0).pid == hung_pid, st.text
+        engine.gradient([1, 2, 3], timeout=60, seed=2)
+        st = engine.status()
+        assert st.worker(0).restarts == 1 and st.worker(0).pid != hung_pid, st.text
+        with pytest.raises(ProcessLookupError):
+            os.kill(hung_pid, 0)  # killed and reaped by the coordinator
+        want, _ = reference(ref, smooth_loss, ds, [1, 2, 3], 2)
+        assert relative_error([p.grad for p in model.parameters()], want) < 1e-5
 
 
 class DropoutNet(nn.Module):

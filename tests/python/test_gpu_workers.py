@@ -370,3 +370,52 @@ def test_a_trainer_attaches_again_while_views_of_the_devices_live(backend):
         del kept
     finally:
         server.stop()
+
+
+class HangingNet(torch.nn.Module):
+    """A linear model whose forward, while the file ``hang_file`` exists, launches a CUDA
+    kernel that spins for about ten minutes at H200 clocks (torch.cuda._sleep): a hung
+    kernel. On the fake device (CPU tensors) the fake library's device wait hangs instead
+    (FAKE_CUDA_HANG_FILE)."""
+
+    def __init__(self, hang_file):
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 3)
+        self.hang_file = hang_file
+
+    def forward(self, x):
+        if x.is_cuda and os.path.exists(self.hang_file):
+            torch.cuda._sleep(1 << 40)
+        return self.fc(x)
+
+
+def test_a_hung_kernel_ends_in_timeout_and_its_worker_is_replaced(backend, tmp_path, monkeypatch):
+    """A worker whose device work never finishes: the call ends in EngineTimeoutError at
+    its timeout, the coordinator kills the worker still busy with the abandoned step (its
+    CUDA context, and the kernel, go with it), and the next call gets the exact gradient
+    from the replacement, the engine's only worker."""
+    hang = tmp_path / "hang"
+    monkeypatch.setenv("FAKE_CUDA_HANG_FILE", str(hang))  # for the engine's processes
+    torch.manual_seed(2)
+    model, twin = HangingNet(str(hang)), HangingNet(str(hang))
+    twin.load_state_dict(model.state_dict())
+    x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
+    with shmgrad.Engine(
+        model=model, workers=1, loss="cross_entropy", devices=["cuda:0"], mode="eager"
+    ) as engine:
+        monkeypatch.delenv("FAKE_CUDA_HANG_FILE")  # this trainer's own device waits do not hang
+        engine.bind(model)
+        engine.gradient(inputs=x, targets=y, timeout=STEP_TIMEOUT_S)
+        pid = engine.status().worker(0).pid
+        hang.touch()
+        t0 = time.monotonic()
+        with pytest.raises(shmgrad.EngineTimeoutError, match="did not finish within 3 s"):
+            engine.gradient(inputs=x, targets=y, timeout=3)
+        assert time.monotonic() - t0 < 15
+        assert engine.status().worker(0).pid == pid  # hung, not dead: the timeout ended the call
+        hang.unlink()
+        engine.gradient(inputs=x, targets=y, timeout=STEP_TIMEOUT_S)
+        st = engine.status()
+        assert st.worker(0).restarts == 1 and st.worker(0).pid != pid, st.text
+        ref = reference_gradient(twin, "cross_entropy", x, y)
+        assert relative_error(_cpu(p.grad for p in model.parameters()), ref) < 1e-5
