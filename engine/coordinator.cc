@@ -460,20 +460,19 @@ class Coordinator {
   }
 
   // A step the trainer gave up on at its timeout (abandon_epoch) leaves its participants
-  // computing it, or hung in it for good: a dataset read, a collective or a CUDA kernel
-  // that never returns. Each worker still busy with such a step kAbandonGraceNs after this
-  // loop first saw it so (ipc::kAbandonGraceNs) is killed, and reap() replaces it, so that the
-  // engine serves the next call instead of waiting for it forever. A step aborted because a worker
-  // died is not abandoned: the trainer waits for its other participants (within its timeout) and
-  // re-runs it.
+  // computing it, or hung in it for good (a dataset read, a collective or a CUDA kernel
+  // that never returns), or never started by one that is stopped. Each worker held up by
+  // such a step (ipc::heldByAbandoned) ipc::kAbandonGraceNs after this loop first saw it
+  // so is killed, and reap() replaces it, so that the engine serves the next call instead
+  // of waiting for it forever. A step aborted because a worker died is not abandoned: the
+  // trainer waits for its other participants (within its timeout) and re-runs it.
   void replaceAbandoned() {
     const uint32_t abandoned = c().abandon_epoch.load(std::memory_order_acquire);
     const uint64_t now = ipc::monotonicNs();
     for (uint32_t i = 0; i < h()->num_slots; ++i) {
       const ipc::WorkerRecord& w = h()->workers[i];
-      const uint32_t busy = w.busy_epoch.load(std::memory_order_acquire);
       const int pid = w.pid.load();
-      if (abandoned == 0 || pid <= 0 || busy == 0 || busy > abandoned) {
+      if (pid <= 0 || !ipc::heldByAbandoned(w, abandoned)) {
         abandoned_since_[i] = 0;
         continue;
       }
@@ -481,9 +480,9 @@ class Coordinator {
         abandoned_since_[i] = now;
       } else if (now - abandoned_since_[i] > ipc::kAbandonGraceNs && isChild(pid)) {
         std::fprintf(stderr,
-                     "shmgrad: worker %u (pid %d) is still busy with step %u, which the trainer "
+                     "shmgrad: worker %u (pid %d) is still held up by step %u, which the trainer "
                      "abandoned at its timeout, %.0f s later; killing it (a replacement starts)\n",
-                     i, pid, busy, ipc::kAbandonGraceNs / 1e9);
+                     i, pid, abandoned, ipc::kAbandonGraceNs / 1e9);
         killWorker(pid);
         abandoned_since_[i] = now;  // once per grace period at most
       }

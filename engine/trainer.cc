@@ -429,15 +429,20 @@ void Trainer::waitIdle(uint64_t deadline_ns) {
   if (!dirty_) return;
   const ipc::SegmentHeader* h = seg_->header();
   for (;;) {
+    // Busy with a step, or held up by one this trainer abandoned (the coordinator replaces
+    // such a worker after a grace period): picked again, it would hold up the next one.
+    const uint32_t abandoned = h->control.abandon_epoch.load(std::memory_order_acquire);
     bool busy = false;
     for (uint32_t i = 0; i < h->num_slots && !busy; ++i) {
       const auto& w = h->workers[i];
-      busy = w.busy_epoch.load(std::memory_order_acquire) != 0 && ipc::processAlive(w.pid.load());
+      busy = (w.busy_epoch.load(std::memory_order_acquire) != 0 ||
+              ipc::heldByAbandoned(w, abandoned)) &&
+             ipc::processAlive(w.pid.load());
     }
     if (!busy) break;
     SHMGRAD_CHECK(ipc::monotonicNs() < deadline_ns, ErrorKind::kTimeout, "engine '", name_,
                   "': workers still busy with an abandoned step after the call's timeout (the "
-                  "engine replaces a worker still busy with a step ",
+                  "engine replaces a worker still held up by a step ",
                   ipc::kAbandonGraceNs / 1000000000,
                   " s after that step's timeout); try again, "
                   "with a larger timeout if the workers are slow");

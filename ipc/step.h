@@ -25,6 +25,20 @@ inline bool abortStep(ControlBlock& c, uint32_t e) {
   return previous != e;
 }
 
+// Whether worker `w` is held up by step `abandoned`, which the trainer gave up on at its
+// timeout (ControlBlock::abandon_epoch; 0: none): still busy with it or an older step
+// (hung in it), or one of its participants that never finished it, not having run it
+// (stopped, or stuck outside its step loop). A healthy participant that was merely slow
+// to wake runs the step even after its abort and records it (result_epoch), and a worker
+// busy with a later step is not held up.
+inline bool heldByAbandoned(const WorkerRecord& w, uint32_t abandoned) {
+  if (abandoned == 0) return false;
+  const uint32_t busy = w.busy_epoch.load(std::memory_order_acquire);
+  if (busy != 0) return busy <= abandoned;
+  return w.assigned_epoch.load(std::memory_order_acquire) == abandoned &&
+         __atomic_load_n(&w.result_epoch, __ATOMIC_ACQUIRE) != abandoned;
+}
+
 // True if step `e` ended, either way.
 inline bool stepEnded(const ControlBlock& c, uint32_t e) {
   return c.done_epoch.load(std::memory_order_acquire) == e ||

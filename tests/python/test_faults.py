@@ -1,5 +1,6 @@
 """Faults: killed workers, killed trainers, a killed coordinator, strangers, non-finite values."""
 
+import contextlib
 import os
 import shutil
 import signal
@@ -101,6 +102,39 @@ def test_killed_idle_worker_is_replaced_and_gradient_stays_exact():
         assert st.worker_restarts == 1 and st.worker(1).restarts == 1
         assert st.steps_aborted == 0  # idle: no step to abort
         engine.gradient(inputs=x, targets=y)
+        assert (
+            relative_error(
+                [p.grad for p in model.parameters()],
+                reference_gradient(model, "cross_entropy", x, y),
+            )
+            < 1e-5
+        )
+
+
+def test_stopped_worker_ends_the_step_in_timeout_and_is_replaced():
+    """A worker that cannot run (SIGSTOP: as stuck outside its step loop) never starts the
+    step it is picked for: the call ends in EngineTimeoutError at its timeout, the
+    coordinator replaces that worker (not the healthy one, which ran its shard), and the
+    next call gets the exact gradient."""
+    torch.manual_seed(4)
+    model = Mlp(d_in=10, d_out=3)
+    x, y = torch.randn(40, 10), torch.randint(0, 3, (40,))
+    with shmgrad.Engine(model=model, workers=2, loss="cross_entropy") as engine:
+        engine.bind(model)
+        before = worker_pids(engine)
+        os.kill(before[1], signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(shmgrad.EngineTimeoutError, match="did not finish within 2 s"):
+                engine.gradient(inputs=x, targets=y, timeout=2)
+            assert time.monotonic() - t0 < 10
+            engine.gradient(inputs=x, targets=y, timeout=STEP_TIMEOUT_S)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(before[1], signal.SIGKILL)
+        st = engine.status()
+        assert st.worker(1).restarts == 1 and st.worker(0).restarts == 0, st.text
+        assert st.worker(0).pid == before[0] and st.worker(1).pid != before[1], st.text
         assert (
             relative_error(
                 [p.grad for p in model.parameters()],
