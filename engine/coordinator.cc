@@ -627,7 +627,7 @@ class Coordinator {
   std::vector<std::pair<int, uint64_t>> device_ptrs_;  // (ordinal, allocation) to free
   uint32_t active_ = 0;
   uint64_t retired_ns_[ipc::kMaxWorkers] = {};       // when each slot was last retired
-  uint64_t abandoned_since_[ipc::kMaxWorkers] = {};  // busy with an abandoned step since
+  uint64_t abandoned_since_[ipc::kMaxWorkers] = {};  // held up by an abandoned step since
 };
 
 }  // namespace

@@ -680,8 +680,8 @@ GradientStats Trainer::run(int64_t B, const GradientOptions& o, uint32_t kind, u
     dirty_ = true;
     ipc::abortStep(c, e);
     if (outcome == Outcome::kTimedOut) {
-      // Given up on: the coordinator replaces a participant still busy with it after a
-      // grace period (hung), so that the next call does not wait for it forever.
+      // Given up on: the coordinator replaces a participant still held up by it after a
+      // grace period (hung or stopped), so that the next call does not wait for it forever.
       c.abandon_epoch.store(e, std::memory_order_release);
       ipc::bumpAndWake(&c.coordinator_wake);
     }

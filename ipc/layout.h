@@ -55,8 +55,8 @@ constexpr int64_t kMaxDimSize = int64_t{1} << 40;        // one dimension of a s
 constexpr uint64_t kMaxNumel = uint64_t{1} << 40;        // elements of one tensor or example
 constexpr uint64_t kMaxParamFloats = uint64_t{1} << 40;  // floats in the parameter buffer
 constexpr uint64_t kMaxSpinNs = 10000000;                // a request's spin_ns, at most (10 ms)
-// A worker still busy with a step the trainer abandoned at its timeout (abandon_epoch), this
-// long after the coordinator first saw it so, is taken for hung and replaced.
+// A worker held up by a step the trainer abandoned at its timeout (abandon_epoch; see
+// heldByAbandoned), this long after the coordinator first saw it so, is replaced.
 constexpr uint64_t kAbandonGraceNs = 2000000000;
 
 // Enumerations stored in the segment, each with its names right below it. A value read
@@ -290,8 +290,8 @@ struct alignas(64) ControlBlock {
   std::atomic<uint32_t> done_epoch;                   // last reducer: step finished
   uint64_t done_ns;                   // CLOCK_MONOTONIC of the last done_epoch store
   std::atomic<uint32_t> abort_epoch;  // coordinator: step lost a worker
-  // trainer: the last step it gave up on at its timeout; a worker still busy with it (or
-  // an older step) after the coordinator's grace period is killed and replaced.
+  // trainer: the last step it gave up on at its timeout; a worker held up by it
+  // (ipc::heldByAbandoned) after the coordinator's grace period is killed and replaced.
   std::atomic<uint32_t> abandon_epoch;
   alignas(64) std::atomic<uint32_t> coordinator_wake;  // bumped on stop/resize requests
   std::atomic<uint32_t> stop_requested;

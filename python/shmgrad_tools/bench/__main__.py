@@ -510,29 +510,40 @@ def measure_paired(args, records, base, model_name, batch, n, ref, budget):
         and "median_s" in r
     )
     reps = runners.ddp_repeats(budget, est or None)
-    pair = {}
-
-    def run(system):
-        if not pair:
-            pair.update(
-                runners.run_local_paired(
-                    model_name,
-                    batch,
-                    args.warmup,
-                    reps,
-                    n,
-                    args.seed,
-                    now() + args.timeout,
-                    f"bench-{os.getpid()}-p{len(records)}",
-                    systems,
-                )
-            )
-        return pair[system]
-
+    paired = shared_run(
+        lambda: runners.run_local_paired(
+            model_name,
+            batch,
+            args.warmup,
+            reps,
+            n,
+            args.seed,
+            now() + args.timeout,
+            f"bench-{os.getpid()}-p{len(records)}",
+            systems,
+        )
+    )
     for system in ["ddp"] + systems:
-        run_config(records, base, f"{system}-paired", n, lambda s=system: run(f"{s}-paired"), ref)
+        run_config(records, base, f"{system}-paired", n, paired(f"{system}-paired"), ref)
         if "error" in records[-1]:
             return
+
+
+def shared_run(run):
+    """One run of several systems (``run()`` returns ``{system: (record, grad)}``) that
+    their records share: ``shared_run(run)(system)`` is the ``fn`` of ``run_config`` for
+    ``system``'s record; the first record's call makes the run."""
+    results = {}
+
+    def part(system):
+        def get():
+            if not results:
+                results.update(run())
+            return results[system]
+
+        return get
+
+    return part
 
 
 def measure_nodes(args):
@@ -600,30 +611,21 @@ def measure_nodes(args):
                 ref,
             )
             if args.paired:
-                pair = {}
-
-                def paired(system, w=w):
-                    def run():
-                        if not pair:
-                            pair.update(
-                                runners.run_paired(
-                                    model_name,
-                                    batch,
-                                    args.warmup,
-                                    reps,
-                                    k,
-                                    w,
-                                    args.seed,
-                                    now() + args.timeout,
-                                    f"bench-{os.getpid()}-{count}p",
-                                    args.bucket_cap_mb,
-                                    args.pin,
-                                )
-                            )
-                        return pair[system]
-
-                    return run
-
+                paired = shared_run(
+                    lambda w=w: runners.run_paired(
+                        model_name,
+                        batch,
+                        args.warmup,
+                        reps,
+                        k,
+                        w,
+                        args.seed,
+                        now() + args.timeout,
+                        f"bench-{os.getpid()}-{count}p",
+                        args.bucket_cap_mb,
+                        args.pin,
+                    )
+                )
                 record(base, "shmgrad-nodes-paired", w, paired("shmgrad-nodes"), ref)
                 if "error" not in records[-1]:
                     record_ddp(base, "ddp-paired", w, paired("ddp"), ref)

@@ -178,10 +178,35 @@ def engine_capacity(batch: int, batch_inputs: torch.Tensor) -> dict:
     }
 
 
+def engine(model, workers, name, batch, x0, startup_timeout, loss="cross_entropy", **options):
+    """The engine every bench system opens: ``model`` on ``workers`` workers of one
+    thread each, cross-entropy by default, sized for explicit batches of ``batch``
+    examples like ``x0`` (engine_capacity). TorchScript workers are measured on purpose:
+    torch's deprecation warning is not news to the person running the bench, and is
+    silenced while the engine starts."""
+    import warnings
+
+    import shmgrad
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return shmgrad.Engine(
+            model=model,
+            workers=workers,
+            loss=loss,
+            name=name,
+            threads_per_worker=1,
+            **engine_capacity(batch, x0),
+            startup_timeout=startup_timeout,
+            **options,
+        )
+
+
+def flat(tensors) -> torch.Tensor:
+    """Tensors (a gradient) as one float64 vector, on the CPU."""
+    return torch.cat([t.detach().reshape(-1).double().cpu() for t in tensors])
+
+
 def flat_grad(model: nn.Module) -> torch.Tensor:
     """The model's gradient as one float64 vector (zeros where a .grad is missing)."""
-    parts = []
-    for p in model.parameters():
-        g = p.grad if p.grad is not None else torch.zeros_like(p)
-        parts.append(g.detach().reshape(-1).double())
-    return torch.cat(parts)
+    return flat(p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters())

@@ -9,10 +9,8 @@ import contextlib
 import os
 import traceback
 
-import torch
 import torch.distributed as dist
 
-from shmgrad import Engine
 from shmgrad.multinode import shard
 from . import models
 from .ddp import alternating_steps, ddp_step, join_local_group, rank_steps
@@ -134,14 +132,13 @@ def node_step(
     share = shard(range(batch), rank, world)
     lo, hi = share.start, share.stop
     out.update({"allreduce": [], "compute": [], "grad": None})
-    with Engine(
-        model=model,
-        workers=workers,
-        loss="cross_entropy",
-        name=f"{engine_prefix}-{rank}",
-        threads_per_worker=1,
-        **models.engine_capacity(hi - lo, x0),
-        startup_timeout=min(120.0, timeout_s),
+    with models.engine(
+        model,
+        workers,
+        f"{engine_prefix}-{rank}",
+        hi - lo,
+        x0,
+        min(120.0, timeout_s),
         process_group=dist.group.WORLD,
         bucket_cap_mb=bucket_cap_mb,
     ) as engine:
@@ -155,7 +152,7 @@ def node_step(
                 out["allreduce"].append(st.allreduce_seconds)
                 out["compute"].append(max(st.compute_seconds, default=0.0))
             if i == 0 and rank == 0:
-                out["grad"] = torch.cat([g.detach().reshape(-1).double() for g in grads]).numpy()
+                out["grad"] = models.flat(grads).numpy()
             out["allreduce_bytes"] = st.allreduce_bytes
 
         yield step

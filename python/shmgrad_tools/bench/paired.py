@@ -11,12 +11,9 @@ models and the clock, not Dask or the report."""
 
 import contextlib
 import traceback
-import warnings
 
-import torch
 import torch.distributed as dist
 
-from shmgrad import Engine
 from . import models
 from .ddp import alternating_steps, ddp_step, join_local_group
 
@@ -37,20 +34,15 @@ def engine_step(
     if rank != 0:
         yield lambda i, x, y: None
         return
-    with warnings.catch_warnings():
-        # TorchScript workers on purpose: torch's deprecation warning is not news here.
-        warnings.simplefilter("ignore", FutureWarning)
-        engine = Engine(
-            model=models.make_model(model_name, seed),
-            workers=world,
-            loss="cross_entropy",
-            name=engine_name,
-            mode=mode,
-            threads_per_worker=1,
-            **models.engine_capacity(batch, x0),
-            startup_timeout=min(120.0, timeout_s),
-        )
-    with engine:
+    with models.engine(
+        models.make_model(model_name, seed),
+        world,
+        engine_name,
+        batch,
+        x0,
+        min(120.0, timeout_s),
+        mode=mode,
+    ) as engine:
         grads = engine.gradient_tensors()  # read directly: no module is bound
 
         def step(i, x, y):
@@ -58,7 +50,7 @@ def engine_step(
             if st.workers != world:
                 raise RuntimeError(f"the step ran on {st.workers} workers, not {world}")
             if i == 0:
-                out["grad"] = torch.cat([g.detach().reshape(-1).double() for g in grads]).numpy()
+                out["grad"] = models.flat(grads).numpy()
             if i >= warmup:
                 out["compute"].append(max(st.compute_seconds))
 

@@ -21,7 +21,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from shmgrad import Engine, program
+from shmgrad import program
 from . import ddp, models
 from . import nodes as nodes_rank
 from . import paired as paired_rank
@@ -83,22 +83,17 @@ def run_shmgrad(
     engine = None
     try:
         t_start = now()
-        with warnings.catch_warnings():
-            # The "shmgrad" row measures TorchScript workers on purpose: torch's
-            # deprecation warning is not news to the person running the bench.
-            warnings.simplefilter("ignore", FutureWarning)
-            engine = Engine(
-                model=model,
-                workers=workers,
-                loss="cross_entropy",
-                **({"forward": bf16_forward, "loss_reduction": "sum"} if autocast else {}),
-                name=engine_name,
-                mode=mode,
-                threads_per_worker=1,
-                compile=compile,
-                **models.engine_capacity(batch, batches[0][0]),
-                startup_timeout=max(10.0, min(120.0, deadline - now())),
-            )
+        engine = models.engine(
+            model,
+            workers,
+            engine_name,
+            batch,
+            batches[0][0],
+            max(10.0, min(120.0, deadline - now())),
+            mode=mode,
+            compile=compile,
+            **({"forward": bf16_forward, "loss_reduction": "sum"} if autocast else {}),
+        )
         startup = now() - t_start
         overheads, engine_overheads, compute, reduce_s, engine_wall = [], [], [], [], []
         grads = engine.gradient_tensors()  # read directly: no module is bound
@@ -112,7 +107,7 @@ def run_shmgrad(
             if st.workers != workers:
                 raise RuntimeError(f"the step ran on {st.workers} workers, not {workers}")
             if i == 0:
-                grad = torch.cat([g.detach().reshape(-1).double() for g in grads])
+                grad = models.flat(grads)
             if i >= warmup:
                 slowest = max(st.compute_seconds)
                 compute.append(slowest)
