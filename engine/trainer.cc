@@ -421,17 +421,21 @@ GradientStats Trainer::gradient(const std::vector<torch::Tensor>& leaves,
   return run(B, o, static_cast<uint32_t>(ipc::BatchKind::kStructured), start, deadline);
 }
 
-// After an aborted or timed-out step, workers of that step may still be computing.
-// They never count in a later step's barriers (epoch tags), but they still read the
-// request region: wait for them before it is overwritten. Bounded by the caller's
-// deadline (the gradient call's timeout).
+// After an aborted or timed-out step, or a previous trainer's death, workers of that step
+// may still be computing. They never count in a later step's barriers (epoch tags), but
+// they still read the request region: wait for them before it is overwritten. Bounded by
+// the caller's deadline (the gradient call's timeout). At the deadline the trainer gives up
+// on whatever step still holds them, as at a step's timeout: a worker hung in a step of a
+// trainer that died, or a worker stopped in it, is replaced like one hung in this
+// trainer's own step, so the next call does not wait for it forever.
 void Trainer::waitIdle(uint64_t deadline_ns) {
   if (!dirty_) return;
-  const ipc::SegmentHeader* h = seg_->header();
+  ipc::SegmentHeader* h = seg_->header();
+  ipc::ControlBlock& c = h->control;
   for (;;) {
     // Busy with a step, or held up by one this trainer abandoned (the coordinator replaces
     // such a worker after a grace period): picked again, it would hold up the next one.
-    const uint32_t abandoned = h->control.abandon_epoch.load(std::memory_order_acquire);
+    const uint32_t abandoned = c.abandon_epoch.load(std::memory_order_acquire);
     bool busy = false;
     for (uint32_t i = 0; i < h->num_slots && !busy; ++i) {
       const auto& w = h->workers[i];
@@ -440,12 +444,22 @@ void Trainer::waitIdle(uint64_t deadline_ns) {
              ipc::processAlive(w.pid.load());
     }
     if (!busy) break;
-    SHMGRAD_CHECK(ipc::monotonicNs() < deadline_ns, ErrorKind::kTimeout, "engine '", name_,
-                  "': workers still busy with an abandoned step after the call's timeout (the "
-                  "engine replaces a worker still held up by a step ",
-                  ipc::kAbandonGraceNs / 1000000000,
-                  " s after that step's timeout); try again, "
-                  "with a larger timeout if the workers are slow");
+    if (ipc::monotonicNs() >= deadline_ns) {
+      // Every step a worker can still be busy with or assigned to is the last published
+      // one or older, and none of them is this call's: end the last (its healthy
+      // participants leave its barriers) and abandon them all.
+      const uint32_t last = c.step_epoch.load(std::memory_order_acquire);
+      if (last != 0 && !ipc::stepEnded(c, last)) ipc::abortStep(c, last);
+      c.abandon_epoch.store(last, std::memory_order_release);
+      ipc::bumpAndWake(&c.coordinator_wake);
+      ::shmgrad::raise(ErrorKind::kTimeout, "engine '", name_,
+                       "': workers still busy with an earlier step (abandoned at a timeout, or "
+                       "left by a trainer that died) after the call's timeout; the engine "
+                       "replaces a worker still held up by such a step ",
+                       ipc::kAbandonGraceNs / 1000000000,
+                       " s after it is given up on: try again, with a larger timeout if the "
+                       "workers are slow");
+    }
     std::this_thread::sleep_for(kIdlePoll);
   }
   dirty_ = false;

@@ -311,37 +311,45 @@ def test_worker_retired_while_starting_does_not_come_up():
         )
 
 
+@contextlib.contextmanager
+def served_slow_cnn(tmp_path, name, model):
+    """`shmgrad serve` of ``model`` (2 TorchScript workers) as engine ``name``; stopped
+    after."""
+    path = shmgrad.save_model(model, tmp_path / "m.pt")
+    serve = subprocess.Popen(
+        ["shmgrad", "serve", "--name", name, "--model", str(path), "--workers", "2"]
+        + ["--loss", "cross_entropy", "--quiet"]
+    )
+    try:
+        yield
+    finally:
+        subprocess.run(["shmgrad", "stop", name], capture_output=True, timeout=60)
+        serve.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def child_trainer(name):
+    """A child process attached to engine ``name``, running big steps in a loop; SIGKILLed
+    at the end of the block."""
+    code = TRAINER.format(name=name)
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "attached"
+        yield child
+    finally:
+        child.kill()
+        child.wait()
+        child.stdout.close()
+
+
 def test_killed_trainer_frees_the_engine(tmp_path):
     """A trainer SIGKILLed while a worker is busy with its step: the next trainer attaches
     at once (the lease is taken over), and its gradients are exact."""
     torch.manual_seed(3)
     model = SlowCnn()
-    path = shmgrad.save_model(model, tmp_path / "m.pt")
-    serve = subprocess.Popen(
-        [
-            "shmgrad",
-            "serve",
-            "--name",
-            "trainer-kill",
-            "--model",
-            str(path),
-            "--workers",
-            "2",
-            "--loss",
-            "cross_entropy",
-            "--quiet",
-        ]
-    )
-    try:
-        code = TRAINER.format(name="trainer-kill")
-        child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-        try:
-            assert child.stdout.readline().strip() == "attached"
+    with served_slow_cnn(tmp_path, "trainer-kill", model):
+        with child_trainer("trainer-kill") as child:
             wait_until_busy("trainer-kill", after_epoch=0, trainer_pid=child.pid)
-        finally:
-            child.kill()
-            child.wait()
-            child.stdout.close()
         t0 = time.monotonic()
         engine = shmgrad.attach("trainer-kill", timeout=5)
         assert time.monotonic() - t0 < 1.0
@@ -358,9 +366,52 @@ def test_killed_trainer_frees_the_engine(tmp_path):
             < 1e-5
         )
         engine.close()
-    finally:
-        subprocess.run(["shmgrad", "stop", "trainer-kill"], capture_output=True, timeout=60)
-        serve.wait(timeout=30)
+
+
+def test_worker_stopped_in_a_killed_trainers_step_is_replaced(tmp_path):
+    """A worker stopped (SIGSTOP) while busy with a trainer's step, then that trainer
+    SIGKILLed: the next trainer's first call waits for the worker before it publishes and
+    ends in EngineTimeoutError at its timeout, giving that step up; the coordinator
+    replaces the worker (not the other), and the next call gets the exact gradient."""
+    torch.manual_seed(5)
+    model = SlowCnn()
+    victim = None
+    with served_slow_cnn(tmp_path, "trainer-kill", model):
+        try:
+            with child_trainer("trainer-kill") as child:
+                # Stop a worker while it is busy (its record, frozen, says so).
+                for _ in range(20):
+                    st = wait_until_busy("trainer-kill", after_epoch=0, trainer_pid=child.pid)
+                    busy = [w for w in st.ready_workers if w.busy_epoch > 0]
+                    victim, slot = busy[0].pid, busy[0].slot
+                    os.kill(victim, signal.SIGSTOP)
+                    wait_for(lambda: proc_stat(victim)[0] == "T", 10, "the worker to stop")
+                    if shmgrad.read_status("trainer-kill").worker(slot).busy_epoch > 0:
+                        break
+                    os.kill(victim, signal.SIGCONT)
+                else:
+                    pytest.fail("no worker could be stopped while busy")
+            engine = shmgrad.attach("trainer-kill", timeout=5)
+            engine.bind(model)
+            x, y = torch.randn(20, 1, 28, 28), torch.randint(0, 5, (20,))
+            with pytest.raises(shmgrad.EngineTimeoutError, match="busy with an earlier step"):
+                engine.gradient(inputs=x, targets=y, timeout=2)
+            engine.gradient(inputs=x, targets=y, timeout=STEP_TIMEOUT_S)
+            st = engine.status()
+            assert st.worker(slot).pid != victim and st.worker(slot).restarts == 1, st.text
+            assert st.worker(1 - slot).restarts == 0, st.text
+            assert (
+                relative_error(
+                    [p.grad for p in model.parameters()],
+                    reference_gradient(model, "cross_entropy", x, y),
+                )
+                < 1e-5
+            )
+            engine.close()
+        finally:
+            if victim is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(victim, signal.SIGKILL)
 
 
 def test_killed_coordinator_workers_exit_and_name_is_reusable(tmp_path):
