@@ -1,6 +1,6 @@
 """`shmgrad stress` itself, for a short while, on both kinds of worker (TorchScript and
 eager Python): it must find no wrong gradient, no hang and no leaked segment, while
-workers and trainers are killed and the engine is shrunk and grown back."""
+workers are killed and stopped, trainers killed, and the engine shrunk and grown back."""
 
 import json
 import os
@@ -28,6 +28,10 @@ def test_stress_short_run(tmp_path):
         "40",
         "--kill-rate",
         "0.3",
+        "--stop-rate",
+        "0.1",
+        "--stop-timeout",
+        "2",
         "--trainer-restart-rate",
         "0.05",
         "--resize-rate",
@@ -49,7 +53,10 @@ def test_stress_short_run(tmp_path):
         assert run["kills"] > 0, (kind, "the run must actually kill workers")
         assert run["worker_replacements"] > 0, (kind, run)
         assert run["resizes"] > 0, (kind, "the run must actually shrink and grow the engine")
-        for key in ("wrong", "hangs", "leaked_segments", "leftover_workers"):
+        # A stopped worker the step needed: the step timed out, ran again exactly, and the
+        # worker was replaced (not_replaced counts those still there).
+        assert run["stops"] > 0 and run["stop_timeouts"] > 0, (kind, run)
+        for key in ("wrong", "hangs", "not_replaced", "leaked_segments", "leftover_workers"):
             assert run[key] == 0, (kind, key, run)
     eager = counts["runs"]["eager"]
     assert eager["structured_steps"] > 0 and eager["accumulated_steps"] > 0, eager
@@ -62,7 +69,7 @@ def test_stress_help_and_bad_arguments():
         ["shmgrad", "stress", "--help"], capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0
-    for opt in ("--mode", "--kill-rate", "--seed", "--json"):
+    for opt in ("--mode", "--kill-rate", "--stop-rate", "--stop-timeout", "--seed", "--json"):
         assert opt in out.stdout, opt
     out = subprocess.run(
         ["shmgrad", "stress", "--name", "x", "--kill-rate", "2"],
@@ -81,6 +88,16 @@ def test_stress_help_and_bad_arguments():
     )
     assert out.returncode != 0 and "--resize-rate must be a probability" in out.stderr
     out = subprocess.run(
+        ["shmgrad", "stress", "--name", "x", "--stop-timeout", "60", "--step-timeout", "30"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        out.returncode != 0
+        and "--stop-timeout must be above 0 and below --step-timeout (30 s), got 60" in out.stderr
+    )
+    out = subprocess.run(
         ["shmgrad", "stress", "--name", "x", "--mode", "fast"],
         capture_output=True,
         text=True,
@@ -91,7 +108,7 @@ def test_stress_help_and_bad_arguments():
 
 def test_stress_gpu_workers_on_the_fake_device(tmp_path, fake_cuda_library):
     """--devices: both kinds of worker over two devices (the fake device library here; a
-    GPU where tools/device-check runs it), with kills, restarts and resizes."""
+    GPU where tools/device-check runs it), with kills, stops, restarts and resizes."""
     counts_path = tmp_path / "stress.json"
     before = fake_allocations()
     env = dict(os.environ, SHMGRAD_CUDA_LIBRARY=fake_cuda_library, FAKE_CUDA_DEVICES="2")
@@ -101,6 +118,10 @@ def test_stress_gpu_workers_on_the_fake_device(tmp_path, fake_cuda_library):
         "25",
         "--kill-rate",
         "0.3",
+        "--stop-rate",
+        "0.1",
+        "--stop-timeout",
+        "2",
         "--resize-rate",
         "0.2",
         "--seed",
@@ -115,5 +136,5 @@ def test_stress_gpu_workers_on_the_fake_device(tmp_path, fake_cuda_library):
     with open(counts_path) as f:
         counts = json.load(f)
     assert counts["ok"] is True and counts["steps"] == 50, counts
-    assert counts["kills"] > 0 and counts["resizes"] > 0, counts
+    assert counts["kills"] > 0 and counts["resizes"] > 0 and counts["stop_timeouts"] > 0, counts
     assert fake_allocations() == before, "device allocations left behind"

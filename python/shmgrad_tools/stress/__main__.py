@@ -14,20 +14,24 @@ Each engine then gets N steps: random batch sizes, indexed and explicit batches,
 gradient checked against a plain PyTorch reference in this process, SGD steps in between
 so the parameters move, workers killed (SIGKILL) at random moments, the engine shrunk
 and grown back at once now and then (a retired worker must be gone before its slot is
-reused), and the trainer restarted now and then (a child trainer killed while its step
-is in flight, then this process attaches again). It ends by printing, for each kind and
-in total,
+reused), workers stopped (SIGSTOP, as a hung process) at random moments (the step ends
+in a timeout after --stop-timeout; the same batch again must give the exact gradient and
+the stopped worker must be gone, replaced; a stopped worker the step did not need stays
+stopped for the same batch once more, then is resumed), and the trainer restarted now
+and then (a child trainer killed while its step is in flight, then this process attaches
+again). It ends by printing, for each kind and in total,
 
-    steps, kills, recoveries, wrong gradients, hangs, leaked segments, leftover workers
+    steps, kills, stops, recoveries, wrong gradients, hangs, stopped workers not
+    replaced, leaked segments, leftover workers
 
 (and, with --json PATH, writes the counters to PATH as JSON: the totals at the top
-level, each kind's under "runs") and exits non-zero if any of the last four is not 0.
+level, each kind's under "runs") and exits non-zero if any of the last five is not 0.
 
 With --devices the engines' workers compute on those GPUs (docs/GPU.md; on a machine
 without one, SHMGRAD_CUDA_LIBRARY may name the test double tests/fake_cuda.cc builds).
 
 Run: shmgrad stress --name NAME [--mode script|eager|both] [--steps N] [--kill-rate R]
-                    [--seed S] [--devices cuda:0,...] [--json PATH]
+                    [--stop-rate R] [--seed S] [--devices cuda:0,...] [--json PATH]
 """
 
 import argparse
@@ -62,6 +66,19 @@ def build_parser():
         type=float,
         default=0.1,
         help="probability that a step has a worker killed at a random moment (default 0.1)",
+    )
+    ap.add_argument(
+        "--stop-rate",
+        type=float,
+        default=0.02,
+        help="probability that a step has a worker stopped (SIGSTOP) at a random moment "
+        "(default 0.02)",
+    )
+    ap.add_argument(
+        "--stop-timeout",
+        type=float,
+        default=5.0,
+        help="the timeout of a step with a stopped worker, in seconds (default 5)",
     )
     ap.add_argument(
         "--trainer-restart-rate",
@@ -101,10 +118,16 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.steps < 1 or args.workers < 1 or args.max_batch < 1:
         ap.error("--steps, --workers and --max-batch must be >= 1")
+    if not 0 < args.stop_timeout < args.step_timeout:
+        ap.error(
+            f"--stop-timeout must be above 0 and below --step-timeout ({args.step_timeout:g} "
+            f"s), got {args.stop_timeout:g}"
+        )
     if args.devices is not None:
         args.devices = [d if d.startswith("cuda") else f"cuda:{d}" for d in args.devices.split(",")]
     for flag, rate in (
         ("--kill-rate", args.kill_rate),
+        ("--stop-rate", args.stop_rate),
         ("--resize-rate", args.resize_rate),
         ("--trainer-restart-rate", args.trainer_restart_rate),
     ):
@@ -130,8 +153,13 @@ def report(label, c):
         )
     )
     print(
-        f"steps {c.steps}, kills {c.kills}, recoveries {c.recoveries}, wrong gradients "
-        f"{c.wrong}, hangs {c.hangs}, leaked segments {c.leaked_segments}, leftover workers "
+        f"stops {c.stops}: {c.stop_timeouts} steps timed out and ran again, "
+        f"{c.stops_resumed} workers not needed (twice) and resumed"
+    )
+    print(
+        f"steps {c.steps}, kills {c.kills}, stops {c.stops}, recoveries {c.recoveries}, "
+        f"wrong gradients {c.wrong}, hangs {c.hangs}, stopped workers not replaced "
+        f"{c.not_replaced}, leaked segments {c.leaked_segments}, leftover workers "
         f"{c.leftover_workers}"
     )
 

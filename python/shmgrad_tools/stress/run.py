@@ -2,8 +2,12 @@
 
 A step goes through named phases: maybe restart the trainer (a child trainer killed
 while its step is in flight, then this process attaches again), maybe shrink the engine
-and grow it back at once, draw a batch, maybe arm a worker kill, run the step and check
-its gradient against plain PyTorch, then an SGD step so the parameters move. What the
+and grow it back at once, draw a batch, maybe arm a worker kill or a worker stop, run the
+step and check its gradient against plain PyTorch, then an SGD step so the parameters
+move. A stopped worker (SIGSTOP: a hung process) makes its step end in a timeout, after
+which the same batch again must give the exact gradient, and the stopped worker must be
+gone (the engine replaces a worker held up by an abandoned step); a stopped worker that
+the step did not need is resumed (SIGCONT) after it. What the
 engine computes (model, loss, dataset, kind of worker) is the run's workload
 (:mod:`.workloads`): one run per kind of worker, with the same faults and checks.
 """
@@ -29,7 +33,7 @@ from .workloads import CLASSES, DATASET_SIZE, INPUT_SHAPE
 
 CHILD_BATCH = 2000  # the child trainer's batch: long enough to be killed mid-step
 MAX_GRADIENT_ERROR = 1e-4  # relative to the reference gradient
-KILL_DELAY_MAX_S = 0.05  # a worker kill lands this long after the step starts, at most
+KILL_DELAY_MAX_S = 0.05  # a worker kill (or stop) lands this long after the step starts, at most
 CHILD_KILL_DELAY_MAX_S = 0.05  # after the child's step is seen in flight
 POLL_S = 0.005
 ATTACH_TIMEOUT_S = 30.0
@@ -62,6 +66,10 @@ class Counts:
     resizes: int = 0  # shrink-and-grow-back pairs
     structured_steps: int = 0  # eager: explicit batches given as gradient(batch=(x, y))
     accumulated_steps: int = 0  # eager: a batch given as two accumulated micro-batches
+    stops: int = 0  # workers SIGSTOPped
+    stop_timeouts: int = 0  # steps with a stopped worker that ended in a timeout, then re-run
+    stops_resumed: int = 0  # stopped workers not needed by their batch twice, resumed
+    not_replaced: int = 0  # stopped workers still there after their step timed out
     worker_replacements: int = 0  # the engine's worker_restarts over the run
     steps_aborted: int = 0  # the engine's steps_aborted over the run
     leaked_segments: int = 0
@@ -70,7 +78,13 @@ class Counts:
 
     @property
     def ok(self) -> bool:
-        return (self.wrong, self.hangs, self.leaked_segments, self.leftover_workers) == (0, 0, 0, 0)
+        return (
+            self.wrong,
+            self.hangs,
+            self.not_replaced,
+            self.leaked_segments,
+            self.leftover_workers,
+        ) == (0, 0, 0, 0, 0)
 
 
 def _reference(model, loss, x, y, mean):
@@ -157,12 +171,15 @@ class StressRun:
             self._shrink_and_grow()
         x, y, mean, call = self._draw_batch()
         ref = _reference(self.model, self.workload.loss, x, y, mean)
-        killer = self._arm_kill() if self.rng.random() < a.kill_rate else None
-        try:
-            self._checked_step(step, call, ref)
-        finally:
-            if killer is not None:
-                killer.join()
+        if self.rng.random() < getattr(a, "stop_rate", 0.0):
+            self._stopped_step(step, call, ref)
+        else:
+            killer = self._arm(signal.SIGKILL) if self.rng.random() < a.kill_rate else None
+            try:
+                self._checked_step(step, call, ref)
+            finally:
+                if killer is not None:
+                    killer.join()
         self.counts.steps += 1
         if (step + 1) % PROGRESS_EVERY == 0:
             c = self.counts
@@ -227,13 +244,13 @@ class StressRun:
 
     def _draw_batch(self):
         """A random batch, by index half of the time, explicit otherwise; returns its
-        inputs, targets, reduction and the call that computes its gradient. An indexed
+        inputs, targets, reduction and the call that computes its gradient (given a
+        timeout). An indexed
         step gets an explicit seed, with which the workload rebuilds what the workers
         compute on."""
         batch = self.rng.randint(1, self.args.max_batch)
         mean = self.rng.random() < 0.5
         reduction = "mean" if mean else "sum"
-        timeout = self.args.step_timeout
         if self.rng.random() < 0.5:
             idx = torch.tensor([self.rng.randrange(DATASET_SIZE) for _ in range(batch)])
             seed = self.rng.randrange(2**32)
@@ -242,7 +259,9 @@ class StressRun:
                 x,
                 y,
                 mean,
-                lambda: self.trainer.gradient(idx, reduction=reduction, timeout=timeout, seed=seed),
+                lambda timeout: self.trainer.gradient(
+                    idx, reduction=reduction, timeout=timeout, seed=seed
+                ),
             )
         x, y = torch.randn(batch, *INPUT_SHAPE), torch.randint(0, CLASSES, (batch,))
         # Eager workers also take the batch as a structure, or in two accumulated
@@ -254,13 +273,15 @@ class StressRun:
                 x,
                 y,
                 mean,
-                lambda: self.trainer.gradient(batch=(x, y), reduction=reduction, timeout=timeout),
+                lambda timeout: self.trainer.gradient(
+                    batch=(x, y), reduction=reduction, timeout=timeout
+                ),
             )
         if self.workload.kind == "eager" and form == "accumulated" and batch >= 2:
             self.counts.accumulated_steps += 1
             cut = self.rng.randint(1, batch - 1)
 
-            def accumulated():
+            def accumulated(timeout):
                 first = self.trainer.gradient(
                     inputs=x[:cut], targets=y[:cut], reduction=reduction, timeout=timeout
                 )
@@ -278,7 +299,7 @@ class StressRun:
             x,
             y,
             mean,
-            lambda: self.trainer.gradient(
+            lambda timeout: self.trainer.gradient(
                 inputs=x, targets=y, reduction=reduction, timeout=timeout
             ),
         )
@@ -288,34 +309,83 @@ class StressRun:
         self.worker_pids_seen.update(pids)
         return pids
 
-    def _arm_kill(self):
-        """A timer that SIGKILLs a random ready worker at a random moment of the step."""
+    def _arm(self, sig):
+        """A timer that sends ``sig`` (SIGKILL or SIGSTOP) to a random ready worker at a
+        random moment of the step; its ``victim`` is that worker's pid."""
         # A worker killed a moment ago shows as ready until the coordinator reaps it.
         pids = [pid for pid in self._remember_workers() if _alive(pid)]
         if not pids:
             return None
         victim = self.rng.choice(pids)
 
-        def kill():
+        def send():
             try:
-                os.kill(victim, signal.SIGKILL)
-                self.counts.kills += 1
+                os.kill(victim, sig)
             except ProcessLookupError:
-                pass
+                return
+            if sig == signal.SIGKILL:
+                self.counts.kills += 1
+            else:
+                self.counts.stops += 1
 
-        killer = threading.Timer(self.rng.uniform(0.0, KILL_DELAY_MAX_S), kill)
-        killer.start()
-        return killer
+        timer = threading.Timer(self.rng.uniform(0.0, KILL_DELAY_MAX_S), send)
+        timer.victim = victim
+        timer.start()
+        return timer
 
-    def _checked_step(self, step, call, ref):
+    def _stopped_step(self, step, call, ref):
+        """A step with a worker stopped at a random moment, under --stop-timeout. If the
+        step needed that worker, it times out, and the same batch again (under
+        --step-timeout) must give the exact gradient from its replacement, the stopped
+        worker gone. If it did not (the worker had done its part, or was idle), the batch
+        runs once more with the worker still stopped, which picks it if the batch needs
+        every worker, with the same checks; a worker still not needed is resumed. The
+        optimizer steps once, after the last call."""
+        stopper = self._arm(signal.SIGSTOP)
         try:
-            stats = call()
+            done = self._checked_step(step, call, ref, self.args.stop_timeout, optimize=False)
+        finally:
+            if stopper is not None:
+                stopper.join()
+        stopped = stopper is not None and _alive(stopper.victim)
+        if stopped and done != "timeout":
+            done = self._checked_step(step, call, ref, self.args.stop_timeout, optimize=False)
+        timed_out = done == "timeout"
+        if timed_out:
+            self.counts.stop_timeouts += 1
+            done = self._checked_step(step, call, ref, optimize=False)
+        if done == "ok":
+            self.opt.step()
+        if not stopped or not _alive(stopper.victim):
+            return
+        if timed_out:
+            self.counts.not_replaced += 1
+            self.log(
+                f"  {self.workload.kind} step {step + 1}: worker {stopper.victim}, stopped, is "
+                "still there after its step timed out and ran again",
+                error=True,
+            )
+        else:
+            self.counts.stops_resumed += 1
+        os.kill(stopper.victim, signal.SIGCONT)
+
+    def _checked_step(self, step, call, ref, stop_timeout=None, optimize=True):
+        """Runs the step, checks its gradient and (if ``optimize``) steps the optimizer;
+        returns "ok", "timeout" or "failed". Under ``stop_timeout`` (a step with a stopped
+        worker) a timeout is expected: not counted a hang."""
+        try:
+            stats = call(stop_timeout or self.args.step_timeout)
             self.counts.recoveries += stats.retries
             grads = [p.grad.cpu() for p in self.model.parameters()]
             if relative_error(grads, ref) > MAX_GRADIENT_ERROR:
                 self.counts.wrong += 1
-            self.opt.step()
+                self.log(f"  {self.workload.kind} step {step + 1}: WRONG gradient", error=True)
+            if optimize:
+                self.opt.step()
+            return "ok"
         except errors.EngineTimeoutError as exc:
+            if stop_timeout is not None:
+                return "timeout"
             self.counts.hangs += 1
             self.log(f"  step {step + 1}: HANG: {exc}", error=True)
             if os.environ.get("SHMGRAD_STRESS_DEBUG"):
@@ -325,3 +395,4 @@ class StressRun:
         except errors.CorruptSegmentError as exc:
             self.counts.wrong += 1  # the step's bookkeeping is wrong: so may its gradient be
             self.log(f"  {self.workload.kind} step {step + 1}: WRONG: {exc}", error=True)
+        return "failed"
