@@ -229,6 +229,18 @@ DeviceMapping::~DeviceMapping() {
   cuda_->ipcClose(ordinal_, base_);
 }
 
+uint64_t DeviceMapping::reduced() const {
+  SHMGRAD_CHECK(layout_.reduced != 0, ErrorKind::kInvalidArgument, "cuda:", ordinal_,
+                " holds no reduced gradient: the engine's first device does");
+  return base_ + layout_.reduced;
+}
+
+uint64_t DeviceMapping::accum() const {
+  SHMGRAD_CHECK(layout_.accum != 0, ErrorKind::kInvalidArgument, "cuda:", ordinal_,
+                " holds no accumulation buffer: the engine's first device does");
+  return base_ + layout_.accum;
+}
+
 uint64_t DeviceMapping::slot(uint32_t local) const {
   SHMGRAD_CHECK(local < slots_, ErrorKind::kInvalidArgument, "slot ", local,
                 " is past cuda:", ordinal_, "'s ", slots_, " slots");

@@ -99,8 +99,10 @@ class DeviceMapping {
   uint32_t slots() const { return slots_; }
   uint64_t params() const { return base_ + layout_.params; }
   uint64_t buffers() const { return base_ + layout_.buffers; }
-  uint64_t reduced() const { return base_ + layout_.reduced; }
-  uint64_t accum() const { return base_ + layout_.accum; }
+  // The reduced and accumulation buffers: the first device's only (kInvalidArgument on
+  // another).
+  uint64_t reduced() const;
+  uint64_t accum() const;
   // The `local`-th gradient slot on this device; kInvalidArgument past its slots.
   uint64_t slot(uint32_t local) const;
 

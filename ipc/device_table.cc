@@ -19,7 +19,8 @@ bool sameLayout(const DeviceLayout& a, const DeviceLayout& b) {
 
 }  // namespace
 
-DeviceLayout layoutDevice(uint64_t param_floats, uint64_t buffer_bytes, uint32_t slots) {
+DeviceLayout layoutDevice(uint64_t param_floats, uint64_t buffer_bytes, uint32_t slots,
+                          bool reduces) {
   SHMGRAD_CHECK(param_floats <= kMaxParamFloats && buffer_bytes <= kMaxParamFloats * 4,
                 ErrorKind::kInvalidArgument, "a device copy of ", param_floats, " parameters and ",
                 buffer_bytes, " bytes of buffers exceeds the limit of ", kMaxParamFloats,
@@ -33,7 +34,12 @@ DeviceLayout layoutDevice(uint64_t param_floats, uint64_t buffer_bytes, uint32_t
   l.buffers = l.params + grad;
   l.slots = l.buffers + alignUp(buffer_bytes);
   l.slot_stride = grad;
-  l.reduced = l.slots + uint64_t{slots} * grad;
+  const uint64_t end = l.slots + uint64_t{slots} * grad;
+  if (!reduces) {
+    l.bytes = std::max<uint64_t>(end, kDeviceAlign);
+    return l;
+  }
+  l.reduced = end;
   l.accum = l.reduced + grad;
   l.bytes = std::max<uint64_t>(l.accum + grad, kDeviceAlign);
   return l;
@@ -76,7 +82,7 @@ void initDeviceTable(DeviceTable* table, const std::vector<int>& ordinals, uint3
     e.slots = d < n ? p.slots_per_device[d] : 0;
     e.state.store(static_cast<uint32_t>(DeviceState::kEmpty), std::memory_order_relaxed);
     e.reserved = 0;
-    e.layout = d < n ? layoutDevice(param_floats, buffer_bytes, e.slots) : DeviceLayout{};
+    e.layout = d < n ? layoutDevice(param_floats, buffer_bytes, e.slots, d == 0) : DeviceLayout{};
     std::memset(e.ipc_handle, 0, sizeof e.ipc_handle);
   }
   for (uint32_t i = 0; i < kMaxWorkers; ++i) {
@@ -123,7 +129,7 @@ void validateDeviceTable(const DeviceTable& t, uint32_t num_slots, uint64_t para
     const uint32_t state = e.state.load(std::memory_order_acquire);
     SHMGRAD_CHECK(state <= static_cast<uint32_t>(DeviceState::kPublished), ErrorKind::kCorrupt,
                   "device table: device ", d, " is in unknown state ", state);
-    SHMGRAD_CHECK(sameLayout(e.layout, layoutDevice(param_floats, buffer_bytes, e.slots)),
+    SHMGRAD_CHECK(sameLayout(e.layout, layoutDevice(param_floats, buffer_bytes, e.slots, d == 0)),
                   ErrorKind::kCorrupt, "device table: device ", d,
                   "'s layout differs from the one its sizes give (", e.layout.bytes, " bytes)");
   }

@@ -7,8 +7,9 @@
 //             segment's ParamEntry puts it, so one offset table serves every copy)
 //   buffers   its copy of the shared buffers (BatchNorm statistics)
 //   slots     one gradient slot per worker placed on the device, slot_stride apart
-//   reduced   the reduced gradient (on every device; the trainer's device's is read)
-//   accum     the second reduced buffer of accumulating steps
+//   reduced   the reduced gradient (the first device's only: the trainer's, into which
+//             every reducer writes its slice)
+//   accum     the second reduced buffer of accumulating steps (the first device's only)
 //
 // and publishes the allocation's CUDA IPC handle here; workers and trainers open it and
 // view the regions as tensors. Like every value read from shared memory, the table is
@@ -30,6 +31,7 @@ constexpr uint64_t kDeviceAlign = 256;    // cudaMalloc's alignment; every regio
 constexpr int8_t kNoDevice = -1;          // a slot placed on no device
 
 // Byte offsets of one device's regions within its allocation; `bytes` is its size.
+// `reduced` and `accum` are 0 (none) on every device but the first.
 struct DeviceLayout {
   uint64_t params;
   uint64_t buffers;
@@ -61,9 +63,11 @@ struct DeviceTable {
 static_assert(sizeof(DeviceTable) <= kDeviceReserved, "the device table fits its region");
 
 // The layout of one device's allocation for `param_floats` parameters, `buffer_bytes`
-// bytes of buffers and `slots` gradient slots (each region kDeviceAlign-aligned).
+// bytes of buffers and `slots` gradient slots, and, if `reduces` (the first device), the
+// reduced and accumulation buffers (each region kDeviceAlign-aligned).
 // kInvalidArgument when the sizes exceed the engine's limits.
-DeviceLayout layoutDevice(uint64_t param_floats, uint64_t buffer_bytes, uint32_t slots);
+DeviceLayout layoutDevice(uint64_t param_floats, uint64_t buffer_bytes, uint32_t slots,
+                          bool reduces);
 
 // Round-robin placement of `slots` worker slots on `devices` devices: slot i on device
 // i % devices, as its (i / devices)-th slot there. Several workers per device are allowed.

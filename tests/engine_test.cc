@@ -334,17 +334,31 @@ TEST(DeviceBuffersTest, EachDeviceGetsItsBuffersAndHandleAndLosesThemAtStop) {
       // share this process's one opening of the handle (CUDA, and the fake, refuse a
       // second), which outlives the first mapping.
       const float mark = 3.25f;
-      cuda->copyToDevice(m.ordinal(), m.reduced(), &mark, sizeof mark);
+      cuda->copyToDevice(m.ordinal(), m.slot(0), &mark, sizeof mark);
       auto other = std::make_unique<gpu::DeviceMapping>(cuda, seg, d);
-      EXPECT_EQ(other->reduced(), m.reduced());
+      EXPECT_EQ(other->slot(0), m.slot(0));
       {
         gpu::DeviceMapping third(cuda, seg, d);  // opened and released while others live
       }
       float seen = 0.0f;
-      cuda->copyToHost(m.ordinal(), &seen, other->reduced(), sizeof seen);
+      cuda->copyToHost(m.ordinal(), &seen, other->slot(0), sizeof seen);
       EXPECT_EQ(seen, mark);
+      cuda->copyToDevice(m.ordinal(), m.slot(0), slot.data(), sizeof mark);  // zero again
       other.reset();
       EXPECT_TRUE(throwsKind(ErrorKind::kInvalidArgument, [&] { (void)m.slot(m.slots()); }));
+      // The reduced and accumulation buffers are the first device's alone: the others'
+      // allocations end after their slots.
+      if (d == 0) {
+        EXPECT_EQ(m.reduced(),
+                  m.slot(0) + uint64_t{m.slots()} * table->devices[d].layout.slot_stride);
+        EXPECT_GT(m.accum(), m.reduced());
+      } else {
+        EXPECT_TRUE(throwsKind(ErrorKind::kInvalidArgument, [&] { (void)m.reduced(); }));
+        EXPECT_TRUE(throwsKind(ErrorKind::kInvalidArgument, [&] { (void)m.accum(); }));
+        EXPECT_EQ(table->devices[d].layout.bytes,
+                  table->devices[d].layout.slots +
+                      uint64_t{m.slots()} * table->devices[d].layout.slot_stride);
+      }
     }
     EXPECT_TRUE(throwsKind(ErrorKind::kInvalidArgument,
                            [&] { gpu::DeviceMapping past(cuda, seg, table->count); }));

@@ -870,7 +870,7 @@ TEST(FutexTest, FutexWaitReturnsOnValueMismatchAndTimeout) {
 // The device table (GPU engines): layout, placement and validation against hostile values
 
 TEST(DeviceTableTest, LayoutIsAlignedOrderedAndSized) {
-  const DeviceLayout l = layoutDevice(1000, 300, 3);
+  const DeviceLayout l = layoutDevice(1000, 300, 3, true);
   for (uint64_t off : {l.params, l.buffers, l.slots, l.slot_stride, l.reduced, l.accum}) {
     EXPECT_EQ(off % kDeviceAlign, 0u);
   }
@@ -880,9 +880,20 @@ TEST(DeviceTableTest, LayoutIsAlignedOrderedAndSized) {
   EXPECT_EQ(l.reduced, l.slots + 3 * l.slot_stride);
   EXPECT_GE(l.accum, l.reduced + 1000 * 4);
   EXPECT_GE(l.bytes, l.accum + 1000 * 4);
-  EXPECT_TRUE(throwsKind(ErrorKind::kInvalidArgument, [] { layoutDevice(1, 0, kMaxWorkers + 1); }));
+  // Devices after the first hold no reduced or accumulation buffer: the same regions
+  // before them, and nothing after the slots.
+  const DeviceLayout other = layoutDevice(1000, 300, 3, false);
+  EXPECT_EQ(other.params, l.params);
+  EXPECT_EQ(other.slots, l.slots);
+  EXPECT_EQ(other.slot_stride, l.slot_stride);
+  EXPECT_EQ(other.reduced, 0u);
+  EXPECT_EQ(other.accum, 0u);
+  EXPECT_EQ(other.bytes, l.reduced);
+  EXPECT_EQ(layoutDevice(0, 0, 0, false).bytes, kDeviceAlign);
   EXPECT_TRUE(
-      throwsKind(ErrorKind::kInvalidArgument, [] { layoutDevice(kMaxParamFloats + 1, 0, 1); }));
+      throwsKind(ErrorKind::kInvalidArgument, [] { layoutDevice(1, 0, kMaxWorkers + 1, true); }));
+  EXPECT_TRUE(throwsKind(ErrorKind::kInvalidArgument,
+                         [] { layoutDevice(kMaxParamFloats + 1, 0, 1, true); }));
 }
 
 TEST(DeviceTableTest, RoundRobinPlacesSeveralWorkersPerDevice) {
