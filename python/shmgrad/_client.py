@@ -3,6 +3,7 @@ read the status. :func:`attach` returns one for an engine started elsewhere
 (``shmgrad serve``); :class:`shmgrad.Engine` is one that also started its engine."""
 
 import dataclasses
+import operator
 import time
 import warnings
 from typing import List, Optional
@@ -13,6 +14,8 @@ from . import _gpu, errors, multinode
 from ._native import _C, DEFAULTS
 from ._eager import REDUCTIONS, compiled_original, has_batchnorm, shared_buffers, step_seed
 from ._status import EngineStatus, read_status
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 BUFFER_RULES = ("average", "first")  # how a step publishes BatchNorm statistics
 STATE_VERSION = 1  # Client.state_dict()'s format
@@ -164,7 +167,12 @@ class Client:
         self.seed = seed  # eager workers' step seeds derive from it
         self._steps = 0  # gradient calls so far
         self._trainer = trainer
-        self._bound = []
+        self._all_bound = []  # the bound module's parameters, in the engine's order
+        self._bound = []  # those of them that require grad: the ones given a .grad
+        self._requires_grad = []  # each bound parameter's requires_grad, as last seen
+        # Which parameters the workers' models train (requires_grad when the engine
+        # started): an Engine knows them from its model; attach() takes the bound module's.
+        self._engine_trainable = None
         self._bound_module = None
         self._views_handed_out = False  # gradient_tensors()/parameter_tensors() were asked for
         self._warned_unbound = False
@@ -182,6 +190,7 @@ class Client:
         # The two reduced gradients: a step writes the first, and accumulating steps
         # alternate (each reads the previous result and writes the other one).
         self._grad_sets = (trainer.gradient_views(), trainer.accumulator_views())
+        self._bound_grad_sets = self._grad_sets  # the views of the bound ones that train
         self._current = 0  # the set that holds the last result
         self._last_count = 0.0  # what the last result is the sum or mean over
         self._last_mean = None  # its reduction; None: no result yet
@@ -291,6 +300,10 @@ class Client:
                     f"engine's {ename!r} {eshape} (float32): bind the module the engine "
                     "was started with"
                 )
+        flags = [p.requires_grad for _, p in named]
+        if self._engine_trainable is None:
+            self._engine_trainable = flags
+        self._check_trainable(flags)
         with torch.no_grad():
             for (_, p), view, grad in zip(named, self._param_views, self._grad_views):
                 view.copy_(p.detach())
@@ -298,13 +311,47 @@ class Client:
                 p.grad = grad
         self._bind_buffers(module)
         self._current = 0
-        self._bound = [p for _, p in named]
+        self._all_bound = [p for _, p in named]
+        self._set_trainable(flags)
         self._bound_module = module
         self._has_batchnorm = has_batchnorm(module)
         if self._nodes is not None:
             self._nodes.broadcast_parameters()  # every node takes rank 0's values
             self._pull_buffers()
         return given
+
+    def _check_trainable(self, flags):
+        """Refuses a parameter that requires grad but that the workers' models have frozen:
+        they compute no gradient for it, so it would train on zeros."""
+        thawed = [
+            name
+            for (name, _), now, then in zip(self._param_info, flags, self._engine_trainable)
+            if now and not then
+        ]
+        if thawed:
+            raise errors.InvalidArgumentError(
+                f"parameter {thawed[0]!r}{f' (and {len(thawed) - 1} more)' if thawed[1:] else ''}"
+                " requires grad, but it was frozen (requires_grad=False) in the model the "
+                f"engine {self.name!r} started with, so its workers compute no gradient for "
+                "it: start the engine with every parameter you will train unfrozen (freezing "
+                "one later is fine: its .grad then stays None)"
+            )
+
+    def _set_trainable(self, flags):
+        """Gives a .grad (a view of the reduced gradient) to the bound parameters that
+        require grad, and None to the others, as backward leaves a frozen parameter's: an
+        optimizer then skips it (no weight decay, no momentum), as in plain PyTorch."""
+        self._requires_grad = flags
+        self._bound = [p for p, f in zip(self._all_bound, flags) if f]
+        if all(flags):
+            self._bound_grad_sets = self._grad_sets
+        else:
+            self._bound_grad_sets = tuple(
+                [g for g, f in zip(views, flags) if f] for views in self._grad_sets
+            )
+        for p, f in zip(self._all_bound, flags):
+            if not f:
+                p.grad = None
 
     def _bind_buffers(self, module):
         # The engine's shared buffers (BatchNorm statistics) by name: the module's values
@@ -414,6 +461,12 @@ class Client:
             raise errors.InvalidArgumentError(
                 f"unknown reduction {reduction!r}: use 'sum' or 'mean'"
             )
+        if self._all_bound:
+            # A parameter frozen or unfrozen since the last call (about 0.4 us a parameter).
+            flags = list(map(_REQUIRES_GRAD, self._all_bound))
+            if flags != self._requires_grad:
+                self._check_trainable(flags)
+                self._set_trainable(flags)
         mean = reduction == "mean"
         nodes = self._nodes  # across nodes the mean is taken after the all-reduce
         mode, prev_count = 0, 0.0  # ipc::Accumulate: a fresh result in the first set
@@ -554,7 +607,7 @@ class Client:
         else:
             self._current, self._last_count = 1 - self._current, prev_count + count
         self._last_mean = mean
-        if self._bound:
+        if self._all_bound:
             self._relink_grads()
         elif not self._views_handed_out and not self._warned_unbound:
             self._warned_unbound = True
@@ -586,9 +639,9 @@ class Client:
         bound = self._bound
         if not bound:
             return
-        views = self._grad_views
+        views = self._bound_grad_sets[self._current]
         if bound[0].grad is not views[0] or bound[-1].grad is not views[-1]:
-            for p, g in zip(bound, self._grad_views):
+            for p, g in zip(bound, views):
                 if p.grad is None or p.grad.data_ptr() != g.data_ptr():
                     p.grad = g
 
@@ -670,7 +723,7 @@ class Client:
         # The engine's device buffers are freed when it stops (and this process's IPC
         # mapping of them closes with the last view): the module keeps copies.
         with torch.no_grad():
-            for p in self._bound:
+            for p in self._all_bound:
                 p.data = p.data.clone()
                 if p.grad is not None:
                     p.grad = p.grad.clone()

@@ -379,6 +379,11 @@ class Engine(Client):
         except BaseException:
             server.stop()
             raise
+        # What the workers train: the model's requires_grad flags as it was started.
+        if isinstance(model, torch.nn.Module):
+            flags = [p.requires_grad for p in eager.compiled_original(model)[0].parameters()]
+            if len(flags) == len(self._param_info):
+                self._engine_trainable = flags
 
     def log(self) -> str:
         """What the engine's coordinator and workers have printed so far: worker restarts,

@@ -347,6 +347,99 @@ def test_attached_client_has_a_mode():
         server.stop()
 
 
+# -- frozen parameters (fine-tuning) -----------------------------------------------------
+def _train_like_pytorch(engine, model, ref, x, y, steps, freeze=None):
+    """``steps`` AdamW steps (weight decay 0.1) of ``model`` through ``engine`` and of
+    ``ref`` in this process, both optimizers over every parameter as fine-tuning code
+    writes it; ``freeze(step, module)`` may change requires_grad before a step. Returns
+    the engine's .grad of each parameter at the last step (None where PyTorch leaves it)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.1)
+    for step in range(steps):
+        if freeze is not None:
+            freeze(step, model)
+            freeze(step, ref)
+        opt.zero_grad()
+        ropt.zero_grad()
+        engine.gradient(inputs=x, targets=y, reduction="mean")
+        F.cross_entropy(ref(x), y).backward()
+        for p, r in zip(model.parameters(), ref.parameters()):
+            assert (p.grad is None) == (r.grad is None), "a .grad where PyTorch has None"
+        opt.step()
+        ropt.step()
+    return [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("mode", ["eager", "script"])
+def test_frozen_parameters_keep_no_grad_and_are_not_decayed(mode):
+    """A layer frozen before the engine starts: its .grad stays None, as backward leaves
+    it, so AdamW over model.parameters() skips it (no weight decay), and every parameter
+    follows plain PyTorch for 4 steps. (A zero .grad instead would decay it.)"""
+    torch.manual_seed(9)
+    model = Mlp()
+    model.fc1.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    frozen = model.fc1.weight.detach().clone()
+    x, y = data(40)
+    with shmgrad.Engine(model=model, workers=2, loss="cross_entropy", mode=mode) as engine:
+        engine.bind(model)
+        _train_like_pytorch(engine, model, ref, x, y, steps=4)
+        assert torch.equal(model.fc1.weight, frozen)
+        assert relative_error(list(model.parameters()), list(ref.parameters())) < 1e-5
+
+
+def test_freezing_during_training_leaves_no_grad_and_unfreezing_back_works():
+    """A layer frozen after 2 steps, unfrozen again after 4 (the engine started with it
+    trainable, so its workers compute its gradient throughout): as plain PyTorch at every
+    step, its .grad None while frozen."""
+    torch.manual_seed(10)
+    model = Mlp()
+    ref = copy.deepcopy(model)
+    x, y = data(40)
+
+    def freeze(step, module):
+        module.fc1.requires_grad_(not 2 <= step < 4)
+
+    with shmgrad.Engine(model=model, workers=2, loss="cross_entropy") as engine:
+        engine.bind(model)
+        last = _train_like_pytorch(engine, model, ref, x, y, steps=3, freeze=freeze)
+        assert last[0] is None and last[2] is not None
+        last = _train_like_pytorch(engine, model, ref, x, y, steps=6, freeze=freeze)
+        assert all(g is not None for g in last)
+        assert relative_error(list(model.parameters()), list(ref.parameters())) < 1e-5
+
+
+def test_unfreezing_what_the_engine_started_frozen_is_refused():
+    """A parameter frozen in the model the engine started with: its workers compute no
+    gradient for it, so requiring grad for it later is refused, naming it and the fix,
+    before anything runs; frozen again, the engine serves."""
+    torch.manual_seed(11)
+    model = Mlp()
+    model.fc1.requires_grad_(False)
+    x, y = data(40)
+    with shmgrad.Engine(model=model, workers=2, loss="cross_entropy") as engine:
+        engine.bind(model)
+        engine.gradient(inputs=x, targets=y)
+        served = engine.status().steps_served
+        model.fc1.weight.requires_grad_(True)
+        with pytest.raises(
+            shmgrad.InvalidArgumentError,
+            match="parameter 'fc1.weight' requires grad, but it was frozen .* start the engine",
+        ):
+            engine.gradient(inputs=x, targets=y)
+        assert engine.status().steps_served == served
+        other = Mlp()
+        with pytest.raises(shmgrad.InvalidArgumentError, match="'fc1.weight' \\(and 1 more\\)"):
+            engine.bind(other)  # every parameter trainable: fc1's two are not the engine's
+        model.fc1.weight.requires_grad_(False)
+        engine.gradient(inputs=x, targets=y)
+        assert model.fc1.weight.grad is None
+        ref = copy.deepcopy(model)
+        F.cross_entropy(ref(x), y, reduction="sum").backward()
+        assert ref.fc1.weight.grad is None
+        assert relative_error(grads(model.fc2), grads(ref.fc2)) < 1e-5
+
+
 # -- 9. mixed precision ----------------------------------------------------------------
 def test_autocast_forward_gives_float32_gradients():
     torch.manual_seed(6)
