@@ -130,6 +130,20 @@ def serve(
         model, wrapped = eager.compiled_original(model)  # torch.compile(module) given
         if wrapped is not None and compile_opts is None:
             compile_opts = wrapped
+        lazy = next(
+            (
+                n
+                for n, p in model.named_parameters()
+                if isinstance(p, torch.nn.parameter.UninitializedParameter)
+            ),
+            None,
+        )
+        if lazy is not None:
+            raise errors.InvalidArgumentError(
+                f"parameter {lazy!r} is not initialised yet (a lazy module's): run the model "
+                "once on a batch of your data before starting the engine, so that every "
+                "parameter has its shape"
+            )
     mode, mode_reason = eager.choose_mode(
         mode,
         model=model,

@@ -440,6 +440,22 @@ def test_unfreezing_what_the_engine_started_frozen_is_refused():
         assert relative_error(grads(model.fc2), grads(ref.fc2)) < 1e-5
 
 
+def test_lazy_module_not_yet_initialised_is_refused_naming_the_fix():
+    """A LazyLinear before its first forward has no shape: refused at start, naming the
+    parameter and the fix; nothing is started. After one forward it trains exactly."""
+    model = torch.nn.Sequential(torch.nn.LazyLinear(16), torch.nn.ReLU(), torch.nn.Linear(16, 5))
+    x, y = data(24)
+    with pytest.raises(
+        shmgrad.InvalidArgumentError, match="parameter '0.weight' is not initialised yet.*once"
+    ):
+        shmgrad.Engine(model=model, workers=2, loss="cross_entropy")
+    model(x[:1])
+    with shmgrad.Engine(model=model, workers=2, loss="cross_entropy") as engine:
+        engine.bind(model)
+        engine.gradient(inputs=x, targets=y)
+        assert relative_error(grads(model), reference_gradient(model, "cross_entropy", x, y)) < 1e-5
+
+
 # -- 9. mixed precision ----------------------------------------------------------------
 def test_autocast_forward_gives_float32_gradients():
     torch.manual_seed(6)
