@@ -677,9 +677,17 @@ class Client:
         deadline = time.monotonic() + timeout
         while t.worker_count() != workers:
             if time.monotonic() > deadline:
+                waiting = ", ".join(
+                    f"worker {w.slot} {w.state} (pid {w.pid}, restarts {w.restarts})"
+                    for w in read_status(self.name).workers
+                    if w.state != "ready"
+                )
                 raise errors.EngineTimeoutError(
                     f"engine {self.name!r}: {t.worker_count()} workers ready, not "
                     f"{workers}, after {timeout} s"
+                    + (f"; not ready: {waiting}" if waiting else "")
+                    + "; the engine's output (Engine.log(), or shmgrad serve's) says why a "
+                    "worker did not start"
                 )
             time.sleep(RESIZE_POLL_S)
 

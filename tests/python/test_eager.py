@@ -279,6 +279,39 @@ def test_a_worker_that_cannot_import_the_job_fails_start_up_with_its_message(tmp
         )
 
 
+def test_a_grow_whose_worker_cannot_start_times_out_naming_it(tmp_path, monkeypatch):
+    """The job's module gone after start: a worker added by resize cannot unpickle it. The
+    resize ends in EngineTimeoutError naming the worker that is not ready and where the
+    reason is; Engine.log() has the worker's error; the engine keeps serving."""
+    mod = tmp_path / "module_gone_later.py"
+    mod.write_text(
+        "import torch\nclass DS(torch.utils.data.Dataset):\n"
+        "    def __len__(self): return 4\n"
+        "    def __getitem__(self, i): return torch.zeros(6), 0\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import module_gone_later
+
+    model = nn.Linear(6, 2)
+    with shmgrad.Engine(
+        model=model,
+        loss="cross_entropy",
+        dataset=module_gone_later.DS(),
+        workers=1,
+        max_workers=2,
+    ) as engine:
+        mod.unlink()
+        with pytest.raises(
+            shmgrad.EngineTimeoutError,
+            match=r"1 workers ready, not 2, after 5 s; not ready: worker 1 .*Engine\.log\(\)",
+        ):
+            engine.resize(2, timeout=5)
+        assert "module_gone_later" in engine.log()
+        engine.resize(1)
+        engine.bind(model)
+        assert engine.gradient([0, 1, 2]).num_examples == 3
+
+
 class SlowDataset(NoisyDataset):
     def __getitem__(self, i):
         time.sleep(0.02)
