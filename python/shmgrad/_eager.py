@@ -7,6 +7,7 @@ The worker side is :mod:`shmgrad._eager_worker`. docs/DESIGN.md, "Eager workers"
 """
 
 import copy
+import io
 import os
 import pickle
 import random
@@ -362,9 +363,68 @@ class EagerJob(NamedTuple):
         ]
 
 
+def _rebuild_parametrized(cls, state, specs):
+    """A module pickled by :func:`_reduce_parametrized`, in the worker: the plain module,
+    then each tensor's parametrizations registered again, in their order. The values of
+    the originals do not matter: the worker's parameters become views of the engine's."""
+    from torch.nn.utils import parametrize
+
+    module = cls.__new__(cls)
+    module.__dict__.update(state)
+    for name, parametrizations, unsafe in specs:
+        for p in parametrizations:
+            parametrize.register_parametrization(module, name, p, unsafe=unsafe)
+    return module
+
+
+def _reduce_parametrized(module):
+    """How to pickle a module with torch.nn.utils.parametrize parametrizations (weight_norm,
+    spectral_norm, orthogonal, ...), which torch refuses to pickle: as the class it
+    extends, its state with each parametrized tensor as a plain parameter of the
+    parametrized value (computed in eval mode: spectral_norm's power iteration does not
+    run) and the parametrizations to register on it again. Same parameter names, order
+    and buffers after the rebuild."""
+    cls = type(module).__bases__[0]
+    state = dict(module.__dict__)
+    modules = dict(state["_modules"])
+    plists = modules.pop("parametrizations")
+    params = dict(state["_parameters"])
+    specs = []
+    for name, plist in plists.items():
+        modes = [m.training for m in plist.modules()]
+        plist.eval()
+        try:
+            with torch.no_grad():
+                value = plist()
+        finally:
+            for m, mode in zip(plist.modules(), modes):
+                m.training = mode
+        originals = [t for n, t in plist.named_parameters(recurse=False)]
+        trains = any(t.requires_grad for t in originals)
+        params[name] = torch.nn.Parameter(value.detach().clone(), requires_grad=trains)
+        specs.append((name, list(plist), plist.unsafe))
+    state["_modules"], state["_parameters"] = modules, params
+    return _rebuild_parametrized, (cls, state, specs)
+
+
+def _dumps(obj, cloudpickle):
+    """cloudpickle.dumps, which also takes modules with parametrizations."""
+    from torch.nn.utils import parametrize
+
+    class Pickler(cloudpickle.CloudPickler):
+        def reducer_override(self, obj):
+            if isinstance(obj, torch.nn.Module) and parametrize.is_parametrized(obj):
+                return _reduce_parametrized(obj)
+            return super().reducer_override(obj)
+
+    buf = io.BytesIO()
+    Pickler(buf, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(obj)
+    return buf.getvalue()
+
+
 def _pickle(name, obj, pickler):
     try:
-        return pickler.dumps(obj)
+        return _dumps(obj, pickler)
     except Exception as exc:
         raise errors.InvalidArgumentError(
             f"the {name} ({type(obj).__name__}) cannot be pickled for the eager workers: {exc}. "

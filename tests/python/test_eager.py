@@ -312,6 +312,54 @@ def test_a_grow_whose_worker_cannot_start_times_out_naming_it(tmp_path, monkeypa
         assert engine.gradient([0, 1, 2]).num_examples == 3
 
 
+class Parametrized(nn.Module):
+    """Layers under torch.nn.utils.parametrizations, which torch refuses to pickle."""
+
+    def __init__(self):
+        super().__init__()
+        from torch.nn.utils import parametrizations
+
+        self.a = parametrizations.weight_norm(nn.Linear(6, 12))
+        self.b = parametrizations.spectral_norm(nn.Linear(12, 12))
+        self.c = parametrizations.orthogonal(nn.Linear(12, 12))
+        self.out = nn.Linear(12, 3)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.c(torch.relu(self.b(torch.relu(self.a(x)))))))
+
+
+def test_parametrized_modules_reach_eager_workers_and_train_exactly():
+    """weight_norm, spectral_norm and orthogonal layers: the workers get them (pickled as
+    the plain layers plus their parametrizations, registered again there), with the same
+    parameter and buffer names; 3 SGD steps as one process, gradients and spectral_norm's
+    power-iteration vectors alike; starting the engine does not touch the model's."""
+    import copy
+
+    torch.manual_seed(12)
+    model = Parametrized()
+    ref = copy.deepcopy(model)
+    u = model.b.parametrizations.weight[0]._u.clone()
+    x, y = torch.randn(48, 6), torch.randint(0, 3, (48,))
+    with shmgrad.Engine(model=model, workers=2, loss="cross_entropy") as engine:
+        assert torch.equal(model.b.parametrizations.weight[0]._u, u)
+        engine.bind(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        for _ in range(3):
+            opt.zero_grad()
+            ropt.zero_grad()
+            engine.gradient(inputs=x, targets=y, reduction="mean")
+            nn.functional.cross_entropy(ref(x), y).backward()
+            got = [p.grad for p in model.parameters()]
+            assert relative_error(got, [p.grad for p in ref.parameters()]) < 1e-5
+            opt.step()
+            ropt.step()
+        buffers = dict(ref.named_buffers())
+        assert set(dict(model.named_buffers())) == set(buffers)
+        for name, b in model.named_buffers():
+            assert relative_error([b], [buffers[name]]) < 1e-5, name
+
+
 class SlowDataset(NoisyDataset):
     def __getitem__(self, i):
         time.sleep(0.02)
