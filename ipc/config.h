@@ -56,7 +56,7 @@ inline constexpr Tunable kTunables[] = {
      "the `shmgrad` program the Python package starts engines with"},
     {"SHMGRAD_REDUCE_BENCH", "the reduce_bench program inside the package",
      "the reduction benchmark `shmgrad bench` runs"},
-    {"SHMGRAD_STRESS_DEBUG", "unset", "`shmgrad stress` prints every event it injects"},
+    {"SHMGRAD_STRESS_DEBUG", "unset", "`shmgrad stress` prints the engine's status at a hang"},
     {"SHMGRAD_CUDA_LIBRARY", "libshmgrad_cuda.so inside the package",
      "the CUDA path's library an engine with devices loads (docs/GPU.md)"},
 };
