@@ -399,8 +399,7 @@ def _reduce_parametrized(module):
         finally:
             for m, mode in zip(plist.modules(), modes):
                 m.training = mode
-        originals = [t for n, t in plist.named_parameters(recurse=False)]
-        trains = any(t.requires_grad for t in originals)
+        trains = any(t.requires_grad for t in plist.parameters(recurse=False))
         params[name] = torch.nn.Parameter(value.detach().clone(), requires_grad=trains)
         specs.append((name, list(plist), plist.unsafe))
     state["_modules"], state["_parameters"] = modules, params

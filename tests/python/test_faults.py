@@ -37,6 +37,12 @@ def wait_for(cond, timeout, what):
         time.sleep(0.02)
 
 
+def assert_exact(model, x, y):
+    """The bound model's .grad is the summed cross-entropy gradient of one process."""
+    ref = reference_gradient(model, "cross_entropy", x, y)
+    assert relative_error([p.grad for p in model.parameters()], ref) < 1e-5
+
+
 BUSY_POLL_S = 0.001  # steps below take hundreds of ms: a kill lands early in them
 STEP_TIMEOUT_S = 120
 
@@ -102,13 +108,7 @@ def test_killed_idle_worker_is_replaced_and_gradient_stays_exact():
         assert st.worker_restarts == 1 and st.worker(1).restarts == 1
         assert st.steps_aborted == 0  # idle: no step to abort
         engine.gradient(inputs=x, targets=y)
-        assert (
-            relative_error(
-                [p.grad for p in model.parameters()],
-                reference_gradient(model, "cross_entropy", x, y),
-            )
-            < 1e-5
-        )
+        assert_exact(model, x, y)
 
 
 def test_stopped_worker_ends_the_step_in_timeout_and_is_replaced():
@@ -135,13 +135,7 @@ def test_stopped_worker_ends_the_step_in_timeout_and_is_replaced():
         st = engine.status()
         assert st.worker(1).restarts == 1 and st.worker(0).restarts == 0, st.text
         assert st.worker(0).pid == before[0] and st.worker(1).pid != before[1], st.text
-        assert (
-            relative_error(
-                [p.grad for p in model.parameters()],
-                reference_gradient(model, "cross_entropy", x, y),
-            )
-            < 1e-5
-        )
+        assert_exact(model, x, y)
 
 
 @pytest.mark.parametrize("victim", ["first", "last"])
@@ -205,13 +199,7 @@ def test_workers_dying_on_every_try_give_a_clear_error():
         assert after.step_retries == before.step_retries  # none allowed
         wait_for(lambda: engine.workers == 2, 30, "the replacement worker")
         engine.gradient(inputs=x[:32], targets=y[:32])
-        assert (
-            relative_error(
-                [p.grad for p in model.parameters()],
-                reference_gradient(model, "cross_entropy", x[:32], y[:32]),
-            )
-            < 1e-5
-        )
+        assert_exact(model, x[:32], y[:32])
 
 
 TRAINER = """
@@ -272,13 +260,7 @@ def test_slot_is_reused_only_after_its_retired_worker_exited(resume_after):
         for _ in range(5):
             stats = engine.gradient(inputs=x, targets=y, min_examples_per_worker=1)
             assert stats.workers == 3
-            assert (
-                relative_error(
-                    [p.grad for p in model.parameters()],
-                    reference_gradient(model, "cross_entropy", x, y),
-                )
-                < 1e-5
-            )
+            assert_exact(model, x, y)
         if resume_after is None:
             assert "did not exit" in engine.log()
 
@@ -302,13 +284,7 @@ def test_worker_retired_while_starting_does_not_come_up():
         assert engine.workers == 1
         stats = engine.gradient(inputs=x, targets=y, min_examples_per_worker=1)
         assert stats.workers == 1
-        assert (
-            relative_error(
-                [p.grad for p in model.parameters()],
-                reference_gradient(model, "cross_entropy", x, y),
-            )
-            < 1e-5
-        )
+        assert_exact(model, x, y)
 
 
 @contextlib.contextmanager
@@ -358,13 +334,7 @@ def test_killed_trainer_frees_the_engine(tmp_path):
         x, y = torch.randn(20, 1, 28, 28), torch.randint(0, 5, (20,))
         stats = engine.gradient(inputs=x, targets=y)
         assert stats.num_examples == 20
-        assert (
-            relative_error(
-                [p.grad for p in model.parameters()],
-                reference_gradient(model, "cross_entropy", x, y),
-            )
-            < 1e-5
-        )
+        assert_exact(model, x, y)
         engine.close()
 
 
@@ -400,13 +370,7 @@ def test_worker_stopped_in_a_killed_trainers_step_is_replaced(tmp_path):
             st = engine.status()
             assert st.worker(slot).pid != victim and st.worker(slot).restarts == 1, st.text
             assert st.worker(1 - slot).restarts == 0, st.text
-            assert (
-                relative_error(
-                    [p.grad for p in model.parameters()],
-                    reference_gradient(model, "cross_entropy", x, y),
-                )
-                < 1e-5
-            )
+            assert_exact(model, x, y)
             engine.close()
         finally:
             if victim is not None:
