@@ -196,6 +196,18 @@ class Coordinator {
                     ", and this machine shows ", visible, " GPU(s) (cuda:0 to cuda:", visible - 1,
                     ")");
     }
+    // Every process maps every device's buffers in its own device's context and reduces
+    // across them there (peer access): devices that cannot address each other are
+    // refused before anything is allocated.
+    for (int d : opt_.devices) {
+      for (int peer : opt_.devices) {
+        SHMGRAD_CHECK(cuda_->canAccessPeer(d, peer), ErrorKind::kInvalidArgument,
+                      "--devices names cuda:", d, " and cuda:", peer,
+                      ", which have no peer access (cudaDeviceCanAccessPeer; `nvidia-smi topo "
+                      "-p2p r` shows it): an engine reduces across its GPUs through peer "
+                      "access, so serve GPUs that have it, or one GPU");
+      }
+    }
     auto* table = seg_->region<ipc::DeviceTable>(h()->device);
     ipc::initDeviceTable(table, opt_.devices, h()->num_slots, h()->param_floats, h()->buffers.size);
     for (uint32_t d = 0; d < table->count; ++d) {

@@ -68,7 +68,8 @@ std::shared_ptr<CudaLibrary> CudaLibrary::load(const std::string& path) {
   bind(handle, path, "shmgrad_cuda_copy_to_host", &lib->copy_to_host_);
   bind(handle, path, "shmgrad_cuda_zero", &lib->zero_);
   bind(handle, path, "shmgrad_cuda_synchronize", &lib->synchronize_);
-  bind(handle, path, "shmgrad_cuda_copy_peer", &lib->copy_peer_);
+  bind(handle, path, "shmgrad_cuda_can_access_peer", &lib->can_access_peer_);
+  bind(handle, path, "shmgrad_cuda_copy", &lib->copy_);
   bind(handle, path, "shmgrad_cuda_reduce", &lib->reduce_);
   bind(handle, path, "shmgrad_cuda_any_nonfinite", &lib->any_nonfinite_);
   // Read once: where the library's allocations live does not change while it is loaded.
@@ -158,10 +159,14 @@ void CudaLibrary::synchronize(int device) const {
   check(synchronize_(device), "cudaDeviceSynchronize", device);
 }
 
-void CudaLibrary::copyPeer(int dst_device, uint64_t dst, int src_device, uint64_t src,
-                           uint64_t bytes) const {
-  const std::string what = "a peer copy from cuda:" + std::to_string(src_device);
-  check(copy_peer_(dst_device, dst, src_device, src, bytes), what.c_str(), dst_device);
+bool CudaLibrary::canAccessPeer(int device, int peer) const {
+  int can = 0;
+  check(can_access_peer_(device, peer, &can), "cudaDeviceCanAccessPeer", device);
+  return can != 0;
+}
+
+void CudaLibrary::copy(int device, uint64_t dst, uint64_t src, uint64_t bytes) const {
+  check(copy_(device, dst, src, bytes), "a device-to-device copy", device);
 }
 
 void CudaLibrary::reduce(int device, uint64_t out, uint64_t prev, const uint64_t* ins,
@@ -179,10 +184,11 @@ namespace {
 
 // CUDA maps a handle once per process (a second cudaIpcOpenMemHandle of a handle that is
 // open fails): every DeviceMapping of the same allocation in this process shares one
-// opening, closed with the last of them.
+// opening, in one device's context, closed with the last of them.
 struct Opened {
   uint64_t ptr;
   int mappings;
+  int context;
 };
 std::mutex g_opened_mu;
 std::map<std::pair<int, IpcHandle>, Opened>& openedHandles() {
@@ -193,7 +199,7 @@ std::map<std::pair<int, IpcHandle>, Opened>& openedHandles() {
 }  // namespace
 
 DeviceMapping::DeviceMapping(std::shared_ptr<const CudaLibrary> cuda, const ipc::Segment& segment,
-                             uint32_t device_index)
+                             uint32_t device_index, int context)
     : cuda_(std::move(cuda)) {
   const ipc::SegmentHeader* h = segment.header();
   const auto* table = segment.region<ipc::DeviceTable>(h->device);
@@ -209,15 +215,28 @@ DeviceMapping::DeviceMapping(std::shared_ptr<const CudaLibrary> cuda, const ipc:
   slots_ = e.slots;
   layout_ = e.layout;
   std::memcpy(handle_.data(), e.ipc_handle, handle_.size());
+  context_ = context < 0 ? ordinal_ : context;
   std::lock_guard<std::mutex> lock(g_opened_mu);
   auto it = openedHandles().find({ordinal_, handle_});
   if (it != openedHandles().end()) {
+    SHMGRAD_CHECK(it->second.context == context_, ErrorKind::kInvalidArgument, "cuda:", ordinal_,
+                  "'s buffers are open in this process for cuda:", it->second.context,
+                  "'s kernels, not cuda:", context_,
+                  "'s: CUDA maps an allocation once per process, so a process uses one device");
     ++it->second.mappings;
     base_ = it->second.ptr;
     return;
   }
-  base_ = cuda_->ipcOpen(ordinal_, handle_);
-  openedHandles()[{ordinal_, handle_}] = {base_, 1};
+  try {
+    base_ = cuda_->ipcOpen(context_, handle_);
+  } catch (const Error& err) {
+    // No peer access between the devices (the coordinator checks that before it starts
+    // workers; this is the same refusal for a process that opens a table on its own).
+    if (context_ == ordinal_ || cuda_->canAccessPeer(context_, ordinal_)) throw;
+    raise(ErrorKind::kInvalidArgument, "cuda:", context_, " cannot address cuda:", ordinal_,
+          "'s memory (the devices have no peer access): ", err.what());
+  }
+  openedHandles()[{ordinal_, handle_}] = {base_, 1, context_};
 }
 
 DeviceMapping::~DeviceMapping() {
@@ -226,7 +245,7 @@ DeviceMapping::~DeviceMapping() {
   auto it = openedHandles().find({ordinal_, handle_});
   if (it == openedHandles().end() || --it->second.mappings > 0) return;
   openedHandles().erase(it);
-  cuda_->ipcClose(ordinal_, base_);
+  cuda_->ipcClose(context_, base_);
 }
 
 uint64_t DeviceMapping::reduced() const {

@@ -48,7 +48,10 @@ class CudaLibrary {
   // The step's operations (gpu/cuda_ops.h), each done when it returns; errors named.
   void zero(int device, uint64_t ptr, uint64_t bytes) const;
   void synchronize(int device) const;
-  void copyPeer(int dst_device, uint64_t dst, int src_device, uint64_t src, uint64_t bytes) const;
+  // Whether kernels on `device` can address `peer`'s memory (true for a device and itself).
+  bool canAccessPeer(int device, int peer) const;
+  // A device-to-device copy issued on `device`, in whose context both addresses are mapped.
+  void copy(int device, uint64_t dst, uint64_t src, uint64_t bytes) const;
   void reduce(int device, uint64_t out, uint64_t prev, const uint64_t* ins, uint32_t nins,
               uint64_t begin, uint64_t end, float a, float b) const;
   bool anyNonFinite(int device, uint64_t ptr, uint64_t begin, uint64_t end) const;
@@ -74,7 +77,8 @@ class CudaLibrary {
   decltype(&shmgrad_cuda_copy_to_host) copy_to_host_ = nullptr;
   decltype(&shmgrad_cuda_zero) zero_ = nullptr;
   decltype(&shmgrad_cuda_synchronize) synchronize_ = nullptr;
-  decltype(&shmgrad_cuda_copy_peer) copy_peer_ = nullptr;
+  decltype(&shmgrad_cuda_can_access_peer) can_access_peer_ = nullptr;
+  decltype(&shmgrad_cuda_copy) copy_ = nullptr;
   decltype(&shmgrad_cuda_reduce) reduce_ = nullptr;
   decltype(&shmgrad_cuda_any_nonfinite) any_nonfinite_ = nullptr;
   bool host_memory_ = false;
@@ -84,18 +88,26 @@ class CudaLibrary {
 // handle opened in this process (once per process however many mappings share it, as CUDA
 // requires; closed with the last), and the addresses of its regions
 // from the layout that validateDeviceTable checked against the segment's own sizes (again
-// here, at open: the segment is shared memory).
+// here, at open: the segment is shared memory). The handle is opened in the context of
+// the device whose kernels use it (`context`: the process's device), so that a reducer on
+// one device addresses another device's slots through peer access, as NCCL opens its
+// peers' buffers; an opening in the allocation's own context would leave them unmapped
+// there.
 class DeviceMapping {
  public:
-  // kInvalidArgument for a device index past the table; kNotFound while the coordinator
-  // has not published the entry; CorruptError for a table that fails validation.
+  // kInvalidArgument for a device index past the table, or a `context` device that cannot
+  // address this one (no peer access); kNotFound while the coordinator has not published
+  // the entry; CorruptError for a table that fails validation. `context` -1: the
+  // allocation's own device.
   DeviceMapping(std::shared_ptr<const CudaLibrary> cuda, const ipc::Segment& segment,
-                uint32_t device_index);
+                uint32_t device_index, int context = -1);
   ~DeviceMapping();
   DeviceMapping(const DeviceMapping&) = delete;
   DeviceMapping& operator=(const DeviceMapping&) = delete;
 
   int ordinal() const { return ordinal_; }
+  // The device in whose context the buffers are mapped here.
+  int context() const { return context_; }
   uint32_t slots() const { return slots_; }
   uint64_t params() const { return base_ + layout_.params; }
   uint64_t buffers() const { return base_ + layout_.buffers; }
@@ -109,6 +121,7 @@ class DeviceMapping {
  private:
   std::shared_ptr<const CudaLibrary> cuda_;
   int ordinal_ = -1;
+  int context_ = -1;
   uint32_t slots_ = 0;
   ipc::DeviceLayout layout_{};
   IpcHandle handle_{};

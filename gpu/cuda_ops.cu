@@ -182,6 +182,20 @@ SHMGRAD_API int shmgrad_cuda_ipc_close(int device, uint64_t ptr) {
   return cudaIpcCloseMemHandle(at<void>(ptr));
 }
 
+SHMGRAD_API int shmgrad_cuda_can_access_peer(int device, int peer, int* can) {
+  if (can == nullptr) return cudaErrorInvalidValue;
+  *can = 0;
+  int count = 0;
+  cudaError_t e = use(device, &count);
+  if (e != cudaSuccess) return e;
+  if (peer < 0 || peer >= count) return cudaErrorInvalidDevice;
+  if (peer == device) {
+    *can = 1;
+    return cudaSuccess;
+  }
+  return cudaDeviceCanAccessPeer(can, device, peer);
+}
+
 SHMGRAD_API int shmgrad_cuda_copy_to_device(int device, uint64_t dst, const void* src,
                                             uint64_t bytes) {
   cudaError_t e = use(device);
@@ -212,16 +226,13 @@ SHMGRAD_API int shmgrad_cuda_synchronize(int device) {
   return cudaDeviceSynchronize();
 }
 
-SHMGRAD_API int shmgrad_cuda_copy_peer(int dst_device, uint64_t dst, int src_device, uint64_t src,
-                                       uint64_t bytes) {
+SHMGRAD_API int shmgrad_cuda_copy(int device, uint64_t dst, uint64_t src, uint64_t bytes) {
   if (dst == 0 || src == 0) return cudaErrorInvalidValue;
-  cudaError_t e = use(src_device);  // checks the ordinal; the copy is issued from dst's
+  cudaError_t e = use(device);
   if (e != cudaSuccess) return e;
-  e = use(dst_device);
-  if (e != cudaSuccess) return e;
-  // cudaMemcpyPeer is ordered after the work already issued to both devices but may return
-  // before it is done: the legacy stream's synchronisation waits for it.
-  e = cudaMemcpyPeer(at<void>(dst), dst_device, at<const void>(src), src_device, bytes);
+  // Unified addressing: the driver finds each address's device (a peer copy over NVLink or
+  // PCIe when they differ); on the legacy stream, after the work issued before it.
+  e = cudaMemcpyAsync(at<void>(dst), at<const void>(src), bytes, cudaMemcpyDefault, 0);
   if (e != cudaSuccess) return e;
   return cudaStreamSynchronize(0);
 }

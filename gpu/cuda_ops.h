@@ -17,7 +17,7 @@
 extern "C" {
 #endif
 
-#define SHMGRAD_CUDA_API_VERSION 2
+#define SHMGRAD_CUDA_API_VERSION 3
 #define SHMGRAD_IPC_HANDLE_BYTES 64
 #define SHMGRAD_MAX_REDUCE_INPUTS 64  // ipc::kMaxWorkers
 
@@ -38,12 +38,19 @@ int shmgrad_cuda_device_info(int device, char* name, size_t len, int* major, int
 // cudaMalloc on `device`, zero-filled; the pointer as an integer.
 int shmgrad_cuda_alloc(int device, uint64_t bytes, uint64_t* ptr);
 int shmgrad_cuda_free(int device, uint64_t ptr);
-// The IPC handle of an allocation's base pointer, and its opening in another process
-// (cudaIpcMemLazyEnablePeerAccess); a process cannot open its own handles.
+// The IPC handle of an allocation's base pointer (made on the allocation's `device`).
 int shmgrad_cuda_ipc_handle(int device, uint64_t ptr, uint8_t handle[SHMGRAD_IPC_HANDLE_BYTES]);
+// Opens a handle made in another process (a process cannot open its own) in `device`'s
+// context: the device whose kernels will use the memory, which may be another device than
+// the allocation's (cudaIpcMemLazyEnablePeerAccess enables peer access to it, as NCCL opens
+// its peers' buffers; an error where the devices have no peer access). A handle opens once
+// per process; close it with the same `device`.
 int shmgrad_cuda_ipc_open(int device, const uint8_t handle[SHMGRAD_IPC_HANDLE_BYTES],
                           uint64_t* ptr);
 int shmgrad_cuda_ipc_close(int device, uint64_t ptr);
+// *can = 1 when kernels on `device` can address `peer`'s memory (cudaDeviceCanAccessPeer;
+// 1 for a device and itself), else 0.
+int shmgrad_cuda_can_access_peer(int device, int peer, int* can);
 // Synchronous copies between host and device memory (set-up and tests; not the step).
 int shmgrad_cuda_copy_to_device(int device, uint64_t dst, const void* src, uint64_t bytes);
 int shmgrad_cuda_copy_to_host(int device, void* dst, uint64_t src, uint64_t bytes);
@@ -61,17 +68,16 @@ int shmgrad_cuda_zero(int device, uint64_t ptr, uint64_t bytes);
 // Waits for every piece of work this process issued on `device` (cudaDeviceSynchronize):
 // a worker's backward is in its slot before it arrives at the compute barrier.
 int shmgrad_cuda_synchronize(int device);
-// Copies bytes from src on src_device to dst on dst_device (peer to peer where the
-// devices allow, else staged by the driver).
-int shmgrad_cuda_copy_peer(int dst_device, uint64_t dst, int src_device, uint64_t src,
-                           uint64_t bytes);
+// Copies bytes from src to dst, issued on `device`, from whose context both addresses
+// are mapped: its own memory or another device's opened there (a peer copy).
+int shmgrad_cuda_copy(int device, uint64_t dst, uint64_t src, uint64_t bytes);
 // The reduction of one slice, on `device`: for i in [begin, end),
 //   out[i] = a * prev[i] + b * (ins[0][i] + ins[1][i] + ... + ins[nins-1][i])
 // summed in list order in float32, so the result is deterministic for a given list.
-// ins (nins <= SHMGRAD_MAX_REDUCE_INPUTS, host array of device addresses) must be
-// addressable from `device`: its own memory, or another device's opened through IPC
-// (peer access). prev may be 0 when a == 0; out may equal prev or an input (each element
-// is read before it is written).
+// out, prev and ins (nins <= SHMGRAD_MAX_REDUCE_INPUTS, a host array of device addresses)
+// must be mapped in `device`'s context: its own memory, or another device's opened there
+// through IPC (peer access). prev may be 0 when a == 0; out may equal prev or an input (each
+// element is read before it is written).
 int shmgrad_cuda_reduce(int device, uint64_t out, uint64_t prev, const uint64_t* ins, uint32_t nins,
                         uint64_t begin, uint64_t end, float a, float b);
 // *found = 1 when a float in ptr[begin, end) is NaN or infinite, else 0.

@@ -9,17 +9,26 @@
 
 namespace shmgrad::gpu {
 
-EngineMemory::EngineMemory(const ipc::Segment& segment, const std::string& cuda_library)
+EngineMemory::EngineMemory(const ipc::Segment& segment, const std::string& cuda_library,
+                           int64_t slot)
     : segment_(segment) {
   const ipc::SegmentHeader* h = segment.header();
   const auto* table = segment.region<ipc::DeviceTable>(h->device);
   ipc::validateDeviceTable(*table, h->num_slots, h->param_floats, h->buffers.size, -1);
   if (table->count == 0) return;
+  SHMGRAD_CHECK(slot < static_cast<int64_t>(h->num_slots), ErrorKind::kInvalidArgument, "slot ",
+                slot, " is out of range: the engine has ", h->num_slots, " slots");
+  // Validated above, but shared memory: read once and checked again where it is used.
+  const int mine = slot < 0 ? 0 : table->slot_device[slot];
+  SHMGRAD_CHECK(mine >= 0 && static_cast<uint32_t>(mine) < table->count, ErrorKind::kCorrupt,
+                "device table: slot ", slot, " is placed on device index ", mine, " of ",
+                table->count);
+  context_ = table->devices[mine].ordinal;
   std::string path = cuda_library;
   if (const char* env = config::tunable("SHMGRAD_CUDA_LIBRARY")) path = env;
   cuda_ = CudaLibrary::load(path.empty() ? CudaLibrary::defaultPath() : path);
   for (uint32_t d = 0; d < table->count; ++d) {
-    devices_.push_back(std::make_unique<DeviceMapping>(cuda_, segment, d));
+    devices_.push_back(std::make_unique<DeviceMapping>(cuda_, segment, d, context_));
   }
 }
 
@@ -121,11 +130,13 @@ bool EngineMemory::anyNonFinite(int ordinal, const float* p, uint64_t begin, uin
 uint64_t EngineMemory::syncParams() const {
   if (devices_.size() < 2) return 0;
   const DeviceMapping& first = *devices_[0];
+  SHMGRAD_CHECK(context_ == first.ordinal(), ErrorKind::kInvalidArgument,
+                "the parameters are brought up to date by the trainer, on cuda:", first.ordinal(),
+                ", not from cuda:", context_);
   const uint64_t bytes = segment_.header()->param_floats * sizeof(float);
   cuda_->synchronize(first.ordinal());
   for (size_t d = 1; d < devices_.size(); ++d) {
-    cuda_->copyPeer(devices_[d]->ordinal(), devices_[d]->params(), first.ordinal(), first.params(),
-                    bytes);
+    cuda_->copy(first.ordinal(), devices_[d]->params(), first.params(), bytes);
   }
   return bytes * (devices_.size() - 1);
 }

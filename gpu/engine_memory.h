@@ -8,6 +8,9 @@
 // placed on; the reduced gradient (and the accumulator) are the first device's, the
 // trainer's device, where every reducer writes its slice (peer access). The other devices'
 // parameter copies are brought up to date from the first before each step (syncParams).
+// A process computes on one device (a worker on its slot's, the trainer on the first), and
+// every device's allocation is mapped in that device's context, so its kernels address
+// them all (the coordinator checked that the devices are peers).
 #pragma once
 
 #include <cstdint>
@@ -26,8 +29,10 @@ class EngineMemory {
   // ($SHMGRAD_CUDA_LIBRARY, else `cuda_library`, else CudaLibrary::defaultPath(); the
   // coordinator sets the variable for its workers) and opens every published device:
   // kNotFound while one is not published yet, CorruptError for a table that fails
-  // validation.
-  EngineMemory(const ipc::Segment& segment, const std::string& cuda_library = "");
+  // validation. `slot`: the worker's, whose device this process computes on; -1 for the
+  // trainer (the first device).
+  EngineMemory(const ipc::Segment& segment, const std::string& cuda_library = "",
+               int64_t slot = -1);
   ~EngineMemory();
   EngineMemory(const EngineMemory&) = delete;
   EngineMemory& operator=(const EngineMemory&) = delete;
@@ -38,6 +43,9 @@ class EngineMemory {
   int ordinal(uint32_t slot) const;
   // The first device's ordinal (the trainer's); -1 for a CPU engine.
   int trainerOrdinal() const { return onDevice() ? devices_[0]->ordinal() : -1; }
+  // The device this process computes on, in whose context every allocation is mapped;
+  // -1 for a CPU engine.
+  int contextOrdinal() const { return context_; }
   // The device index for tensors over memory on `ordinal`: -1 for CPU tensors (a CPU
   // engine, or a CUDA library whose memory is host memory: the test double), else it.
   int tensorDevice(int ordinal) const;
@@ -59,7 +67,8 @@ class EngineMemory {
   void scale(int ordinal, float* p, uint64_t begin, uint64_t end, float factor) const;
   bool anyNonFinite(int ordinal, const float* p, uint64_t begin, uint64_t end) const;
   // The trainer's copy of the parameters into every other device's (after its optimizer
-  // step, before the next step's forward); waits for the trainer's device first. Returns
+  // step, before the next step's forward); waits for the trainer's device first; issued on
+  // the trainer's device (kInvalidArgument in a process that computes on another). Returns
   // the bytes copied (0 with one device or none).
   uint64_t syncParams() const;
 
@@ -71,6 +80,7 @@ class EngineMemory {
   const ipc::Segment& segment_;
   std::shared_ptr<const CudaLibrary> cuda_;
   std::vector<std::unique_ptr<DeviceMapping>> devices_;
+  int context_ = -1;
 };
 
 }  // namespace shmgrad::gpu

@@ -319,9 +319,15 @@ TEST(DeviceBuffersTest, EachDeviceGetsItsBuffersAndHandleAndLosesThemAtStop) {
       SCOPED_TRACE("device " + std::to_string(d));
       ASSERT_EQ(table->devices[d].state.load(),
                 static_cast<uint32_t>(ipc::DeviceState::kPublished));
-      // As a worker or the trainer opens it: the handle, then the regions by the layout.
-      gpu::DeviceMapping m(cuda, seg, d);
+      // As the trainer opens it: the handle, in its device's context (the first device's:
+      // the trainer above opened every device so), then the regions by the layout.
+      const int trainers = table->devices[0].ordinal;
+      gpu::DeviceMapping m(cuda, seg, d, trainers);
       EXPECT_EQ(m.ordinal(), table->devices[d].ordinal);
+      EXPECT_EQ(m.context(), trainers);
+      // CUDA maps an allocation once per process: another device's context is refused.
+      EXPECT_TRUE(throwsKind(ErrorKind::kInvalidArgument,
+                             [&] { gpu::DeviceMapping again(cuda, seg, d, 1 - trainers); }));
       // The device's copy of the parameters is the segment's; its slots start at zero.
       std::vector<float> params(h->param_floats), slot(h->param_floats, 1.0f);
       cuda->copyToHost(m.ordinal(), params.data(), m.params(), params.size() * 4);
@@ -335,10 +341,10 @@ TEST(DeviceBuffersTest, EachDeviceGetsItsBuffersAndHandleAndLosesThemAtStop) {
       // second), which outlives the first mapping.
       const float mark = 3.25f;
       cuda->copyToDevice(m.ordinal(), m.slot(0), &mark, sizeof mark);
-      auto other = std::make_unique<gpu::DeviceMapping>(cuda, seg, d);
+      auto other = std::make_unique<gpu::DeviceMapping>(cuda, seg, d, trainers);
       EXPECT_EQ(other->slot(0), m.slot(0));
       {
-        gpu::DeviceMapping third(cuda, seg, d);  // opened and released while others live
+        gpu::DeviceMapping third(cuda, seg, d, trainers);  // opened, released while others live
       }
       float seen = 0.0f;
       cuda->copyToHost(m.ordinal(), &seen, other->slot(0), sizeof seen);
@@ -361,7 +367,7 @@ TEST(DeviceBuffersTest, EachDeviceGetsItsBuffersAndHandleAndLosesThemAtStop) {
       }
     }
     EXPECT_TRUE(throwsKind(ErrorKind::kInvalidArgument,
-                           [&] { gpu::DeviceMapping past(cuda, seg, table->count); }));
+                           [&] { gpu::DeviceMapping past(cuda, seg, table->count, 1); }));
     // The engine serves, its workers computing in the devices' memory.
     torch::Tensor idx = torch::arange(0, 20, torch::kInt64);
     auto ref = referenceGradient(f.model, "cross_entropy", f.x.index_select(0, idx),
@@ -383,10 +389,12 @@ TEST(DeviceBuffersTest, WhatAMachineLacksFailsTheStartAndLeavesNothing) {
     const char* fake_devices;
     const char* devices;
     const char* words;
+    const char* no_peer = "0";
   };
   for (const Case& c : {
            Case{kFakeCuda, "1", "0,3", "names cuda:3, and this machine shows 1 GPU"},
            Case{kFakeCuda, "2", "1,1", "listed twice"}, Case{kFakeCuda, "0", "0", "sees none"},
+           Case{kFakeCuda, "2", "0,1", "cuda:0 and cuda:1, which have no peer access", "1"},
            Case{"/nonexistent/libshmgrad_cuda.so", "2", "0", "built without its CUDA path"},
            Case{kRealCuda, "2", "0", "driver"},  // this machine: no NVIDIA driver
        }) {
@@ -397,6 +405,7 @@ TEST(DeviceBuffersTest, WhatAMachineLacksFailsTheStartAndLeavesNothing) {
     }
     setenv("SHMGRAD_CUDA_LIBRARY", c.library, 1);
     setenv("FAKE_CUDA_DEVICES", c.fake_devices, 1);
+    setenv("FAKE_CUDA_NO_PEER", c.no_peer, 1);
     const std::string name = uniqueName("nodev");
     const auto [code, out] = serveToEnd(name, base + "--devices " + c.devices);
     EXPECT_NE(code, 0);
@@ -405,6 +414,7 @@ TEST(DeviceBuffersTest, WhatAMachineLacksFailsTheStartAndLeavesNothing) {
   }
   unsetenv("SHMGRAD_CUDA_LIBRARY");
   unsetenv("FAKE_CUDA_DEVICES");
+  unsetenv("FAKE_CUDA_NO_PEER");
 }
 
 // GPU workers end to end on the fake device library (tests/fake_cuda.cc: host memory

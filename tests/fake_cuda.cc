@@ -6,6 +6,11 @@
 // FAKE_CUDA_DEVICES (default 2) devices are visible; 0 acts as "no device".
 // FAKE_CUDA_HANG_FILE names a file: a shmgrad_cuda_synchronize that finds it there does
 // not return for ten minutes, whatever happens to the file (a kernel that hangs).
+// Contexts as CUDA has them: an allocation is mapped in its device's context, an opened
+// handle in the context of the device it was opened on (another device's allocation
+// opened there through peer access; FAKE_CUDA_NO_PEER=1: devices that are no peers, whose
+// opening fails as CUDA's does), and the operations on `device` refuse an address not
+// mapped in its context (cudaErrorIllegalAddress, where a GPU would fault).
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -27,12 +32,14 @@
 namespace {
 
 constexpr int kSuccess = 0, kInvalidValue = 1, kMemoryAllocation = 2, kNoDevice = 100,
-              kInvalidDevice = 101, kAlreadyMapped = 208, kInvalidHandle = 400;
+              kInvalidDevice = 101, kAlreadyMapped = 208, kPeerAccessUnsupported = 217,
+              kInvalidHandle = 400, kIllegalAddress = 700;
 
 struct Mapping {
   std::string name;    // the object this process allocated; empty for an opened handle
   std::string opened;  // the object an opened handle names
   uint64_t bytes;
+  int context;  // the device in whose context it is mapped
 };
 std::mutex g_mu;
 std::map<uint64_t, Mapping> g_maps;
@@ -48,7 +55,23 @@ int use(int device) {
   return device >= 0 && device < devices() ? kSuccess : kInvalidDevice;
 }
 
-int mapObject(const char* name, int flags, uint64_t bytes, uint64_t* ptr) {
+bool peers() {
+  const char* env = std::getenv("FAKE_CUDA_NO_PEER");
+  return env == nullptr || std::strcmp(env, "1") != 0;
+}
+
+// Whether [ptr, ptr + bytes) lies in one mapping of `device`'s context (any context for
+// device -1: a copy, which unified addressing resolves whatever the context).
+bool mappedIn(int device, uint64_t ptr, uint64_t bytes) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto it = g_maps.upper_bound(ptr);
+  if (it == g_maps.begin()) return false;
+  --it;
+  return (device < 0 || it->second.context == device) &&
+         ptr + bytes <= it->first + it->second.bytes;
+}
+
+int mapObject(const char* name, int flags, uint64_t bytes, int context, uint64_t* ptr) {
   const int fd = shm_open(name, flags, 0600);
   if (fd < 0) return flags & O_CREAT ? kMemoryAllocation : kInvalidHandle;
   if ((flags & O_CREAT) && ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
@@ -65,7 +88,7 @@ int mapObject(const char* name, int flags, uint64_t bytes, uint64_t* ptr) {
   *ptr = reinterpret_cast<uintptr_t>(p);
   std::lock_guard<std::mutex> lock(g_mu);
   g_maps[*ptr] = {flags & O_CREAT ? name : "", flags & O_CREAT ? "" : name,
-                  static_cast<uint64_t>(st.st_size)};
+                  static_cast<uint64_t>(st.st_size), context};
   return kSuccess;
 }
 
@@ -102,6 +125,10 @@ FAKE_API const char* shmgrad_cuda_error_name(int code) {
       return "cudaErrorInvalidDevice";
     case kAlreadyMapped:
       return "cudaErrorAlreadyMapped";
+    case kPeerAccessUnsupported:
+      return "cudaErrorPeerAccessUnsupported";
+    case kIllegalAddress:
+      return "cudaErrorIllegalAddress";
     case kInvalidHandle:
       return "cudaErrorInvalidResourceHandle";
     default:
@@ -123,9 +150,10 @@ FAKE_API int shmgrad_cuda_device_info(int device, char* name, size_t len, int* m
 FAKE_API int shmgrad_cuda_alloc(int device, uint64_t bytes, uint64_t* ptr) {
   *ptr = 0;
   if (int e = use(device)) return e;
-  const std::string name =
-      "/shmgrad-fakecuda-" + std::to_string(getpid()) + "-" + std::to_string(g_counter++);
-  return mapObject(name.c_str(), O_CREAT | O_EXCL | O_RDWR, bytes, ptr);
+  // The name ends with the device: an opening knows the allocation's device, as CUDA's does.
+  const std::string name = "/shmgrad-fakecuda-" + std::to_string(getpid()) + "-" +
+                           std::to_string(g_counter++) + "-" + std::to_string(device);
+  return mapObject(name.c_str(), O_CREAT | O_EXCL | O_RDWR, bytes, device, ptr);
 }
 FAKE_API int shmgrad_cuda_free(int device, uint64_t ptr) {
   if (int e = use(device)) return e;
@@ -149,6 +177,8 @@ FAKE_API int shmgrad_cuda_ipc_open(int device, const uint8_t handle[SHMGRAD_IPC_
   char name[SHMGRAD_IPC_HANDLE_BYTES + 1] = {};
   std::memcpy(name, handle, SHMGRAD_IPC_HANDLE_BYTES);
   if (std::strncmp(name, "/shmgrad-fakecuda-", 18) != 0) return kInvalidHandle;
+  const char* dash = std::strrchr(name, '-');
+  if (std::atoi(dash + 1) != device && !peers()) return kPeerAccessUnsupported;
   {
     // As CUDA: a process cannot open its own allocation's handle, nor open a handle that
     // it has open already (one mapping per handle per context).
@@ -158,11 +188,19 @@ FAKE_API int shmgrad_cuda_ipc_open(int device, const uint8_t handle[SHMGRAD_IPC_
       if (m.opened == name) return kAlreadyMapped;
     }
   }
-  return mapObject(name, O_RDWR, 0, ptr);
+  return mapObject(name, O_RDWR, 0, device, ptr);
 }
 FAKE_API int shmgrad_cuda_ipc_close(int device, uint64_t ptr) {
   if (int e = use(device)) return e;
   return unmap(ptr, false);
+}
+FAKE_API int shmgrad_cuda_can_access_peer(int device, int peer, int* can) {
+  if (can == nullptr) return kInvalidValue;
+  *can = 0;
+  if (int e = use(device)) return e;
+  if (int e = use(peer)) return e;
+  *can = peer == device || peers() ? 1 : 0;
+  return kSuccess;
 }
 FAKE_API int shmgrad_cuda_copy_to_device(int device, uint64_t dst, const void* src,
                                          uint64_t bytes) {
@@ -179,6 +217,7 @@ FAKE_API int shmgrad_cuda_memory_kind(void) { return 1; }
 FAKE_API int shmgrad_cuda_zero(int device, uint64_t ptr, uint64_t bytes) {
   if (ptr == 0) return kInvalidValue;
   if (int e = use(device)) return e;
+  if (!mappedIn(device, ptr, bytes)) return kIllegalAddress;
   std::memset(reinterpret_cast<void*>(ptr), 0, bytes);
   return kSuccess;
 }
@@ -187,11 +226,10 @@ FAKE_API int shmgrad_cuda_synchronize(int device) {
   if (hang != nullptr && access(hang, F_OK) == 0) sleep(600);
   return use(device);
 }
-FAKE_API int shmgrad_cuda_copy_peer(int dst_device, uint64_t dst, int src_device, uint64_t src,
-                                    uint64_t bytes) {
+FAKE_API int shmgrad_cuda_copy(int device, uint64_t dst, uint64_t src, uint64_t bytes) {
   if (dst == 0 || src == 0) return kInvalidValue;
-  if (int e = use(src_device)) return e;
-  if (int e = use(dst_device)) return e;
+  if (int e = use(device)) return e;
+  if (!mappedIn(-1, dst, bytes) || !mappedIn(-1, src, bytes)) return kIllegalAddress;
   std::memcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes);
   return kSuccess;
 }
@@ -207,6 +245,16 @@ FAKE_API int shmgrad_cuda_reduce(int device, uint64_t out, uint64_t prev, const 
     if (ins[k] == 0) return kInvalidValue;
   }
   if (int e = use(device)) return e;
+  const uint64_t first = begin * sizeof(float), bytes = (end - begin) * sizeof(float);
+  if (end > begin) {
+    if (!mappedIn(device, out + first, bytes) ||
+        (a != 0.0f && !mappedIn(device, prev + first, bytes))) {
+      return kIllegalAddress;
+    }
+    for (uint32_t k = 0; k < nins; ++k) {
+      if (!mappedIn(device, ins[k] + first, bytes)) return kIllegalAddress;
+    }
+  }
   auto* o = reinterpret_cast<float*>(out);
   const auto* p = reinterpret_cast<const float*>(prev);
   for (uint64_t i = begin; i < end; ++i) {
@@ -223,6 +271,10 @@ FAKE_API int shmgrad_cuda_any_nonfinite(int device, uint64_t ptr, uint64_t begin
   *found = 0;
   if (end < begin || ptr == 0) return kInvalidValue;
   if (int e = use(device)) return e;
+  if (end > begin &&
+      !mappedIn(device, ptr + begin * sizeof(float), (end - begin) * sizeof(float))) {
+    return kIllegalAddress;
+  }
   const auto* p = reinterpret_cast<const float*>(ptr);
   for (uint64_t i = begin; i < end; ++i) {
     if (!std::isfinite(p[i])) {

@@ -45,7 +45,8 @@ struct Cuda {
   decltype(&shmgrad_cuda_memory_kind) memory_kind;
   decltype(&shmgrad_cuda_zero) zero;
   decltype(&shmgrad_cuda_synchronize) synchronize;
-  decltype(&shmgrad_cuda_copy_peer) copy_peer;
+  decltype(&shmgrad_cuda_can_access_peer) can_access_peer;
+  decltype(&shmgrad_cuda_copy) copy;
   decltype(&shmgrad_cuda_reduce) reduce;
   decltype(&shmgrad_cuda_any_nonfinite) any_nonfinite;
 };
@@ -77,7 +78,8 @@ void load(Cuda* c) {
   bind(c->handle, "shmgrad_cuda_memory_kind", &c->memory_kind);
   bind(c->handle, "shmgrad_cuda_zero", &c->zero);
   bind(c->handle, "shmgrad_cuda_synchronize", &c->synchronize);
-  bind(c->handle, "shmgrad_cuda_copy_peer", &c->copy_peer);
+  bind(c->handle, "shmgrad_cuda_can_access_peer", &c->can_access_peer);
+  bind(c->handle, "shmgrad_cuda_copy", &c->copy);
   bind(c->handle, "shmgrad_cuda_reduce", &c->reduce);
   bind(c->handle, "shmgrad_cuda_any_nonfinite", &c->any_nonfinite);
 }
@@ -86,6 +88,7 @@ constexpr int kCudaErrorInvalidValue = 1;
 constexpr int kCudaErrorInsufficientDriver = 35;
 constexpr int kCudaErrorNoDevice = 100;
 constexpr int kCudaErrorInvalidDevice = 101;
+constexpr int kCudaErrorPeerAccessUnsupported = 217;
 constexpr int kHostMemory = 1;  // shmgrad_cuda_memory_kind of the test double
 
 // Sets an environment variable for a scope, restoring what was there.
@@ -195,7 +198,10 @@ TEST(CudaLibraryTest, NoDriverOrDeviceIsAnErrorCodeNotACrash) {
   const uint64_t fake = 4096, ins[2] = {8192, 12288};
   EXPECT_NE(c.zero(0, fake, 16), 0);
   EXPECT_NE(c.synchronize(0), 0);
-  EXPECT_NE(c.copy_peer(0, fake, 0, ins[0], 16), 0);
+  EXPECT_NE(c.copy(0, fake, ins[0], 16), 0);
+  int can = -1;
+  EXPECT_NE(c.can_access_peer(0, 0, &can), 0);
+  EXPECT_EQ(can, 0);
   EXPECT_NE(c.reduce(0, fake, 0, ins, 2, 0, 4, 0.0f, 1.0f), 0);
   int found = -1;
   EXPECT_NE(c.any_nonfinite(0, fake, 0, 4, &found), 0);
@@ -245,8 +251,9 @@ TEST(CudaLibraryTest, ArgumentsAreCheckedBeforeAnyDeviceWork) {
   EXPECT_EQ(found, 0);
   // No memory to zero or to copy.
   EXPECT_EQ(c.zero(0, 0, 16), kCudaErrorInvalidValue);
-  EXPECT_EQ(c.copy_peer(0, 0, 0, prev, 16), kCudaErrorInvalidValue);
-  EXPECT_EQ(c.copy_peer(0, out, 0, 0, 16), kCudaErrorInvalidValue);
+  EXPECT_EQ(c.copy(0, 0, prev, 16), kCudaErrorInvalidValue);
+  EXPECT_EQ(c.copy(0, out, 0, 16), kCudaErrorInvalidValue);
+  EXPECT_EQ(c.can_access_peer(0, 0, nullptr), kCudaErrorInvalidValue);
 }
 
 // The reduction against the same sum on the host, bitwise: the inputs added in list order
@@ -355,21 +362,45 @@ TEST(CudaLibraryTest, AnyNonFiniteLooksOnlyInItsRange) {
   EXPECT_EQ(c.any_nonfinite(-1, d.ptr(), 0, n, &found), kCudaErrorInvalidDevice);
 }
 
-TEST(CudaLibraryTest, CopyPeerWithinOneDevice) {
+TEST(CudaLibraryTest, CopyWithinOneDevice) {
   Cuda c;
   ASSERT_NO_FATAL_FAILURE(load(&c));
   REQUIRE_DEVICE(c);
   const std::vector<float> values = normals(4099, 6);
   DeviceFloats src(c, 0, values), dst(c, 0, std::vector<float>(values.size(), 0.0f));
-  ASSERT_EQ(c.copy_peer(0, dst.ptr(), 0, src.ptr(), values.size() * 4), 0);
+  ASSERT_EQ(c.copy(0, dst.ptr(), src.ptr(), values.size() * 4), 0);
   EXPECT_EQ(dst.read(), values);
   int n = 0;
   ASSERT_EQ(c.device_count(&n), 0);
-  EXPECT_EQ(c.copy_peer(0, dst.ptr(), n, src.ptr(), 4), kCudaErrorInvalidDevice);
-  EXPECT_EQ(c.copy_peer(n, dst.ptr(), 0, src.ptr(), 4), kCudaErrorInvalidDevice);
+  EXPECT_EQ(c.copy(n, dst.ptr(), src.ptr(), 4), kCudaErrorInvalidDevice);
+  EXPECT_EQ(c.copy(-1, dst.ptr(), src.ptr(), 4), kCudaErrorInvalidDevice);
 }
 
-TEST(CudaLibraryTest, CopyPeerAcrossDevices) {
+TEST(CudaLibraryTest, CanAccessPeerNamesPeersAndEveryDeviceItself) {
+  Cuda c;
+  ASSERT_NO_FATAL_FAILURE(load(&c));
+  REQUIRE_DEVICE(c);
+  int n = 0;
+  ASSERT_EQ(c.device_count(&n), 0);
+  for (int d = 0; d < n; ++d) {
+    int can = -1;
+    ASSERT_EQ(c.can_access_peer(d, d, &can), 0);
+    EXPECT_EQ(can, 1) << "cuda:" << d << " and itself";
+    for (int p = 0; p < n; ++p) {
+      can = -1;
+      ASSERT_EQ(c.can_access_peer(d, p, &can), 0);
+      EXPECT_TRUE(can == 0 || can == 1) << can;
+    }
+  }
+  int can = -1;
+  EXPECT_EQ(c.can_access_peer(0, n, &can), kCudaErrorInvalidDevice);
+  EXPECT_EQ(can, 0);
+  EXPECT_EQ(c.can_access_peer(n, 0, &can), kCudaErrorInvalidDevice);
+}
+
+// A copy between two devices' memory, issued from either: unified addressing finds each
+// address's device.
+TEST(CudaLibraryTest, CopyAcrossDevices) {
   Cuda c;
   ASSERT_NO_FATAL_FAILURE(load(&c));
   REQUIRE_DEVICE(c);
@@ -378,17 +409,19 @@ TEST(CudaLibraryTest, CopyPeerAcrossDevices) {
   if (n < 2) GTEST_SKIP() << "one CUDA device here: a peer copy needs two";
   const std::vector<float> values = normals(4099, 7);
   DeviceFloats src(c, 1, values), dst(c, 0, std::vector<float>(values.size(), 0.0f));
-  ASSERT_EQ(c.copy_peer(0, dst.ptr(), 1, src.ptr(), values.size() * 4), 0);
+  ASSERT_EQ(c.copy(0, dst.ptr(), src.ptr(), values.size() * 4), 0);
   EXPECT_EQ(dst.read(), values);
   DeviceFloats back(c, 1, std::vector<float>(values.size(), 0.0f));
-  ASSERT_EQ(c.copy_peer(1, back.ptr(), 0, dst.ptr(), values.size() * 4), 0);
+  ASSERT_EQ(c.copy(1, back.ptr(), dst.ptr(), values.size() * 4), 0);
   EXPECT_EQ(back.read(), values);
 }
 
-// The other process of the IPC test: a fresh program (exec'd: CUDA does not survive a
-// fork), given the library and the handle in hex; exit status 0 when it read the parent's
-// values through the handle and wrote -1 into the first.
-int ipcChild(const char* library, const char* hex) {
+// The other process of the IPC tests: a fresh program (exec'd: CUDA does not survive a
+// fork), given the library, the handle in hex and the device to open it on; exit status 0
+// when it read the parent's values through the handle, summed them with a reduction on
+// that device (whose kernels must address the memory), and wrote -1 into the first; 7
+// when the opening failed with cudaErrorPeerAccessUnsupported.
+int ipcChild(const char* library, const char* hex, int device) {
   g_library = library;
   Cuda c;
   load(&c);
@@ -400,10 +433,42 @@ int ipcChild(const char* library, const char* hex) {
   }
   uint64_t p = 0;
   float v[4] = {0, 0, 0, 0};
-  if (c.ipc_open(0, handle, &p) != 0 || c.copy_to_host(0, v, p, sizeof v) != 0) return 2;
+  const int opened = c.ipc_open(device, handle, &p);
+  if (opened == kCudaErrorPeerAccessUnsupported) return 7;
+  if (opened != 0 || c.copy_to_host(device, v, p, sizeof v) != 0) return 2;
   if (v[3] != 4.0f) return 6;
+  uint64_t out = 0;
+  float sum[4] = {0, 0, 0, 0};
+  const uint64_t ins[2] = {p, p};
+  if (c.alloc(device, sizeof sum, &out) != 0 ||
+      c.reduce(device, out, 0, ins, 2, 0, 4, 0.0f, 0.5f) != 0 ||
+      c.copy_to_host(device, sum, out, sizeof sum) != 0 || c.free(device, out) != 0) {
+    return 8;
+  }
+  if (std::memcmp(sum, v, sizeof v) != 0) return 9;
   v[0] = -1.0f;
-  return c.copy_to_device(0, p, v, sizeof v) == 0 && c.ipc_close(0, p) == 0 ? 0 : 3;
+  return c.copy_to_device(device, p, v, sizeof v) == 0 && c.ipc_close(device, p) == 0 ? 0 : 3;
+}
+
+// Runs ipcChild in a fresh process; its exit status.
+int runIpcChild(const uint8_t handle[SHMGRAD_IPC_HANDLE_BYTES], int device) {
+  std::string hex;
+  char byte[3];
+  for (size_t i = 0; i < SHMGRAD_IPC_HANDLE_BYTES; ++i) {
+    std::snprintf(byte, sizeof byte, "%02x", handle[i]);
+    hex += byte;
+  }
+  const std::string dev = std::to_string(device);
+  const pid_t child = fork();
+  if (child < 0) return -1;
+  if (child == 0) {
+    execl("/proc/self/exe", "gpu_test", "--ipc-child", g_library, hex.c_str(), dev.c_str(),
+          static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  int status = -1;
+  if (waitpid(child, &status, 0) != child || !WIFEXITED(status)) return -1;
+  return WEXITSTATUS(status);
 }
 
 // A handle made in one process and opened in another sees the same device memory.
@@ -417,33 +482,55 @@ TEST(CudaLibraryTest, IpcHandlesOpenInAnotherProcess) {
   ASSERT_EQ(c.copy_to_device(0, p, v, sizeof v), 0);
   uint8_t handle[SHMGRAD_IPC_HANDLE_BYTES];
   ASSERT_EQ(c.ipc_handle(0, p, handle), 0);
-  std::string hex;
-  char byte[3];
-  for (uint8_t b : handle) {
-    std::snprintf(byte, sizeof byte, "%02x", b);
-    hex += byte;
-  }
-  const pid_t child = fork();
-  ASSERT_GE(child, 0);
-  if (child == 0) {
-    execl("/proc/self/exe", "gpu_test", "--ipc-child", g_library, hex.c_str(),
-          static_cast<char*>(nullptr));
-    _exit(127);
-  }
-  int status = -1;
-  ASSERT_EQ(waitpid(child, &status, 0), child);
-  ASSERT_TRUE(WIFEXITED(status));
-  EXPECT_EQ(WEXITSTATUS(status), 0);
+  EXPECT_EQ(runIpcChild(handle, 0), 0);
   float back[4];
   ASSERT_EQ(c.copy_to_host(0, back, p, sizeof back), 0);
   EXPECT_EQ(back[0], -1.0f);  // the child's write, through its mapping
   EXPECT_EQ(c.free(0, p), 0);
 }
 
+// A reducer on one device opens another device's allocation in its own device's context,
+// so that its kernels address it (peer access): an engine's worker on cuda:0 reads the
+// slots on cuda:1 so. Devices that are no peers refuse the opening.
+TEST(CudaLibraryTest, IpcHandlesOpenOnAnotherDeviceForItsKernels) {
+  Cuda c;
+  ASSERT_NO_FATAL_FAILURE(load(&c));
+  REQUIRE_DEVICE(c);
+  int n = 0;
+  ASSERT_EQ(c.device_count(&n), 0);
+  if (n < 2) GTEST_SKIP() << "one CUDA device here: peer access needs two";
+  int can = -1;
+  ASSERT_EQ(c.can_access_peer(0, 1, &can), 0);
+  uint64_t p = 0;
+  ASSERT_EQ(c.alloc(1, 4096, &p), 0);
+  const float v[4] = {1, 2, 3, 4};
+  ASSERT_EQ(c.copy_to_device(1, p, v, sizeof v), 0);
+  uint8_t handle[SHMGRAD_IPC_HANDLE_BYTES];
+  ASSERT_EQ(c.ipc_handle(1, p, handle), 0);
+  if (can == 1) {
+    EXPECT_EQ(runIpcChild(handle, 0), 0);
+    float back[4];
+    ASSERT_EQ(c.copy_to_host(1, back, p, sizeof back), 0);
+    EXPECT_EQ(back[0], -1.0f);
+  } else {
+    EXPECT_EQ(runIpcChild(handle, 0), 7) << "cuda:0 opened cuda:1's memory without peer access";
+  }
+  if (c.memory_kind() == kHostMemory) {  // the test double shows the other case too
+    ScopedEnv no_peer("FAKE_CUDA_NO_PEER", "1");
+    ASSERT_EQ(c.can_access_peer(0, 1, &can), 0);
+    EXPECT_EQ(can, 0);
+    EXPECT_EQ(runIpcChild(handle, 0), 7);
+    EXPECT_EQ(runIpcChild(handle, 1), 0);  // its own device: no peer access needed
+  }
+  EXPECT_EQ(c.free(1, p), 0);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc == 4 && std::string(argv[1]) == "--ipc-child") return ipcChild(argv[2], argv[3]);
+  if (argc == 5 && std::string(argv[1]) == "--ipc-child") {
+    return ipcChild(argv[2], argv[3], std::atoi(argv[4]));
+  }
   ::testing::InitGoogleTest(&argc, argv);
   if (argc > 1) g_library = argv[1];
   if (argc > 2) g_memory_kind = std::atoi(argv[2]);

@@ -27,7 +27,7 @@ StepParticipant::StepParticipant(const ipc::Segment& segment, uint32_t slot, int
   SHMGRAD_CHECK(slot < h_->num_slots, ErrorKind::kInvalidArgument, "worker slot ", slot,
                 " is out of range: the engine has ", h_->num_slots, " slots");
   // The coordinator gives its workers the CUDA library it loaded ($SHMGRAD_CUDA_LIBRARY).
-  mem_ = std::make_unique<gpu::EngineMemory>(segment);
+  mem_ = std::make_unique<gpu::EngineMemory>(segment, "", slot);
 }
 
 bool StepParticipant::becomeReady() {

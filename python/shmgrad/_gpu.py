@@ -149,7 +149,8 @@ def _load():
         "shmgrad_cuda_memory_kind": [],
         "shmgrad_cuda_zero": [i, u64, u64],
         "shmgrad_cuda_synchronize": [i],
-        "shmgrad_cuda_copy_peer": [i, u64, i, u64, u64],
+        "shmgrad_cuda_can_access_peer": [i, i, ctypes.POINTER(i)],
+        "shmgrad_cuda_copy": [i, u64, u64, u64],
         "shmgrad_cuda_reduce": [i, u64, u64, ctypes.POINTER(u64), u32, u64, u64, f32, f32],
         "shmgrad_cuda_any_nonfinite": [i, u64, u64, u64, ctypes.POINTER(i)],
     }.items():
