@@ -469,7 +469,15 @@ def shared_buffers(model: torch.nn.Module):
 
 def compiled_original(module):
     """``(module, None)`` for a plain module; for one that ``torch.compile`` wrapped, the
-    module it wraps and ``{}`` (the workers compile their own copy with default options)."""
+    module it wraps and ``{}`` (the workers compile their own copy with default options).
+    A ``DistributedDataParallel`` wrapper is refused, naming the module it wraps."""
+    if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        raise errors.InvalidArgumentError(
+            "the model is wrapped in DistributedDataParallel: give shmgrad the module it "
+            "wraps (ddp.module), for the engine and for bind(). The engine's workers compute "
+            "the data-parallel gradient themselves; across nodes, pass process_group= to "
+            "Engine or attach (DDP's all-reduce would be a second one)"
+        )
     original = getattr(module, "_orig_mod", None)
     if isinstance(original, torch.nn.Module) and type(module).__name__ == "OptimizedModule":
         return original, {}

@@ -456,6 +456,35 @@ def test_lazy_module_not_yet_initialised_is_refused_naming_the_fix():
         assert relative_error(grads(model), reference_gradient(model, "cross_entropy", x, y)) < 1e-5
 
 
+def test_a_ddp_wrapped_model_is_refused_naming_the_module_it_wraps():
+    """Code ported from DDP passes its DistributedDataParallel wrapper: refused at start
+    and by bind(), naming ddp.module (before, a worker failed to start with torch's "Default
+    process group has not been initialized"); the module it wraps trains exactly."""
+    import torch.distributed as dist
+    from test_multinode import _free_port
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+    )
+    try:
+        model = Mlp()
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        x, y = data(24)
+        with pytest.raises(
+            shmgrad.InvalidArgumentError, match=r"DistributedDataParallel.*ddp\.module"
+        ):
+            shmgrad.Engine(model=ddp, workers=2, loss="cross_entropy")
+        with shmgrad.Engine(model=ddp.module, workers=2, loss="cross_entropy") as engine:
+            with pytest.raises(shmgrad.InvalidArgumentError, match=r"ddp\.module"):
+                engine.bind(ddp)
+            engine.bind(ddp.module)
+            engine.gradient(inputs=x, targets=y)
+            ref = reference_gradient(model, "cross_entropy", x, y)
+            assert relative_error(grads(model), ref) < 1e-5
+    finally:
+        dist.destroy_process_group()
+
+
 # -- 9. mixed precision ----------------------------------------------------------------
 def test_autocast_forward_gives_float32_gradients():
     torch.manual_seed(6)
