@@ -550,7 +550,10 @@ class Client:
             if not empty and (
                 idx.dtype.is_floating_point or idx.dtype == torch.bool or idx.is_complex()
             ):
-                raise errors.InvalidArgumentError(f"indices must be integers, got {idx.dtype}")
+                hint = " (a mask? give mask.nonzero().flatten())" if idx.dtype == torch.bool else ""
+                raise errors.InvalidArgumentError(
+                    f"indices must be integers, got {idx.dtype}{hint}"
+                )
             if idx.dim() != 1:
                 idx = idx.reshape(-1) if idx.dim() == 0 else idx
                 if idx.dim() != 1:

@@ -190,6 +190,10 @@ def test_bad_input_raises_and_engine_keeps_serving(npy_dataset, tmp_path):
         expect_error(shmgrad.InvalidArgumentError, lambda: engine.gradient([-1]), "out of range")
         expect_error(shmgrad.InvalidArgumentError, lambda: engine.gradient([]), "empty batch")
         expect_error(shmgrad.InvalidArgumentError, lambda: engine.gradient([0.5]), "integers")
+        mask = torch.zeros(10, dtype=torch.bool)
+        expect_error(
+            shmgrad.InvalidArgumentError, lambda: engine.gradient(mask), "mask.nonzero().flatten()"
+        )
         expect_error(
             shmgrad.InvalidArgumentError, lambda: engine.gradient([1], reduction="max"), "reduction"
         )
