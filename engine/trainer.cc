@@ -609,6 +609,8 @@ void Trainer::collect(uint32_t e, const Participants& p, int64_t B, const Gradie
   stats->reduce_seconds = 0;
   stats->nonfinite = false;
   stats->workers.clear();
+  stats->unused_params.clear();
+  uint64_t reached[ipc::kMaxParams / 64] = {};
   for (uint32_t k = 0; k < p.n; ++k) {
     const ipc::WorkerRecord& w = h->workers[p.slots[k]];
     SHMGRAD_CHECK(w.result_epoch == e, ErrorKind::kCorrupt, "worker ", int(p.slots[k]),
@@ -637,6 +639,11 @@ void Trainer::collect(uint32_t e, const Participants& p, int64_t B, const Gradie
     stats->count += ws.count;
     stats->reduce_seconds = std::max(stats->reduce_seconds, ws.reduce_seconds);
     stats->workers.push_back(ws);
+    for (uint32_t i = 0; i < ipc::kMaxParams / 64; ++i) reached[i] |= w.grad_params[i];
+  }
+  const uint32_t num_params = std::min(h->num_params, ipc::kMaxParams);
+  for (uint32_t i = 0; i < num_params; ++i) {
+    if (!(reached[i / 64] >> (i % 64) & 1u)) stats->unused_params.push_back(static_cast<int>(i));
   }
   SHMGRAD_CHECK(!o.mean || (std::isfinite(stats->count) && stats->count > 0),
                 ErrorKind::kInvalidArgument, "the batch's count is ", stats->count,

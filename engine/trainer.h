@@ -96,6 +96,8 @@ struct WorkerStepStats {
   X(int, retries, "re-runs after a worker died")                                                \
   X(double, param_sync_seconds, "engines on several GPUs: the parameters copied to the others") \
   X(bool, nonfinite, "NaN or infinity somewhere (see workers)")                                 \
+  X(std::vector<int>, unused_params,                                                            \
+    "parameters (indices) no participant's backward reached: their gradient is zero")           \
   X(std::vector<::shmgrad::WorkerStepStats>, workers, "the workers that took part, in rank order")
 struct GradientStats {
   SHMGRAD_GRADIENT_STATS_FIELDS(SHMGRAD_DECLARE_FIELD)

@@ -32,12 +32,13 @@
 namespace shmgrad::ipc {
 
 constexpr uint64_t kMagic = 0x31444152474d4853ull;  // "SHMGRAD1", little endian
-constexpr uint32_t kLayoutVersion = 9;
+constexpr uint32_t kLayoutVersion = 10;
 constexpr uint64_t kAlign = 64;  // every region and tensor starts on a cache line
 constexpr uint32_t kAlignFloats = kAlign / sizeof(float);
 constexpr uint32_t kMaxWorkers = 64;            // gradient slots in one segment, at most
 constexpr uint32_t kMaxThreadsPerWorker = 256;  // intra-op threads of one worker, at most
 constexpr uint32_t kMaxParams = 1024;           // parameter tensors in one model, at most
+static_assert(kMaxParams % 64 == 0, "WorkerRecord::grad_params holds kMaxParams bits");
 constexpr uint32_t kMaxBuffers = 1024;  // shared buffer tensors (BatchNorm statistics), at most
 constexpr uint32_t kMaxDims = 8;        // dimensions of a tensor, at most
 constexpr uint32_t kNameLen = 128;      // parameter name, NUL-terminated
@@ -208,7 +209,10 @@ struct alignas(64) WorkerRecord {
   uint64_t barrier_wait_ns;  // time spent waiting for the others
   uint32_t nonfinite_loss;   // 1 when loss_sum is NaN or infinite
   std::atomic<uint32_t>
-      nonfinite_grad;              // 1 when its slot holds a NaN or infinity (set by reducers)
+      nonfinite_grad;  // 1 when its slot holds a NaN or infinity (set by reducers)
+  // Bit i: parameter i received a gradient in this shard's backward (autograd reached
+  // it); a parameter no participant's backward reached keeps .grad None in the trainer.
+  uint64_t grad_params[kMaxParams / 64];
   char error_type[kErrorTypeLen];  // the exception's type ("TypeError"), "" if none
   char error_text[kErrorLen];      // its message and, from Python, the traceback's last frames
 };

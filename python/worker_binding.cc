@@ -43,8 +43,25 @@ struct PyShard {
 class PyShardComputer : public worker::ShardComputer {
  public:
   PyShardComputer(py::function begin, py::function pass, py::function publish,
-                  const ipc::Segment& seg)
-      : begin_(std::move(begin)), pass_(std::move(pass)), publish_(std::move(publish)), seg_(seg) {}
+                  py::function unreached, const ipc::Segment& seg)
+      : begin_(std::move(begin)),
+        pass_(std::move(pass)),
+        publish_(std::move(publish)),
+        unreached_(std::move(unreached)),
+        seg_(seg) {}
+
+  // unreached() lists the parameters backward did not reach in the shard (by index;
+  // usually none): every other one is marked.
+  void markGradParams(uint64_t* bits, uint32_t num_params) override {
+    worker::ShardComputer::markGradParams(bits, num_params);
+    py::gil_scoped_acquire gil;
+    for (py::handle h : call(unreached_).cast<py::list>()) {
+      const int64_t i = h.cast<int64_t>();
+      SHMGRAD_CHECK(i >= 0 && i < num_params, ErrorKind::kInvalidArgument, "parameter index ", i,
+                    " is out of range: the model has ", num_params);
+      bits[i / 64] &= ~(uint64_t{1} << (i % 64));
+    }
+  }
 
   void publishBuffers(uint8_t* dst) override {
     py::gil_scoped_acquire gil;
@@ -111,7 +128,7 @@ class PyShardComputer : public worker::ShardComputer {
     }
   }
 
-  py::function begin_, pass_, publish_;
+  py::function begin_, pass_, publish_, unreached_;
   const ipc::Segment& seg_;
   PyShard shard_;  // the current shard, as Python sees it
 };
@@ -144,9 +161,10 @@ class EagerParticipant {
     return out;
   }
 
-  int serve(py::function begin, py::function compute_pass, py::function publish_buffers) {
+  int serve(py::function begin, py::function compute_pass, py::function publish_buffers,
+            py::function unreached) {
     PyShardComputer computer(std::move(begin), std::move(compute_pass), std::move(publish_buffers),
-                             *seg_);
+                             std::move(unreached), *seg_);
     py::gil_scoped_release nogil;
     return participant_->serve(computer);
   }
@@ -243,14 +261,15 @@ void bindEagerWorker(py::module_& m) {
                 *p.seg_, [keep](void*) {}, p.seg_->slotBuffers(p.slot_));
           },
           "this slot's copy of the shared buffers (averaged over the participants by the first)")
-      .def(
-          "serve", &EagerParticipant::serve, py::arg("begin"), py::arg("compute_pass"),
-          py::arg("publish_buffers"),
-          "Serves steps until the engine stops, the slot is retired or the coordinator dies; "
-          "returns the exit code. begin(shard) once per shard, compute_pass(shard, begin, "
-          "end) per pass of the shard (the protocol makes the passes) and publish_buffers(to_slot) "
-          "(to_slot: False, the step's first participant after the compute barrier; True, every "
-          "participant before it, when the buffers are averaged) run with the GIL held.");
+      .def("serve", &EagerParticipant::serve, py::arg("begin"), py::arg("compute_pass"),
+           py::arg("publish_buffers"), py::arg("unreached"),
+           "Serves steps until the engine stops, the slot is retired or the coordinator dies; "
+           "returns the exit code. begin(shard) once per shard, compute_pass(shard, begin, "
+           "end) per pass of the shard (the protocol makes the passes), unreached() after the "
+           "passes (the indices of the parameters backward did not reach: a list) and "
+           "publish_buffers(to_slot) (to_slot: False, the step's first participant after the "
+           "compute barrier; True, every participant before it, when the buffers are averaged) "
+           "run with the GIL held.");
 }
 
 }  // namespace shmgrad

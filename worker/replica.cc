@@ -119,6 +119,7 @@ Replica::Replica(const ipc::Segment& segment, uint32_t slot, const gpu::EngineMe
   SHMGRAD_CHECK(i == h->num_params, ErrorKind::kInvalidArgument, "model ", h->model_path, " has ",
                 i, " parameters but the engine's table has ", h->num_params);
   bindGradients(grads);
+  grad_versions_.assign(params_.size(), 0);
   // Buffers: this replica keeps its own; the shared ones are loaded before and published
   // after a step. Matched by name and order against the engine's table.
   for (auto& nv : sharedBufferViews(segment)) shared_buffers_.push_back(nv.second);
@@ -163,6 +164,16 @@ void Replica::bindGradients(float* base) {
         torch::from_blob(base + table[i].offset, params_[i].sizes(), options_);
   }
   grads_base_ = base;
+}
+
+void Replica::noteGradVersions() {
+  for (size_t i = 0; i < params_.size(); ++i) grad_versions_[i] = params_[i].grad()._version();
+}
+
+void Replica::markGradParams(uint64_t* bits) const {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (params_[i].grad()._version() != grad_versions_[i]) bits[i / 64] |= uint64_t{1} << (i % 64);
+  }
 }
 
 void Replica::zeroGrad() {

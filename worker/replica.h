@@ -60,6 +60,12 @@ class Replica {
   // ShardComputer::publishBuffers).
   void publishBuffers(uint8_t* dst);
 
+  // Which parameters backward reaches, by the version counter of each .grad (autograd
+  // adds to a defined .grad in place, which bumps it): note the versions before a shard,
+  // then set bit i of `bits` for each parameter whose .grad changed since.
+  void noteGradVersions();
+  void markGradParams(uint64_t* bits) const;
+
   const std::vector<torch::Tensor>& parameters() const { return params_; }
   torch::jit::Module& module() { return module_; }
 
@@ -72,6 +78,7 @@ class Replica {
   torch::jit::Module module_;
   std::vector<torch::Tensor> params_;
   float* grads_base_ = nullptr;
+  std::vector<int64_t> grad_versions_;  // one per parameter, sized once
   // Own, the segment's views, and views of this slot's copy (BufferRule::kMean).
   std::vector<torch::Tensor> buffers_, shared_buffers_, slot_buffers_;
   ipc::LossKind loss_;

@@ -296,6 +296,7 @@ void resolveBatch(const ipc::Segment& seg, Shard* s) {
 
 void StepParticipant::computePhase(const Shard& shard, ShardComputer& computer) {
   me_.examples = shard.size();
+  std::memset(me_.grad_params, 0, sizeof me_.grad_params);  // an empty shard reaches none
   try {
     // Zeroed, never released: autograd accumulates into a defined .grad in place.
     mem_->zero(shard.device, shard.grads, h_->param_floats);
@@ -313,6 +314,7 @@ void StepParticipant::computePhase(const Shard& shard, ShardComputer& computer) 
       loss += r.loss_sum;
       count += r.count;
     }
+    computer.markGradParams(me_.grad_params, std::min(h_->num_params, ipc::kMaxParams));
     // Backward's kernels have written the slot before the others read it.
     mem_->synchronize(shard.device);
     me_.loss_sum = loss;

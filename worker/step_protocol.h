@@ -119,6 +119,13 @@ class ShardComputer {
   // std::exception when the model rejects the input; what() reaches the trainer as a
   // WorkerError.
   virtual PassResult computePass(const Shard& shard, int64_t begin, int64_t end) = 0;
+  // After the shard's passes: set bit i of `bits` (cleared, num_params bits) for each
+  // parameter i whose .grad backward accumulated into in them (autograd reached it). The
+  // default marks every parameter: a kind of worker that cannot tell gives each a
+  // gradient, zeros where none reached it.
+  virtual void markGradParams(uint64_t* bits, uint32_t num_params) {
+    for (uint32_t i = 0; i < num_params; ++i) bits[i / 64] |= uint64_t{1} << (i % 64);
+  }
   // Store this worker's shared-buffer values (BatchNorm statistics) into `dst`, laid out
   // like the segment's buffers region: the shared buffers themselves (the step's first
   // participant, after the compute barrier, when every participant has loaded them), or

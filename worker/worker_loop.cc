@@ -33,6 +33,7 @@ class ScriptShardComputer : public ShardComputer {
 
   void beginShard(const Shard& s) override {
     replica_.bindGradients(s.grads);  // a no-op unless the buffer changed
+    replica_.noteGradVersions();
     replica_.loadBuffers();
     if (replica_.module().is_training() != s.train) replica_.module().train(s.train);
     shardTensors(s, &inputs_, &targets_);
@@ -46,6 +47,10 @@ class ScriptShardComputer : public ShardComputer {
   }
 
   void publishBuffers(uint8_t* dst) override { replica_.publishBuffers(dst); }
+
+  void markGradParams(uint64_t* bits, uint32_t /*num_params*/) override {
+    replica_.markGradParams(bits);
+  }
 
  private:
   void bindDataset() { std::tie(data_inputs_, data_targets_) = datasetViews(seg_); }

@@ -20,6 +20,7 @@ _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 BUFFER_RULES = ("average", "first")  # how a step publishes BatchNorm statistics
 STATE_VERSION = 1  # Client.state_dict()'s format
 RESIZE_POLL_S = 0.01  # how often resize() looks at the ready worker count
+_NONE_UNUSED = frozenset()
 
 
 class GradientStats:
@@ -32,6 +33,8 @@ class GradientStats:
     (slowest worker's slice), ``retries``, ``nonfinite``; per worker that took part, in rank
     order: ``compute_seconds``, ``reduce_seconds_per_worker``, ``wait_seconds``,
     ``worker_examples``, ``worker_slots``, ``nonfinite_workers``; ``workers`` is how many.
+    ``unused_params``: the parameters (indices, ``named_parameters()`` order) that no
+    participant's backward reached, whose ``.grad`` the bound module leaves None.
     Where the wall time went: ``prepare_seconds`` (checks, batch copy), ``step_seconds``
     (publish to the end of the reduction), ``wake_seconds`` (publish to the last worker
     starting), ``finish_seconds`` (end of the reduction to return).
@@ -191,6 +194,11 @@ class Client:
         # alternate (each reads the previous result and writes the other one).
         self._grad_sets = (trainer.gradient_views(), trainer.accumulator_views())
         self._bound_grad_sets = self._grad_sets  # the views of the bound ones that train
+        # The parameters (indices) no participant's backward reached in the last result
+        # (every micro-batch of an accumulation), and those whose .grad was set to None
+        # for it: they keep .grad None, as after plain PyTorch's backward.
+        self._unused = _NONE_UNUSED
+        self._nulled = ()
         self._current = 0  # the set that holds the last result
         self._last_count = 0.0  # what the last result is the sum or mean over
         self._last_mean = None  # its reduction; None: no result yet
@@ -312,6 +320,7 @@ class Client:
         self._bind_buffers(module)
         self._current = 0
         self._all_bound = [p for _, p in named]
+        self._unused, self._nulled = _NONE_UNUSED, ()
         self._set_trainable(flags)
         self._bound_module = module
         self._has_batchnorm = has_batchnorm(module)
@@ -589,9 +598,14 @@ class Client:
         if nodes is None:
             native = local_step()
             stats, count = GradientStats(native), native.count
+            unused = native.unused_params
         else:
             stats = GradientStats(*nodes.gradient(None if empty else local_step, mean))
             count = stats.count
+            unused = stats.unused_params
+        if mode != 0 or onto_nodes:  # accumulated: unused only if in every micro-batch
+            unused = [i for i in unused if i in self._unused]
+        self._unused = frozenset(unused) if unused else _NONE_UNUSED
         if self._buffer_mirrors:
             self._pull_buffers()
         if onto_nodes:
@@ -629,7 +643,8 @@ class Client:
             return False
         views = self._grad_views
         if self._bound:
-            if any(p.grad is None for p in self._bound):
+            nulled = {id(p) for p in self._nulled}  # None for no backward reached them
+            if any(p.grad is None for p in self._bound if id(p) not in nulled):
                 return False  # zero_grad(set_to_none=True): start afresh
         return any(bool(v.any()) for v in views)  # zero_grad(set_to_none=False) zeroes it
 
@@ -643,10 +658,19 @@ class Client:
         if not bound:
             return
         views = self._bound_grad_sets[self._current]
-        if bound[0].grad is not views[0] or bound[-1].grad is not views[-1]:
+        if self._nulled or bound[0].grad is not views[0] or bound[-1].grad is not views[-1]:
             for p, g in zip(bound, views):
                 if p.grad is None or p.grad.data_ptr() != g.data_ptr():
                     p.grad = g
+            self._nulled = ()
+        if self._unused:
+            # No participant's backward reached these (an unused branch): their .grad is
+            # None, as after plain PyTorch's backward, so an optimizer skips them (no weight
+            # decay, no momentum) instead of stepping a zero gradient.
+            flags, params = self._requires_grad, self._all_bound
+            self._nulled = tuple(params[i] for i in sorted(self._unused) if flags[i])
+            for p in self._nulled:
+                p.grad = None
 
     @property
     def node_rank(self) -> int:

@@ -65,7 +65,12 @@ class ShardRunner:
             torch.cuda.set_device(self.device)
             self.model.to(self.device)
         self.slot_grads = participant.slot_views()
-        self.reduced_grads = participant.reduced_views()
+        # Views of the reduced buffer, made when first needed: only a worker alone in a
+        # step on the trainer's device computes into it (its memory is that device's).
+        self.reduced_grads = None
+        self._participant = participant
+        self.grads = self.slot_grads  # the .grad views of the current shard
+        self._versions = []  # their version counters before the shard's backward
         with torch.no_grad():
             for p, view in zip(self.params, participant.parameter_views()):
                 p.data = view  # the shared parameters: an optimizer step is seen at once
@@ -91,8 +96,11 @@ class ShardRunner:
     def _bind_grads(self, in_reduced: bool):
         if in_reduced == self.grads_in_reduced:
             return
+        if in_reduced and self.reduced_grads is None:
+            self.reduced_grads = self._participant.reduced_views()
+        self.grads = self.reduced_grads if in_reduced else self.slot_grads
         # A defined .grad is accumulated into in place: backward writes shared memory.
-        for p, g in zip(self.params, self.reduced_grads if in_reduced else self.slot_grads):
+        for p, g in zip(self.params, self.grads):
             p.grad = g
         self.grads_in_reduced = in_reduced
 
@@ -100,6 +108,9 @@ class ShardRunner:
         """Before the shard's passes; None, or (type name, message with traceback)."""
         try:
             self._bind_grads(shard.grads_in_reduced)
+            # Autograd adds to a defined .grad in place, bumping its version counter: the
+            # parameters whose counter has not moved after the passes were not reached.
+            self._versions = [g._version for g in self.grads]
             with self._torch.no_grad():
                 for own, shared in self.buffers:
                     own.copy_(shared)
@@ -116,6 +127,12 @@ class ShardRunner:
             return self._compute_pass(shard, start, stop)
         except Exception as exc:  # any error of the user's code goes to the trainer
             return (type(exc).__name__, describe(exc))
+
+    def unreached(self):
+        """After the shard's passes: the indices of the parameters backward did not reach
+        (an unused branch, a frozen parameter), whose .grad stays None in the trainer when
+        no participant reached them, as after plain PyTorch's backward."""
+        return [i for i, (g, v) in enumerate(zip(self.grads, self._versions)) if g._version == v]
 
     def publish_buffers(self, to_slot):
         """This worker's buffers into the shared ones, or into its slot's copy (averaged
@@ -225,7 +242,9 @@ def main(argv) -> int:
         return _C.EXIT_STARTUP_FAILED
     if not participant.become_ready():
         return _C.EXIT_STOPPED  # retired while starting
-    return participant.serve(runner.begin, runner.compute_pass, runner.publish_buffers)
+    return participant.serve(
+        runner.begin, runner.compute_pass, runner.publish_buffers, runner.unreached
+    )
 
 
 if __name__ == "__main__":

@@ -63,7 +63,8 @@ class NodeStats:
     the global ``num_examples``, ``count``, ``loss``, ``loss_sum``, ``nonfinite``, this node's
     ``local_num_examples`` and ``local_loss_sum``, the all-reduce's ``allreduce_seconds``
     and ``allreduce_bytes`` (the buffers all-reduced: the whole reduced gradient, padding
-    included, and the small record), and the number of ``nodes``."""
+    included, and the small record), the number of ``nodes``, and ``unused_params``: the
+    parameters (indices) no node's backward reached."""
 
     __slots__ = (
         "num_examples",
@@ -76,6 +77,7 @@ class NodeStats:
         "allreduce_seconds",
         "allreduce_bytes",
         "nodes",
+        "unused_params",
     )
 
     def __init__(
@@ -90,6 +92,7 @@ class NodeStats:
         allreduce_bytes,
         nodes,
         count=None,
+        unused_params=(),
     ):
         self.num_examples = num_examples
         self.count = num_examples if count is None else count
@@ -101,6 +104,7 @@ class NodeStats:
         self.allreduce_seconds = allreduce_seconds
         self.allreduce_bytes = allreduce_bytes
         self.nodes = nodes
+        self.unused_params = unused_params
 
 
 # The native statistics of a node that ran no step of its own (its share of the batch was
@@ -147,7 +151,12 @@ class NodeGroup:
         self._buffers = _Buffers(trainer.buffer_views(), self._device)
         buckets = _buckets(self._grad, bucket_cap_mb)
         self._failed = _COUNTS + self.size  # where the failed flags start
-        record = self._failed + self.size
+        # Then one flag a parameter: 1 where this node's backward reached it, so that a
+        # parameter every node left alone keeps .grad None everywhere, and one any node
+        # reached has its gradient everywhere (the nodes' optimizers step alike).
+        self._reached = self._failed + self.size
+        self._num_params = len(parameters)
+        record = self._reached + self._num_params
         n = self._grad.numel()
         self._record_on_device = None  # NCCL: the record's copy on the device
         on_device = self._device.type != "cpu"
@@ -249,6 +258,12 @@ class NodeGroup:
         f[_LOSS_SUM] = native.loss_sum
         f[_NONFINITE] = 1.0 if native.nonfinite else 0.0
         f[self._failed + self.rank] = 1.0 if failure is not None else 0.0
+        reached = f[self._reached : self._reached + self._num_params]
+        if native is not NO_LOCAL_STEP:  # no step of its own: it reached none
+            reached[:] = 1.0
+            unreached = native.unused_params
+            if unreached:
+                reached[unreached] = 0.0
         t0 = time.perf_counter()
         self._collective(f"all-reducing step {self._steps}", self._allreduce)
         seconds = time.perf_counter() - t0
@@ -295,6 +310,11 @@ class NodeGroup:
             allreduce_seconds=seconds,
             allreduce_bytes=self.allreduce_bytes,
             nodes=self.size,
+            unused_params=(
+                (reached == 0).nonzero()[0].tolist()
+                if self._num_params and reached.min() == 0
+                else []
+            ),
         )
 
     def _allreduce(self):

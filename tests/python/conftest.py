@@ -29,6 +29,39 @@ class Mlp(torch.nn.Module):
         return self.fc2(torch.relu(self.fc1(torch.flatten(x, 1))))
 
 
+class Branchy(torch.nn.Module):
+    """A head, and an auxiliary head that only batches with a marked example (a first
+    feature above 100) take, as a model with an optional branch does: for the others
+    backward never reaches `aux` (its .grad stays None in plain PyTorch)."""
+
+    def __init__(self, d_in=6, hidden=8, d_out=3):
+        super().__init__()
+        self.body = torch.nn.Linear(d_in, hidden)
+        self.head = torch.nn.Linear(hidden, d_out)
+        self.aux = torch.nn.Linear(hidden, d_out)
+
+    def forward(self, x):
+        h = torch.relu(self.body(x))
+        out = self.head(h)
+        if bool((x[:, 0] > 100).any()):
+            out = out + self.aux(h)
+        return out
+
+
+AUX = (4, 5)  # Branchy's aux.weight and aux.bias, in named_parameters() order
+
+
+def shard_gradients(model, x, y, shards):
+    """The sum over `shards` (lists of example indices) of each one's summed cross-entropy
+    gradient, computed by plain PyTorch on a copy, one backward per shard (a branch taken
+    per shard, as each worker takes it); a parameter no backward reached is None."""
+    m = copy.deepcopy(model)
+    m.zero_grad(set_to_none=True)
+    for s in shards:
+        torch.nn.functional.cross_entropy(m(x[s]), y[s], reduction="sum").backward()
+    return [None if p.grad is None else p.grad.clone() for p in m.parameters()]
+
+
 class Cnn(torch.nn.Module):
     def __init__(self, d_out=5):
         super().__init__()

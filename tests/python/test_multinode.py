@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import shmgrad
-from conftest import Cnn, Mlp, reference_gradient, relative_error
+from conftest import Branchy, Cnn, Mlp, reference_gradient, relative_error, shard_gradients
 from shmgrad.multinode import shard
 
 NODES = 2
@@ -398,6 +398,46 @@ def test_batchnorm_buffers_follow_ddp(npy_dataset, tmp_path, prefix):
     assert r0["checksum"] == r1["checksum"]
 
 
+# -- a branch that some nodes take --------------------------------------------------------
+def _unused(rank, prefix):
+    torch.manual_seed(500)
+    model = Branchy()
+    g = torch.Generator().manual_seed(9)
+    x, y = torch.randn(8, 6, generator=g).clamp(max=1.0), torch.randint(0, 3, (8,), generator=g)
+    marked = x.clone()
+    marked[6, 0] = 1000.0  # in rank 1's share, its second worker's shard
+    out = {}
+    mine = shard(torch.arange(8), rank, NODES)
+    with _engine(rank, model, prefix, "unused", workers=2, mode="eager") as engine:
+        engine.bind(model)
+        for case, xs in (("none", x), ("rank 1", marked)):
+            st = engine.gradient(inputs=xs[mine], targets=y[mine])
+            grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+            out[case] = (grads, st.unused_params)
+        out["checksum"] = engine.check_consistency()
+    return out, x, y, marked
+
+
+def test_a_parameter_no_node_reaches_keeps_grad_none_on_every_node(tmp_path, prefix):
+    """A branch no node takes: its parameters' .grad is None on both nodes (as DDP leaves
+    a parameter every rank left unused). Taken on one node only: both nodes have its
+    gradient, so their optimizers step alike."""
+    with Ranks("unused", tmp_path, prefix=prefix) as ranks:
+        (r0, x, y, marked), (r1, _, _, _) = ranks.results()
+    torch.manual_seed(500)
+    model0 = Branchy()
+    shards = [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]  # 2 nodes x 2 workers
+    for case, xs in (("none", x), ("rank 1", marked)):
+        want = shard_gradients(model0, xs, y, shards)
+        for rank, r in enumerate((r0, r1)):
+            grads, unused = r[case]
+            assert unused == ([4, 5] if case == "none" else []), (case, rank)
+            assert [g is None for g in grads] == [g is None for g in want], (case, rank)
+            got = [g for g in grads if g is not None]
+            assert relative_error(got, [g for g in want if g is not None]) < 1e-5, (case, rank)
+    assert r0["checksum"] == r1["checksum"]
+
+
 # -- 3. a node that dies or hangs ----------------------------------------------------------
 def _until_fault(rank, spec, prefix, marker):
     torch.manual_seed(0)
@@ -647,6 +687,7 @@ SCENARIOS = {
     "batchnorm": _batchnorm,
     "until_fault": _until_fault,
     "mismatch": _mismatch,
+    "unused": _unused,
 }
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import shmgrad
-from conftest import Mlp, relative_error, reference_gradient
+from conftest import AUX, Branchy, Mlp, relative_error, reference_gradient, shard_gradients
 from test_faults import STEP_TIMEOUT_S, GradientCall, SlowCnn, wait_until_busy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -483,6 +483,91 @@ def test_a_ddp_wrapped_model_is_refused_naming_the_module_it_wraps():
             assert relative_error(grads(model), ref) < 1e-5
     finally:
         dist.destroy_process_group()
+
+
+# -- parameters backward does not reach -------------------------------------------------
+def grads_or_none(model):
+    return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+
+def assert_same_grads(got, want):
+    """The same parameters without a gradient (None), the others equal."""
+    assert [g is None for g in got] == [g is None for g in want]
+    assert (
+        relative_error([g for g in got if g is not None], [g for g in want if g is not None]) < 1e-5
+    )
+
+
+def branch_data(n, seed):
+    """Inputs no example of which takes Branchy's branch, and the same with one marked."""
+    x, y = data(n, d_in=6, classes=3, seed=seed)
+    x[:, 0].clamp_(max=1.0)
+    return x, y
+
+
+@pytest.mark.parametrize("mode", ["eager", "script"])
+def test_a_parameter_backward_never_reaches_keeps_grad_none_as_in_pytorch(mode):
+    """An auxiliary head no batch takes: plain PyTorch's backward leaves its .grad None, and
+    AdamW skips it (no weight decay, no moments). The engine did give it a zero gradient,
+    so weight decay moved it every step; now its .grad is None too, the step says which
+    parameters nothing reached, and 3 AdamW steps match PyTorch's."""
+    torch.manual_seed(0)
+    model = Branchy()
+    ref = copy.deepcopy(model)
+    aux_before = [p.detach().clone() for p in model.aux.parameters()]
+    x, y = branch_data(24, seed=1)
+    with shmgrad.Engine(model=model, workers=2, loss="cross_entropy", mode=mode) as engine:
+        engine.bind(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+        for step in range(3):
+            b = slice(8 * step, 8 * step + 8)
+            opt.zero_grad()
+            st = engine.gradient(inputs=x[b], targets=y[b], reduction="mean")
+            assert st.unused_params == list(AUX)
+            assert [p.grad is None for p in model.parameters()] == [i in AUX for i in range(6)]
+            opt.step()
+            ref_opt.zero_grad()
+            F.cross_entropy(ref(x[b]), y[b]).backward()
+            ref_opt.step()
+        assert all(torch.equal(p, q) for p, q in zip(model.aux.parameters(), aux_before))
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_branch_one_worker_takes_has_its_gradient_and_accumulates():
+    """A branch taken in one worker's shard only: the parameters have that worker's
+    gradient (a parameter is unreached only when no participant reached it). Accumulated
+    micro-batches: a gradient when any micro-batch reached it, None when none did."""
+    torch.manual_seed(1)
+    model = Branchy()
+    x, y = branch_data(16, seed=2)
+    marked = x.clone()
+    marked[6, 0] = 1000.0  # in the second worker's shard of examples [0, 8)
+    halves = [range(0, 4), range(4, 8)]
+    with shmgrad.Engine(model=model, workers=2, loss="cross_entropy", mode="eager") as engine:
+        engine.bind(model)
+        st = engine.gradient(inputs=marked[:8], targets=y[:8])
+        assert st.worker_examples == [4, 4] and st.unused_params == []
+        assert_same_grads(grads_or_none(model), shard_gradients(model, marked, y, halves))
+
+        def both(first, second):
+            """The shards of two micro-batches of 8: `first` then `second` examples."""
+            xs = torch.cat([first[0], second[0]])
+            ys = torch.cat([first[1], second[1]])
+            quarters = [range(0, 4), range(4, 8), range(8, 12), range(12, 16)]
+            return shard_gradients(model, xs, ys, quarters)
+
+        plain, hit = (x[8:16], y[8:16]), (marked[:8], y[:8])
+        for first, second in ((plain, hit), (hit, plain), (plain, (x[:8], y[:8]))):
+            engine.gradient(inputs=first[0], targets=first[1])
+            engine.gradient(inputs=second[0], targets=second[1], accumulate=True)
+            assert_same_grads(grads_or_none(model), both(first, second))
+        assert model.aux.weight.grad is None  # the last pair: no micro-batch took the branch
+        # optimizer.zero_grad(set_to_none=True) then accumulate: a fresh result again.
+        model.zero_grad(set_to_none=True)
+        engine.gradient(inputs=marked[:8], targets=y[:8], accumulate=True)
+        assert_same_grads(grads_or_none(model), shard_gradients(model, marked, y, halves))
 
 
 # -- 9. mixed precision ----------------------------------------------------------------
