@@ -227,15 +227,9 @@ DeviceMapping::DeviceMapping(std::shared_ptr<const CudaLibrary> cuda, const ipc:
     base_ = it->second.ptr;
     return;
   }
-  try {
-    base_ = cuda_->ipcOpen(context_, handle_);
-  } catch (const Error& err) {
-    // No peer access between the devices (the coordinator checks that before it starts
-    // workers; this is the same refusal for a process that opens a table on its own).
-    if (context_ == ordinal_ || cuda_->canAccessPeer(context_, ordinal_)) throw;
-    raise(ErrorKind::kInvalidArgument, "cuda:", context_, " cannot address cuda:", ordinal_,
-          "'s memory (the devices have no peer access): ", err.what());
-  }
+  // Devices without peer access fail here with CUDA's error; the coordinator refused them
+  // before any worker started.
+  base_ = cuda_->ipcOpen(context_, handle_);
   openedHandles()[{ordinal_, handle_}] = {base_, 1, context_};
 }
 

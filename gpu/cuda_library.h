@@ -95,10 +95,10 @@ class CudaLibrary {
 // there.
 class DeviceMapping {
  public:
-  // kInvalidArgument for a device index past the table, or a `context` device that cannot
-  // address this one (no peer access); kNotFound while the coordinator has not published
-  // the entry; CorruptError for a table that fails validation. `context` -1: the
-  // allocation's own device.
+  // kInvalidArgument for a device index past the table, or for a `context` other than the
+  // one this process already opened the allocation in; kNotFound while the coordinator has
+  // not published the entry; CorruptError for a table that fails validation. `context` -1:
+  // the allocation's own device.
   DeviceMapping(std::shared_ptr<const CudaLibrary> cuda, const ipc::Segment& segment,
                 uint32_t device_index, int context = -1);
   ~DeviceMapping();

@@ -43,9 +43,6 @@ class EngineMemory {
   int ordinal(uint32_t slot) const;
   // The first device's ordinal (the trainer's); -1 for a CPU engine.
   int trainerOrdinal() const { return onDevice() ? devices_[0]->ordinal() : -1; }
-  // The device this process computes on, in whose context every allocation is mapped;
-  // -1 for a CPU engine.
-  int contextOrdinal() const { return context_; }
   // The device index for tensors over memory on `ordinal`: -1 for CPU tensors (a CPU
   // engine, or a CUDA library whose memory is host memory: the test double), else it.
   int tensorDevice(int ordinal) const;

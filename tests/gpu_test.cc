@@ -166,6 +166,15 @@ std::vector<float> normals(size_t n, unsigned seed) {
     }                                                                       \
   } while (0)
 
+// Skips (with the reason printed) where fewer than `need` devices are visible.
+#define REQUIRE_DEVICES(c, need)                                                             \
+  do {                                                                                       \
+    REQUIRE_DEVICE(c);                                                                       \
+    int n = 0;                                                                               \
+    ASSERT_EQ((c).device_count(&n), 0);                                                      \
+    if (n < (need)) GTEST_SKIP() << n << " CUDA device(s) here: this test needs " << (need); \
+  } while (0)
+
 TEST(CudaLibraryTest, LoadsWithItsInterfaceEverywhere) {
   Cuda c;
   ASSERT_NO_FATAL_FAILURE(load(&c));
@@ -403,10 +412,7 @@ TEST(CudaLibraryTest, CanAccessPeerNamesPeersAndEveryDeviceItself) {
 TEST(CudaLibraryTest, CopyAcrossDevices) {
   Cuda c;
   ASSERT_NO_FATAL_FAILURE(load(&c));
-  REQUIRE_DEVICE(c);
-  int n = 0;
-  ASSERT_EQ(c.device_count(&n), 0);
-  if (n < 2) GTEST_SKIP() << "one CUDA device here: a peer copy needs two";
+  REQUIRE_DEVICES(c, 2);
   const std::vector<float> values = normals(4099, 7);
   DeviceFloats src(c, 1, values), dst(c, 0, std::vector<float>(values.size(), 0.0f));
   ASSERT_EQ(c.copy(0, dst.ptr(), src.ptr(), values.size() * 4), 0);
@@ -495,10 +501,7 @@ TEST(CudaLibraryTest, IpcHandlesOpenInAnotherProcess) {
 TEST(CudaLibraryTest, IpcHandlesOpenOnAnotherDeviceForItsKernels) {
   Cuda c;
   ASSERT_NO_FATAL_FAILURE(load(&c));
-  REQUIRE_DEVICE(c);
-  int n = 0;
-  ASSERT_EQ(c.device_count(&n), 0);
-  if (n < 2) GTEST_SKIP() << "one CUDA device here: peer access needs two";
+  REQUIRE_DEVICES(c, 2);
   int can = -1;
   ASSERT_EQ(c.can_access_peer(0, 1, &can), 0);
   uint64_t p = 0;

@@ -668,7 +668,7 @@ class Client:
             # None, as after plain PyTorch's backward, so an optimizer skips them (no weight
             # decay, no momentum) instead of stepping a zero gradient.
             flags, params = self._requires_grad, self._all_bound
-            self._nulled = tuple(params[i] for i in sorted(self._unused) if flags[i])
+            self._nulled = tuple(params[i] for i in self._unused if flags[i])
             for p in self._nulled:
                 p.grad = None
 
