@@ -13,6 +13,7 @@
 #include "ipc/config.h"
 #include "gpu/engine_memory.h"
 #include "ipc/error.h"
+#include "ipc/layout.h"
 #include "ipc/futex.h"
 #include "ipc/reduce.h"
 #include "ipc/segment.h"
@@ -643,7 +644,7 @@ void Trainer::collect(uint32_t e, const Participants& p, int64_t B, const Gradie
   }
   const uint32_t num_params = std::min(h->num_params, ipc::kMaxParams);
   for (uint32_t i = 0; i < num_params; ++i) {
-    if (!(reached[i / 64] >> (i % 64) & 1u)) stats->unused_params.push_back(static_cast<int>(i));
+    if (!ipc::paramBit(reached, i)) stats->unused_params.push_back(static_cast<int>(i));
   }
   SHMGRAD_CHECK(!o.mean || (std::isfinite(stats->count) && stats->count > 0),
                 ErrorKind::kInvalidArgument, "the batch's count is ", stats->count,

@@ -217,6 +217,13 @@ struct alignas(64) WorkerRecord {
   char error_text[kErrorLen];      // its message and, from Python, the traceback's last frames
 };
 
+// Parameter i's bit in a WorkerRecord::grad_params set (i < kMaxParams).
+inline void setParamBit(uint64_t* bits, uint32_t i) { bits[i / 64] |= uint64_t{1} << (i % 64); }
+inline void clearParamBit(uint64_t* bits, uint32_t i) {
+  bits[i / 64] &= ~(uint64_t{1} << (i % 64));
+}
+inline bool paramBit(const uint64_t* bits, uint32_t i) { return (bits[i / 64] >> (i % 64)) & 1u; }
+
 // One tensor of a structured batch: B examples of `example_shape`, at `offset` bytes
 // into the req_inputs region (a multiple of kAlign).
 struct LeafEntry {

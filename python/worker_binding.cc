@@ -59,7 +59,7 @@ class PyShardComputer : public worker::ShardComputer {
       const int64_t i = h.cast<int64_t>();
       SHMGRAD_CHECK(i >= 0 && i < num_params, ErrorKind::kInvalidArgument, "parameter index ", i,
                     " is out of range: the model has ", num_params);
-      bits[i / 64] &= ~(uint64_t{1} << (i % 64));
+      ipc::clearParamBit(bits, static_cast<uint32_t>(i));
     }
   }
 

@@ -7,6 +7,7 @@
 #include <fstream>
 
 #include "ipc/error.h"
+#include "ipc/layout.h"
 #include "worker/buffer_views.h"
 
 namespace shmgrad::worker {
@@ -172,7 +173,7 @@ void Replica::noteGradVersions() {
 
 void Replica::markGradParams(uint64_t* bits) const {
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (params_[i].grad()._version() != grad_versions_[i]) bits[i / 64] |= uint64_t{1} << (i % 64);
+    if (params_[i].grad()._version() != grad_versions_[i]) ipc::setParamBit(bits, i);
   }
 }
 

@@ -124,7 +124,7 @@ class ShardComputer {
   // default marks every parameter: a kind of worker that cannot tell gives each a
   // gradient, zeros where none reached it.
   virtual void markGradParams(uint64_t* bits, uint32_t num_params) {
-    for (uint32_t i = 0; i < num_params; ++i) bits[i / 64] |= uint64_t{1} << (i % 64);
+    for (uint32_t i = 0; i < num_params; ++i) ipc::setParamBit(bits, i);
   }
   // Store this worker's shared-buffer values (BatchNorm statistics) into `dst`, laid out
   // like the segment's buffers region: the shared buffers themselves (the step's first
