@@ -7,6 +7,7 @@ The worker side is :mod:`shmgrad._eager_worker`. docs/DESIGN.md, "Eager workers"
 """
 
 import copy
+import math
 import io
 import os
 import pickle
@@ -138,6 +139,8 @@ def check_loss(loss, loss_names, *, forward=None, loss_reduction=None) -> Option
             f"{type(loss).__name__}"
         )
     reduction = getattr(loss, "reduction", None)
+    if reduction == "batchmean":  # nn.KLDivLoss: the sum over the batch over its examples
+        reduction = "mean"
     if forward is None and isinstance(loss, torch.nn.Module) and reduction is not None:
         if reduction not in REDUCTIONS:
             raise errors.InvalidArgumentError(
@@ -193,11 +196,45 @@ def call_loss(model, loss, forward, batch):
     return loss(model(batch[0]), batch[1])
 
 
+# How many of the probe batch's first examples the check of a mean loses one by one, and
+# how far their mean may be from the loss of them together, relative. Tight: with a fresh
+# model every example's loss is close to the same value, so a mean over tokens differs
+# from the mean over examples by little (5e-4 for a GPT-2 at initialisation), while the
+# same examples in one batch or one by one differ by float32 rounding only.
+PROBE_EXAMPLES = 4
+MEAN_TOLERANCE = 1e-5
+
+
+def _batch_length(batch) -> Optional[int]:
+    """The number of examples in the batch: the first dimension of its first tensor."""
+    found = []
+
+    def note(t):
+        if t.dim() > 0 and not found:
+            found.append(t.shape[0])
+        return t
+
+    _map_tensors(batch, note)
+    return found[0] if found else None
+
+
+def _examples(batch, start, stop):
+    """Examples start..stop of the batch, along the first dimension of every tensor."""
+    return _map_tensors(batch, lambda t: t[start:stop] if t.dim() > 0 else t)
+
+
+def _loss_value(out) -> float:
+    return float(out[0]) / float(out[1]) if isinstance(out, (tuple, list)) else float(out)
+
+
 def probe_reduction(model, loss, forward, batch) -> str:
     """Finds out whether the job's loss is the batch's sum or its mean: the loss of the
     batch given twice is twice its loss for a sum and the same for a mean (the model in
-    eval mode, no gradient). Raises InvalidArgumentError, naming ``loss_reduction=``, for
-    a loss that is neither or cannot be told (a loss of 0)."""
+    eval mode, no gradient). A mean must be over the examples, since each worker's is
+    weighted by its shard's examples: the loss of the first examples must be the mean of
+    their losses one by one (a mean over tokens or over the targets a loss does not
+    ignore is not, once examples differ in them). Raises InvalidArgumentError, naming the
+    fix, for a loss that is neither or cannot be told (a loss of 0)."""
     was_training = model.training
     model.eval()
     try:
@@ -205,25 +242,27 @@ def probe_reduction(model, loss, forward, batch) -> str:
             # Each call gets its own copy of the structure (a forward may pop labels).
             twice_batch = _duplicated(batch)
             once = call_loss(model, loss, forward, _map_tensors(batch, lambda t: t))
+            if isinstance(once, (tuple, list)):  # (loss_sum, count): a sum with its own count
+                _check_sum_and_count(once, call_loss(model, loss, forward, twice_batch))
+                return "weighted"
+            if not isinstance(once, torch.Tensor) or once.numel() != 1:
+                raise errors.InvalidArgumentError(
+                    "the loss must be one number for the batch, its sum or its mean; got "
+                    + (
+                        f"a tensor of shape {tuple(once.shape)}"
+                        if isinstance(once, torch.Tensor)
+                        else type(once).__name__
+                    )
+                )
             twice = call_loss(model, loss, forward, twice_batch)
+            a, b = float(once), float(twice)
+            if a != 0 and abs(b - 2 * a) <= PROBE_TOLERANCE * abs(2 * a):
+                return "sum"
+            if a != 0 and abs(b - a) <= PROBE_TOLERANCE * abs(a):
+                _check_mean_over_examples(model, loss, forward, batch)
+                return "mean"
     finally:
         model.train(was_training)
-    if isinstance(once, (tuple, list)):
-        return "weighted"  # (loss_sum, count): a sum with its own count
-    if not isinstance(once, torch.Tensor) or once.numel() != 1:
-        raise errors.InvalidArgumentError(
-            "the loss must be one number for the batch, its sum or its mean; got "
-            + (
-                f"a tensor of shape {tuple(once.shape)}"
-                if isinstance(once, torch.Tensor)
-                else type(once).__name__
-            )
-        )
-    a, b = float(once), float(twice)
-    if a != 0 and abs(b - 2 * a) <= PROBE_TOLERANCE * abs(2 * a):
-        return "sum"
-    if a != 0 and abs(b - a) <= PROBE_TOLERANCE * abs(a):
-        return "mean"
     raise errors.InvalidArgumentError(
         f"cannot tell whether the loss is the batch's sum or its mean (loss {a:.6g}, and "
         f"{b:.6g} for the batch given twice): say which with Engine(..., "
@@ -231,14 +270,65 @@ def probe_reduction(model, loss, forward, batch) -> str:
     )
 
 
+def _check_sum_and_count(once, twice) -> None:
+    """Refuses a forward that returns (mean, count) for (loss_sum, count): given twice, the
+    batch's count doubles and so must its sum; a mean stays. Anything less clear (a loss
+    that mixes the batch's examples) is not refused on a guess."""
+    try:
+        (s1, c1), (s2, c2) = [(float(s), float(c)) for s, c in (once, twice)]
+    except (TypeError, ValueError):
+        return  # not two numbers: the worker's own check names what is wrong
+    doubled = c1 > 0 and abs(c2 - 2 * c1) <= PROBE_TOLERANCE * 2 * c1
+    if doubled and s1 != 0 and abs(s2 - s1) <= PROBE_TOLERANCE * abs(s1):
+        raise errors.InvalidArgumentError(
+            f"forward returned (loss, count) = ({s1:.6g}, {c1:g}), and ({s2:.6g}, {c2:g}) "
+            "for the batch given twice: the count doubles but the loss stays, so it is a "
+            "mean. Return the loss summed over what the count counts (e.g. "
+            "F.cross_entropy(..., reduction='sum')), and the engine divides by the whole "
+            "batch's count"
+        )
+
+
+def _check_mean_over_examples(model, loss, forward, batch) -> None:
+    """Refuses a mean loss that is not the mean of its examples' losses (see
+    probe_reduction). Not checked where the examples cannot be run one by one (a model
+    that needs batch statistics in eval mode): nothing is refused on a guess."""
+    n = _batch_length(batch)
+    if n is None or n < 2:
+        return
+    k = min(n, PROBE_EXAMPLES)
+    try:
+        whole = _loss_value(call_loss(model, loss, forward, _examples(batch, 0, k)))
+        each = [
+            _loss_value(call_loss(model, loss, forward, _examples(batch, i, i + 1)))
+            for i in range(k)
+        ]
+    except Exception:
+        return
+    mean = sum(each) / k
+    if math.isfinite(whole) and abs(mean - whole) <= MEAN_TOLERANCE * max(abs(whole), 1e-6):
+        return
+    raise errors.InvalidArgumentError(
+        f"the loss is a mean, but not over the batch's examples: {whole:.6g} for the first "
+        f"{k} examples, whose losses one by one average {mean:.6g} "
+        f"({', '.join(f'{v:.4g}' for v in each)}). A mean over tokens, over the targets a "
+        "loss does not ignore (cross_entropy's ignore_index=-100, padding) or with class "
+        "weights would be wrong once the batch is split between workers. Return "
+        "(loss_sum, count) from forward= (e.g. F.cross_entropy(..., reduction='sum') and "
+        "(labels != -100).sum()), or pass the loss module, e.g. loss=nn.CrossEntropyLoss(), "
+        "whose denominator the engine computes. If it is a mean over examples and the model "
+        "mixes examples even in eval mode, say so with loss_reduction='mean'"
+    )
+
+
 def check_dataset(dataset, *, model, loss, forward, collate_fn, loss_reduction, seed: int = 0):
     """Checks a torch Dataset once, in the trainer, before any worker starts: builds the
-    batch of its first two examples as a worker would and, with the default loss call, that
-    it is an (inputs, targets) pair. Returns the loss's reduction, found out on that batch
-    when ``loss_reduction`` is None (:func:`probe_reduction`)."""
+    batch of its first PROBE_EXAMPLES examples as a worker would and, with the default
+    loss call, that it is an (inputs, targets) pair. Returns the loss's reduction, found
+    out on that batch when ``loss_reduction`` is None (:func:`probe_reduction`)."""
     size = len(dataset)
     try:
-        batch = example_batch(dataset, range(min(2, size)), seed, collate_fn)
+        batch = example_batch(dataset, range(min(PROBE_EXAMPLES, size)), seed, collate_fn)
     except Exception as exc:
         raise errors.InvalidArgumentError(
             f"building a batch of the dataset's first examples failed ({type(exc).__name__}: "
@@ -606,8 +696,66 @@ def load_job(path: str) -> dict:
         return pickle.load(f)  # cloudpickle's output loads with pickle
 
 
+class CountedClassLoss:
+    """A mean cross entropy or NLL loss as the engine runs it: ``(loss_sum, count)``.
+
+    ``nn.CrossEntropyLoss()`` and ``nn.NLLLoss()`` with ``reduction="mean"`` (and
+    ``F.cross_entropy`` / ``F.nll_loss`` themselves) divide by the weight of the targets
+    they do not ignore: their number with ``ignore_index`` (-100 by default, the padding
+    of token labels), the sum of ``weight[target]`` with class weights. A shard's mean
+    weighted by its examples would then not be the batch's mean, so the loss is computed
+    as a sum with that denominator as its count, which is torch's own mean of the whole
+    batch once every shard's sums and counts are added up. Class-probability targets
+    (floating point) are averaged over examples as they are: the loss is returned as is.
+    """
+
+    def __init__(self, loss):
+        self.loss = loss  # the module (a device worker moves it, with its class weights)
+
+    def __call__(self, out, target):
+        loss = self.loss
+        if not isinstance(target, torch.Tensor) or target.is_floating_point():
+            return loss(out, target)
+        f = torch.nn.functional
+        if isinstance(loss, torch.nn.Module):
+            weight, ignore = loss.weight, loss.ignore_index
+            smoothing = getattr(loss, "label_smoothing", 0.0)
+            cross_entropy = isinstance(loss, torch.nn.CrossEntropyLoss)
+        else:
+            weight, ignore, smoothing = None, -100, 0.0
+            cross_entropy = loss is f.cross_entropy
+        kept = target != ignore
+        if weight is None:
+            count = kept.sum()
+        else:  # torch's denominator: the class weights of the targets kept
+            count = weight[target.masked_select(kept)].sum()
+        if cross_entropy:
+            total = f.cross_entropy(
+                out, target, weight, ignore_index=ignore, reduction="sum", label_smoothing=smoothing
+            )
+        else:
+            total = f.nll_loss(out, target, weight, ignore_index=ignore, reduction="sum")
+        return total, count
+
+
+def counts_its_mean(loss) -> bool:
+    """Whether the loss is a mean cross entropy or NLL loss: see CountedClassLoss."""
+    f = torch.nn.functional
+    if loss is f.cross_entropy or loss is f.nll_loss:
+        return True
+    return (
+        type(loss) in (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss)
+        and getattr(loss, "reduction", None) == "mean"
+    )
+
+
 def resolve_loss(loss):
-    return _named_loss(loss) if isinstance(loss, str) else loss
+    """The callable a worker computes a batch's loss with: a named loss's function, a mean
+    cross entropy or NLL loss returning (loss_sum, count) (CountedClassLoss), or the loss
+    as given."""
+    if isinstance(loss, str):
+        return _named_loss(loss)
+    return CountedClassLoss(loss) if counts_its_mean(loss) else loss
 
 
 def has_batchnorm(module: torch.nn.Module) -> bool:

@@ -64,6 +64,8 @@ class ShardRunner:
         if self.device is not None:
             torch.cuda.set_device(self.device)
             self.model.to(self.device)
+            if isinstance(job["loss"], torch.nn.Module):  # its class weights, as criterion.cuda()
+                job["loss"].to(self.device)
         self.slot_grads = participant.slot_views()
         # Views of the reduced buffer, made when first needed: only a worker alone in a
         # step on the trainer's device computes into it (its memory is that device's).

@@ -110,6 +110,70 @@ def test_hugging_face_bert_with_padding_collate_matches_one_process(forward, eng
     assert abs(stats.loss - want_loss.item()) < 1e-5 * max(1.0, abs(want_loss.item()))
 
 
+# -- a Hugging Face causal language model, labels padded with -100 -------------------------
+def lm_collate(examples):
+    """Right-padded ids, their mask, and labels that are the ids with -100 at the padding,
+    as Hugging Face's language-modelling collators make them."""
+    batch = pad_collate(examples)
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    return {
+        "input_ids": batch["input_ids"],
+        "attention_mask": batch["attention_mask"],
+        "labels": labels,
+    }
+
+
+def lm_loss_sum_and_count(model, batch):
+    """The next-token loss summed over the labels that are not -100 (the model's own loss
+    with num_items_in_batch=1, its divisor), and their number: the model's own loss is
+    their mean over the whole batch once the sums are added up."""
+    total = model(**batch, num_items_in_batch=1).loss
+    return total, (batch["labels"][:, 1:] != -100).sum()
+
+
+def test_hugging_face_causal_lm_token_mean_refused_as_written_and_exact_as_a_count():
+    """`model(**batch).loss` of a causal LM is the mean over the batch's tokens: weighted
+    by each shard's examples it would be silently wrong, so the engine refuses it when it
+    finds it out (the first sequences differ in length), naming the fix; the fix,
+    (loss_sum, count), gives the whole batch's loss and gradient."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=100,
+        n_positions=64,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    model = transformers.GPT2LMHeadModel(config)
+    ref = copy.deepcopy(model)
+    ds = TokenSequences()
+    assert len(ds[0]["input_ids"]) != len(ds[1]["input_ids"])
+    with pytest.raises(shmgrad.InvalidArgumentError, match=r"not over the batch's examples"):
+        shmgrad.Engine(
+            model=model,
+            workers=2,
+            dataset=ds,
+            collate_fn=lm_collate,
+            forward=lambda model, batch: model(**batch).loss,
+        )
+    idx = [5, 17, 2, 33, 8, 21, 0, 39, 12, 26, 14]
+    with shmgrad.Engine(
+        model=model, workers=2, dataset=ds, collate_fn=lm_collate, forward=lm_loss_sum_and_count
+    ) as engine:
+        engine.bind(model)
+        stats = engine.gradient(idx, reduction="mean")
+        got = [p.grad.clone() for p in model.parameters()]
+    want_loss = ref(**lm_collate([ds[i] for i in idx])).loss  # the model's own token mean
+    want_loss.backward()
+    assert relative_error(got, [p.grad for p in ref.parameters()]) < 1e-5
+    assert abs(stats.loss - want_loss.item()) < 1e-5 * max(1.0, abs(want_loss.item()))
+    assert stats.count == sum(len(ds[i]["input_ids"]) - 1 for i in idx)
+
+
 # -- a timm ResNet on explicit image batches ------------------------------------------------
 def timm_resnet_in_eval_mode(timm):
     """timm's resnet10t (no download) with BatchNorm running statistics other than the

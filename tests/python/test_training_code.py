@@ -76,6 +76,22 @@ def test_loss_module_with_mean_reduction_is_taken():
         assert relative_error(grads(model), ref) < 1e-5
 
 
+def test_kl_divergence_batchmean_is_a_mean_over_examples():
+    """nn.KLDivLoss(reduction="batchmean"), as distillation writes it against a teacher's
+    probabilities: the sum over the batch divided by its examples."""
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(Mlp(), torch.nn.LogSoftmax(1))
+    ref = copy.deepcopy(model)
+    x, _ = data(27)
+    teacher = torch.softmax(torch.randn(27, 5, generator=torch.Generator().manual_seed(6)), 1)
+    loss = torch.nn.KLDivLoss(reduction="batchmean")
+    loss(ref(x), teacher).backward()
+    with shmgrad.Engine(model=model, workers=2, loss=loss) as engine:
+        engine.bind(model)
+        engine.gradient(inputs=x, targets=teacher, reduction="mean")
+        assert relative_error(grads(model), grads(ref)) < 1e-5
+
+
 def not_sum_nor_mean(o, t):
     return F.cross_entropy(o, t, reduction="sum").sqrt()
 
@@ -177,6 +193,130 @@ def test_token_weighted_mean_is_exact_across_unequal_shares(workers, passes):
         assert st.count == tokens and st.num_examples == len(ds)
         assert relative_error(grads(model), grads(ref)) < 1e-5
         assert abs(st.loss - st.loss_sum / tokens) < 1e-12
+
+
+def token_mean_and_count(model, batch):
+    total, count = token_loss(model, batch)
+    return total / count, count  # the mean where the sum belongs
+
+
+def test_forward_returning_a_mean_with_its_count_is_refused_at_start():
+    with pytest.raises(shmgrad.InvalidArgumentError, match="the count doubles but the loss stays"):
+        shmgrad.Engine(
+            model=TinyLm(),
+            workers=2,
+            dataset=Sentences(),
+            collate_fn=pad,
+            forward=token_mean_and_count,
+        )
+
+
+IGNORED = -100  # cross_entropy's and nll_loss's default ignore_index: padded labels
+TAGS = 6
+
+
+class Tagger(torch.nn.Module):
+    """A tag per token: logits (N, TAGS, T), or log-probabilities for nll_loss."""
+
+    def __init__(self, log_probs=False):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 12)
+        self.out = torch.nn.Linear(12, TAGS)
+        self.log_probs = log_probs
+
+    def forward(self, ids):
+        logits = self.out(torch.tanh(self.emb(ids))).transpose(1, 2)
+        return logits.log_softmax(1) if self.log_probs else logits
+
+
+class PaddedTags(Pairs):
+    """Sequences of 8 tokens whose labels past 1..7 tokens are IGNORED (padding), as a
+    collate that pads labels with -100 makes them: examples differ in the targets a mean
+    cross entropy divides by. Example 0 has a single label, example 1 two."""
+
+    def __init__(self, n=30, seed=3):
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(1, VOCAB, (n, 8), generator=g)
+        labels = torch.randint(0, TAGS, (n, 8), generator=g)
+        for i in range(n):
+            labels[i, 1 + i % 7 :] = IGNORED
+        super().__init__(ids, labels)
+
+
+CLASS_WEIGHTS = torch.linspace(0.5, 2.0, TAGS)
+CLASS_LOSSES = {
+    "CrossEntropyLoss": torch.nn.CrossEntropyLoss(),
+    "weights-smoothing": torch.nn.CrossEntropyLoss(weight=CLASS_WEIGHTS, label_smoothing=0.1),
+    "F.cross_entropy": F.cross_entropy,
+    "NLLLoss-weights": torch.nn.NLLLoss(weight=CLASS_WEIGHTS),
+}
+
+
+@pytest.mark.parametrize("name", list(CLASS_LOSSES))
+def test_mean_class_loss_divides_by_the_targets_it_keeps(name):
+    """nn.CrossEntropyLoss() as written, over padded labels: torch's mean divides by the
+    labels it does not ignore (weighted by class with weight=), not by the examples. With
+    3 workers and 23 examples the shards hold very different numbers of labels, so a mean
+    weighted by examples would be far off."""
+    loss = CLASS_LOSSES[name]
+    torch.manual_seed(4)
+    model = Tagger(log_probs=isinstance(loss, torch.nn.NLLLoss))
+    ref = copy.deepcopy(model)
+    ds = PaddedTags()
+    idx = list(range(3, 26))
+    x, y = ds.x[idx], ds.y[idx]
+    want_loss = loss(ref(x), y)
+    want_loss.backward()
+    kept = y[y != IGNORED]
+    count = float(CLASS_WEIGHTS[kept].sum()) if "eights" in name else float(kept.numel())
+    # The engine's mean weighting shards by their examples instead is far off here.
+    assert relative_error(shard_gradients_mean(model, loss, x, y, 3), grads(ref)) > 1e-2
+    with shmgrad.Engine(model=model, workers=3, loss=loss, dataset=ds) as engine:
+        engine.bind(model)
+        st = engine.gradient(idx, reduction="mean")
+        assert relative_error(grads(model), grads(ref)) < 1e-5
+        assert abs(st.count - count) < 1e-4 * count
+        assert abs(st.loss - want_loss.item()) < 1e-5 * want_loss.item()
+        # Explicit batches take the same path.
+        engine.gradient(inputs=x, targets=y, reduction="mean")
+        assert relative_error(grads(model), grads(ref)) < 1e-5
+
+
+def shard_gradients_mean(model, loss, x, y, workers):
+    """The gradient of the shards' means weighted by their examples: what a mean class
+    loss would give if each worker's mean counted as its examples'."""
+    total = None
+    for xs, ys in zip(x.tensor_split(workers), y.tensor_split(workers)):
+        m = copy.deepcopy(model)
+        (loss(m(xs), ys) * len(xs) / len(x)).backward()
+        g = grads(m)
+        total = g if total is None else [a + b for a, b in zip(total, g)]
+    return total
+
+
+def token_mean(outputs, labels):
+    """A mean over the labels cross_entropy keeps, written as a function: the engine
+    cannot know its denominator."""
+    return F.cross_entropy(outputs, labels)
+
+
+def test_mean_over_tokens_written_as_a_function_is_refused_naming_the_fix():
+    """Refused at start (the dataset's first four examples hold 1 to 4 labels), and
+    without a dataset by each worker on its first shard, the engine serving on."""
+    with pytest.raises(shmgrad.InvalidArgumentError, match="not over the batch's examples"):
+        shmgrad.Engine(model=Tagger(), workers=2, loss=token_mean, dataset=PaddedTags())
+    ds = PaddedTags()
+    with shmgrad.Engine(model=Tagger(), workers=2, loss=token_mean) as engine:
+        with pytest.raises(shmgrad.WorkerError, match=r"\(loss_sum, count\) from forward="):
+            engine.gradient(inputs=ds.x[:10], targets=ds.y[:10])
+        assert len(engine.status().ready_workers) == 2
+    # Declared, it is taken as a mean over examples: the user said so.
+    model = Tagger()
+    with shmgrad.Engine(
+        model=model, workers=2, loss=token_mean, dataset=ds, loss_reduction="mean"
+    ) as engine:
+        engine.bind(model)
+        assert engine.gradient(range(4), reduction="mean").count == 4
 
 
 # -- 3. accumulation -------------------------------------------------------------------
@@ -661,7 +801,9 @@ def test_pair_batch_takes_the_default_loss_call():
 def popping_mean_loss(model, batch):
     labels = batch.pop("labels")  # a common Hugging Face habit: the probe must allow it
     logits = model(batch["ids"])
-    return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=PAD)
+    # A mean over examples (each sequence's summed token loss), as a mean must be.
+    per_token = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=PAD, reduction="none")
+    return per_token.sum(1).mean()
 
 
 def test_found_out_mean_with_a_forward_that_pops_from_its_batch():
@@ -671,7 +813,7 @@ def test_found_out_mean_with_a_forward_that_pops_from_its_batch():
     ref = copy.deepcopy(model)
     popping_mean_loss(ref, pad([ds[i] for i in range(12)])).backward()
     with shmgrad.Engine(
-        model=model, workers=1, dataset=ds, collate_fn=pad, forward=popping_mean_loss
+        model=model, workers=2, dataset=ds, collate_fn=pad, forward=popping_mean_loss
     ) as engine:
         engine.bind(model)
         engine.gradient(range(12), reduction="mean")
