@@ -7,8 +7,9 @@ The worker side is :mod:`shmgrad._eager_worker`. docs/DESIGN.md, "Eager workers"
 """
 
 import copy
-import math
+import functools
 import io
+import math
 import os
 import pickle
 import random
@@ -154,6 +155,62 @@ def check_loss(loss, loss_names, *, forward=None, loss_reduction=None) -> Option
             )
         return reduction
     return loss_reduction
+
+
+def _modules_held(fn):
+    """The modules a loss or forward callable holds, with where: itself, the object of a
+    bound method, a partial's arguments, a function's closure cells and the globals its
+    code names (what cloudpickle sends to the workers with it)."""
+    if fn is None or isinstance(fn, str):
+        return
+    if isinstance(fn, torch.nn.Module):
+        yield type(fn).__name__, fn
+        return
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, torch.nn.Module):
+        yield type(owner).__name__, owner
+    if isinstance(fn, functools.partial):
+        for value in (fn.func, *fn.args, *fn.keywords.values()):
+            if isinstance(value, torch.nn.Module):
+                yield type(value).__name__, value
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return
+    for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
+        try:
+            value = cell.cell_contents
+        except ValueError:  # a cell not yet filled
+            continue
+        if isinstance(value, torch.nn.Module):
+            yield name, value
+    fn_globals = getattr(fn, "__globals__", {})
+    for name in code.co_names:
+        value = fn_globals.get(name)
+        if isinstance(value, torch.nn.Module):
+            yield name, value
+
+
+def check_no_parameters_outside(model, *, loss, forward) -> None:
+    """Refuses a loss or forward that holds trainable parameters the model does not have
+    (a loss module with a learned weight, a head kept beside the model): the engine shares
+    and reduces the model's parameters only, so they would get no gradient in the trainer
+    and would silently never train. The model's own parameters, referred to from a loss
+    (a penalty on the weights), are the workers' shared ones: they are fine."""
+    own = {id(p) for p in model.parameters()}
+    for role, fn in (("loss", loss), ("forward", forward)):
+        for where, module in _modules_held(fn):
+            stray = [
+                n for n, p in module.named_parameters() if p.requires_grad and id(p) not in own
+            ]
+            if stray:
+                raise errors.InvalidArgumentError(
+                    f"the {role} holds {where}, whose trainable parameters are not the "
+                    f"model's ({', '.join(stray[:4])}{', ...' if len(stray) > 4 else ''}): "
+                    "the engine shares and reduces the model's parameters only, so these "
+                    "would get no gradient in the trainer and never train. Make them part of "
+                    "the model (a module holding the model and them, with forward=lambda "
+                    "model, batch: ...), or freeze them with requires_grad_(False)"
+                )
 
 
 # How far the loss of a batch given twice may be from twice (a sum) or once (a mean) its
@@ -618,6 +675,7 @@ def prepare_job(
             f"{type(model).__name__}"
         )
     loss_reduction = check_loss(loss, loss_names, forward=forward, loss_reduction=loss_reduction)
+    check_no_parameters_outside(model, loss=loss, forward=forward)
     if isinstance(dataset, torch.utils.data.DataLoader):
         raise errors.InvalidArgumentError(
             "dataset is a DataLoader; shmgrad's workers load the examples themselves: pass "

@@ -92,6 +92,53 @@ def test_kl_divergence_batchmean_is_a_mean_over_examples():
         assert relative_error(grads(model), grads(ref)) < 1e-5
 
 
+class LearnedTemperatureLoss(torch.nn.Module):
+    """A loss with a parameter of its own (a learned temperature)."""
+
+    def __init__(self):
+        super().__init__()
+        self.log_t = torch.nn.Parameter(torch.zeros(()))
+
+    def forward(self, o, t):
+        return F.cross_entropy(o * self.log_t.exp(), t, reduction="sum")
+
+
+def test_parameters_the_loss_holds_outside_the_model_are_refused():
+    """They would never get a gradient in the trainer: refused, naming them and the fix,
+    whether the loss is the module, a bound method, or a function that refers to it; the
+    model's own parameters in a penalty are fine, and so is a frozen loss module."""
+    model = Mlp()
+    crit = LearnedTemperatureLoss()
+
+    def through_closure(o, t):
+        return crit(o, t)
+
+    for loss, forward in [
+        (crit, None),
+        (crit.forward, None),
+        (through_closure, None),
+        (None, lambda m, batch: crit(m(batch[0]), batch[1])),
+    ]:
+        with pytest.raises(shmgrad.InvalidArgumentError, match=r"\(log_t\).*requires_grad_"):
+            shmgrad.Engine(
+                model=model, workers=1, loss=loss, forward=forward, loss_reduction="sum"
+            )
+    torch.manual_seed(7)
+    x, y = data(12)
+
+    def penalised(o, t):  # the model's weights: the workers' own shared ones
+        return F.cross_entropy(o, t, reduction="sum") + 0.1 * model.fc1.weight.square().sum()
+
+    ref = copy.deepcopy(model)
+    (F.cross_entropy(ref(x), y, reduction="sum") + 0.1 * ref.fc1.weight.square().sum()).backward()
+    with shmgrad.Engine(model=model, workers=1, loss=penalised, loss_reduction="sum") as engine:
+        engine.bind(model)
+        engine.gradient(inputs=x, targets=y)
+        assert relative_error(grads(model), grads(ref)) < 1e-5
+    crit.requires_grad_(False)
+    shmgrad.Engine(model=model, workers=1, loss=crit, loss_reduction="sum").close()
+
+
 def not_sum_nor_mean(o, t):
     return F.cross_entropy(o, t, reduction="sum").sqrt()
 
