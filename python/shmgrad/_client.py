@@ -10,7 +10,7 @@ from typing import List, Optional
 
 import torch
 
-from . import _gpu, errors, multinode
+from . import _eager, _gpu, errors, multinode
 from ._native import _C, DEFAULTS
 from ._eager import REDUCTIONS, compiled_original, has_batchnorm, shared_buffers, step_seed
 from ._status import EngineStatus, read_status
@@ -147,6 +147,10 @@ class Client:
 
     # Class-level defaults, so that close() works on an object whose __init__ failed.
     mode_reason = ""  # why the workers are of their kind: known to the Engine that chose
+    # What the loss returns for a batch ("sum", "mean", "weighted"), known to the Engine
+    # that started the job (None: not known here), and what to find it out with.
+    _loss_reduction = None
+    _probe_job = None
     _trainer = None
     _closed = False
     _nodes = None
@@ -408,7 +412,7 @@ class Client:
         *,
         inputs=None,
         targets=None,
-        reduction: str = "sum",
+        reduction: Optional[str] = None,
         timeout: float = 600.0,
         max_retries: int = 3,
         min_examples_per_worker: Optional[int] = None,
@@ -430,7 +434,11 @@ class Client:
         worker's ``forward(model, shard)`` (or ``loss(model(b[0]), b[1])`` for a pair)
         the same structure.
         ``reduction="sum"`` gives the gradient of the summed loss, ``"mean"`` of its mean
-        (over the examples, or over the counts ``forward`` returned with its loss).
+        (over the examples, or over the counts ``forward`` returned with its loss). The
+        default is the loss's own, what ``loss.backward()`` on the batch would give:
+        ``"mean"`` for a mean loss (``nn.CrossEntropyLoss()``, ``F.cross_entropy``, a
+        ``forward`` returning ``(loss_sum, count)``), ``"sum"`` for a sum (the named
+        losses); an attached client, which does not know the loss, sums.
 
         ``accumulate=True`` adds this batch's gradient to the previous calls' instead of
         replacing it, as ``loss.backward()`` adds to ``.grad``: several micro-batches give
@@ -466,7 +474,9 @@ class Client:
             NodeError: across nodes, a peer died, timed out or failed its step.
         """
         t = self._check_open()
-        if reduction not in REDUCTIONS:
+        if reduction is None:
+            reduction = self._default_reduction(inputs, targets, batch)
+        elif reduction not in REDUCTIONS:
             raise errors.InvalidArgumentError(
                 f"unknown reduction {reduction!r}: use 'sum' or 'mean'"
             )
@@ -635,6 +645,52 @@ class Client:
                 stacklevel=2,
             )
         return stats
+
+    def _default_reduction(self, inputs, targets, batch) -> str:
+        """gradient()'s reduction when none is given: the loss's own, so that the gradient
+        is the one ``loss.backward()`` would give: "mean" for a mean loss (or one that
+        returns (loss_sum, count)), "sum" for a sum. Where the workers are to find the
+        loss out (an undeclared callable, no Dataset), this trainer probes it first, once,
+        on the batch's first examples as the workers would (indices into a dataset spec's
+        examples, which it cannot read, are refused naming the fix); an attached client,
+        which does not know the loss, sums."""
+        known = self._loss_reduction
+        if known is None and self._probe_job is not None:
+            probe = None
+            if batch is not None:
+                probe = batch
+            elif inputs is not None and targets is not None:
+                probe = (torch.as_tensor(inputs), torch.as_tensor(targets))
+            if probe is None:
+                raise errors.InvalidArgumentError(
+                    "the engine cannot tell yet whether the loss is the batch's sum or its "
+                    "mean (its examples are in the engine's dataset, out of this process's "
+                    "reach): give gradient(..., reduction='sum' or 'mean'), or start the "
+                    "engine with loss_reduction="
+                )
+            known = self._loss_reduction = self._probe_loss(probe)
+        return "sum" if known in (None, "sum") else "mean"
+
+    def _probe_loss(self, batch):
+        model, loss, forward = self._probe_job
+        if not _eager._batch_length(batch):
+            # An empty share (across nodes): it cannot tell, and guessing could make this
+            # node sum while the others take the mean.
+            raise errors.InvalidArgumentError(
+                "an empty batch cannot tell whether the loss is the batch's sum or its mean: "
+                "give gradient(..., reduction='sum' or 'mean'), or start the engine with "
+                "loss_reduction="
+            )
+        batch = _eager._examples(batch, 0, _eager.PROBE_EXAMPLES)
+        param = next(model.parameters(), None)
+        if param is not None and param.device.type != "cpu":  # a GPU engine's bound module
+            batch = _eager._map_tensors(batch, lambda t: t.to(param.device))
+        try:
+            return _eager.probe_reduction(model, loss, forward, batch)
+        except errors.Error:
+            raise
+        except Exception:
+            return None  # the model rejects the batch: the step's workers say how
 
     def _accumulating_onto(self) -> bool:
         """Whether an accumulating call has a result to add to: one since the last

@@ -494,6 +494,9 @@ class EagerJob(NamedTuple):
     holder_path: str  # the model's parameters (write_params), for serve
     job_path: str  # the pickled job, 0600
     dataset_size: int  # examples of a Dataset the workers hold (0: none or a spec string)
+    # "sum", "mean" or "weighted" ((loss_sum, count)) as known at start; None: the workers
+    # find out on their first shard (no Dataset to probe, nothing declared).
+    loss_reduction: Optional[str] = None
 
     def serve_arguments(self) -> List[str]:
         """The options that make ``shmgrad serve`` run this job in eager workers, with
@@ -746,7 +749,7 @@ def prepare_job(
 
         shutil.rmtree(directory, ignore_errors=True)
         raise
-    return EagerJob(directory, holder, job, size)
+    return EagerJob(directory, holder, job, size, loss_reduction)
 
 
 def load_job(path: str) -> dict:

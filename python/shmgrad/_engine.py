@@ -63,11 +63,21 @@ class Server:
     ``"eager"``) and ``mode_reason`` (why).
     """
 
-    def __init__(self, launcher: Launcher, mode: str, mode_reason: str, files: Optional[str]):
+    def __init__(
+        self,
+        launcher: Launcher,
+        mode: str,
+        mode_reason: str,
+        files: Optional[str],
+        loss_reduction: Optional[str] = None,
+    ):
         self._launcher = launcher
         self._files = files  # the saved model or the eager job: removed at stop
         self.name = launcher.options.name
         self.mode, self.mode_reason = mode, mode_reason
+        # What the loss returns for a batch, where known at start: "sum", "mean" or
+        # "weighted" ((loss_sum, count)); None: the workers find out on their first shard.
+        self.loss_reduction = loss_reduction
 
     @property
     def pid(self) -> Optional[int]:
@@ -199,7 +209,8 @@ def serve(
         eager_job=eager_job,
         devices=tuple(ordinals) if ordinals is not None else None,
     )
-    server = Server(Launcher(options), mode, mode_reason, files)
+    loss_reduction = "sum" if eager_job is None else eager_job.loss_reduction  # names sum
+    server = Server(Launcher(options), mode, mode_reason, files, loss_reduction)
     try:
         server._launcher.start()
     except BaseException:
@@ -393,6 +404,11 @@ class Engine(Client):
         except BaseException:
             server.stop()
             raise
+        # gradient()'s default reduction follows the loss's; where the workers are to find
+        # it out, this trainer does on the first explicit batch (_default_reduction).
+        self._loss_reduction = server.loss_reduction
+        if self._loss_reduction is None and isinstance(model, torch.nn.Module):
+            self._probe_job = (eager.compiled_original(model)[0], eager.resolve_loss(loss), forward)
         # What the workers train: the model's requires_grad flags as it was started.
         if isinstance(model, torch.nn.Module):
             flags = [p.requires_grad for p in eager.compiled_original(model)[0].parameters()]

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import shmgrad
-from conftest import AUX, Branchy, Mlp, relative_error, reference_gradient, shard_gradients
+from conftest import AUX, Branchy, Cnn, Mlp, relative_error, reference_gradient, shard_gradients
 from test_faults import STEP_TIMEOUT_S, GradientCall, SlowCnn, wait_until_busy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -63,6 +63,80 @@ def test_mean_loss_written_as_users_write_it_is_exact(batch):
         assert abs(st.loss - expected) < 1e-5 * abs(expected)
         engine.gradient(**call, reduction="sum")
         assert relative_error(grads(model), ref_sum) < 1e-5
+
+
+def summed_cross_entropy(o, t):
+    return F.cross_entropy(o, t, reduction="sum")
+
+
+def counted_cross_entropy(model, batch):
+    return F.cross_entropy(model(batch[0]), batch[1], reduction="sum"), len(batch[1])
+
+
+DEFAULT_REDUCTIONS = {  # the loss, whether the Engine gets a Dataset, what backward gives
+    "CrossEntropyLoss": (dict(loss=torch.nn.CrossEntropyLoss()), True, "mean"),
+    "callable-mean-probed-in-trainer": (
+        dict(loss=lambda o, t: F.cross_entropy(o, t)),
+        False,
+        "mean",
+    ),
+    "callable-mean-dataset": (dict(loss=lambda o, t: F.cross_entropy(o, t)), True, "mean"),
+    "named-sum": (dict(loss="cross_entropy", mode="eager"), False, "sum"),
+    "callable-sum-probed-in-trainer": (dict(loss=summed_cross_entropy), False, "sum"),
+    "sum-and-count": (dict(forward=counted_cross_entropy), False, "mean"),
+}
+
+
+@pytest.mark.parametrize("case", list(DEFAULT_REDUCTIONS))
+def test_default_reduction_is_the_losses_own(case):
+    """gradient() without reduction= gives what loss.backward() on the batch would: the
+    mean's gradient for a mean loss (a mean module read at start, a callable found out on
+    the dataset or, without one, by the trainer on the first batch), the sum's for a sum."""
+    engine_args, with_dataset, want = DEFAULT_REDUCTIONS[case]
+    torch.manual_seed(11)
+    model = Mlp()
+    x, y = data(22)
+    ref = reference_gradient(model, "cross_entropy", x, y, reduction=want)
+    extra = {"dataset": Pairs(x, y)} if with_dataset else {}
+    with shmgrad.Engine(model=model, workers=3, **engine_args, **extra) as engine:
+        engine.bind(model)
+        for _ in range(2):  # found out once, then kept
+            st = (
+                engine.gradient(range(22)) if with_dataset else engine.gradient(inputs=x, targets=y)
+            )
+            assert relative_error(grads(model), ref) < 1e-5
+        want_loss = F.cross_entropy(model(x), y, reduction=want).item()
+        assert abs(st.loss - want_loss) < 1e-5 * abs(want_loss)
+
+
+def test_default_reduction_unknown_is_refused_or_summed_where_it_cannot_be_known(npy_dataset):
+    """A callable loss over a dataset spec's examples, which the trainer cannot read, or
+    an empty batch: refused, naming reduction= and loss_reduction=; given, it works. An
+    attached client, which does not know the loss, sums (the README says so)."""
+    spec, x, y = npy_dataset
+    with shmgrad.Engine(model=Mlp(), workers=1, loss=lambda o, t: F.cross_entropy(o, t)) as e:
+        xs, ys = data(4)
+        with pytest.raises(shmgrad.InvalidArgumentError, match="empty batch cannot tell"):
+            e.gradient(inputs=xs[:0], targets=ys[:0])  # as a node's empty share would
+    model = Cnn()
+    with shmgrad.Engine(
+        model=model, workers=2, loss=lambda o, t: F.cross_entropy(o, t), dataset=spec
+    ) as engine:
+        engine.bind(model)
+        with pytest.raises(shmgrad.InvalidArgumentError, match="reduction='sum' or 'mean'"):
+            engine.gradient(range(8))
+        engine.gradient(range(8), reduction="mean")
+        want = reference_gradient(model, "cross_entropy", x[:8], y[:8], reduction="mean")
+        assert relative_error(grads(model), want) < 1e-5
+    with shmgrad.serve(model=Mlp(), workers=1, loss=torch.nn.CrossEntropyLoss()) as server:
+        assert server.loss_reduction == "mean"
+        model = Mlp()
+        with shmgrad.attach(server.name) as client:
+            client.bind(model)
+            xs, ys = data(6)
+            client.gradient(inputs=xs, targets=ys)
+            want = reference_gradient(model, "cross_entropy", xs, ys, reduction="sum")
+            assert relative_error(grads(model), want) < 1e-5
 
 
 def test_loss_module_with_mean_reduction_is_taken():
@@ -120,9 +194,7 @@ def test_parameters_the_loss_holds_outside_the_model_are_refused():
         (None, lambda m, batch: crit(m(batch[0]), batch[1])),
     ]:
         with pytest.raises(shmgrad.InvalidArgumentError, match=r"\(log_t\).*requires_grad_"):
-            shmgrad.Engine(
-                model=model, workers=1, loss=loss, forward=forward, loss_reduction="sum"
-            )
+            shmgrad.Engine(model=model, workers=1, loss=loss, forward=forward, loss_reduction="sum")
     torch.manual_seed(7)
     x, y = data(12)
 
@@ -158,8 +230,11 @@ def test_loss_neither_sum_nor_mean_is_refused_by_the_workers_and_the_engine_serv
     with shmgrad.Engine(model=model, workers=2, loss=not_sum_nor_mean) as engine:
         engine.bind(model)
         with pytest.raises(shmgrad.WorkerError, match="loss_reduction="):
-            engine.gradient(inputs=x, targets=y)
+            engine.gradient(inputs=x, targets=y, reduction="sum")
         assert len(engine.status().ready_workers) == 2
+        # Without a reduction, the trainer finds out first (the default follows the loss).
+        with pytest.raises(shmgrad.InvalidArgumentError, match="loss_reduction="):
+            engine.gradient(inputs=x, targets=y)
 
 
 def test_declared_loss_reduction_is_checked():
@@ -355,8 +430,10 @@ def test_mean_over_tokens_written_as_a_function_is_refused_naming_the_fix():
     ds = PaddedTags()
     with shmgrad.Engine(model=Tagger(), workers=2, loss=token_mean) as engine:
         with pytest.raises(shmgrad.WorkerError, match=r"\(loss_sum, count\) from forward="):
-            engine.gradient(inputs=ds.x[:10], targets=ds.y[:10])
+            engine.gradient(inputs=ds.x[:10], targets=ds.y[:10], reduction="mean")
         assert len(engine.status().ready_workers) == 2
+        with pytest.raises(shmgrad.InvalidArgumentError, match=r"\(loss_sum, count\) from"):
+            engine.gradient(inputs=ds.x[:10], targets=ds.y[:10])  # found out by the trainer
     # Declared, it is taken as a mean over examples: the user said so.
     model = Tagger()
     with shmgrad.Engine(
