@@ -131,6 +131,12 @@ def _check_buffers(buffers: str) -> str:
     return buffers
 
 
+# The fix named wherever gradient() cannot find out its default reduction.
+_SAY_REDUCTION = (
+    "give gradient(..., reduction='sum' or 'mean'), or start the engine with loss_reduction="
+)
+
+
 class Client:
     """A trainer attached to a running engine; :func:`attach` makes one.
 
@@ -652,8 +658,8 @@ class Client:
         returns (loss_sum, count)), "sum" for a sum. Where the workers are to find the
         loss out (an undeclared callable, no Dataset), this trainer probes it first, once,
         on the batch's first examples as the workers would (indices into a dataset spec's
-        examples, which it cannot read, are refused naming the fix); an attached client,
-        which does not know the loss, sums."""
+        examples, which it cannot read, an empty batch, or a batch the probe fails on are
+        refused naming the fix); an attached client, which does not know the loss, sums."""
         known = self._loss_reduction
         if known is None and self._probe_job is not None:
             probe = None
@@ -665,8 +671,7 @@ class Client:
                 raise errors.InvalidArgumentError(
                     "the engine cannot tell yet whether the loss is the batch's sum or its "
                     "mean (its examples are in the engine's dataset, out of this process's "
-                    "reach): give gradient(..., reduction='sum' or 'mean'), or start the "
-                    "engine with loss_reduction="
+                    f"reach): {_SAY_REDUCTION}"
                 )
             known = self._loss_reduction = self._probe_loss(probe)
         return "sum" if known in (None, "sum") else "mean"
@@ -677,9 +682,8 @@ class Client:
             # An empty share (across nodes): it cannot tell, and guessing could make this
             # node sum while the others take the mean.
             raise errors.InvalidArgumentError(
-                "an empty batch cannot tell whether the loss is the batch's sum or its mean: "
-                "give gradient(..., reduction='sum' or 'mean'), or start the engine with "
-                "loss_reduction="
+                f"an empty batch cannot tell whether the loss is the batch's sum or its mean: "
+                f"{_SAY_REDUCTION}"
             )
         batch = _eager._examples(batch, 0, _eager.PROBE_EXAMPLES)
         param = next(model.parameters(), None)
@@ -689,8 +693,11 @@ class Client:
             return _eager.probe_reduction(model, loss, forward, batch)
         except errors.Error:
             raise
-        except Exception:
-            return None  # the model rejects the batch: the step's workers say how
+        except Exception as exc:  # not a guess, and not the probe again at every step
+            raise errors.InvalidArgumentError(
+                f"finding out whether the loss is the batch's sum or its mean failed in the "
+                f"trainer ({type(exc).__name__}: {exc}): {_SAY_REDUCTION}"
+            ) from exc
 
     def _accumulating_onto(self) -> bool:
         """Whether an accumulating call has a result to add to: one since the last

@@ -407,11 +407,12 @@ class Engine(Client):
         # gradient()'s default reduction follows the loss's; where the workers are to find
         # it out, this trainer does on the first explicit batch (_default_reduction).
         self._loss_reduction = server.loss_reduction
-        if self._loss_reduction is None and isinstance(model, torch.nn.Module):
-            self._probe_job = (eager.compiled_original(model)[0], eager.resolve_loss(loss), forward)
-        # What the workers train: the model's requires_grad flags as it was started.
         if isinstance(model, torch.nn.Module):
-            flags = [p.requires_grad for p in eager.compiled_original(model)[0].parameters()]
+            original = eager.compiled_original(model)[0]
+            if self._loss_reduction is None:
+                self._probe_job = (original, eager.resolve_loss(loss), forward)
+            # What the workers train: the model's requires_grad flags as it was started.
+            flags = [p.requires_grad for p in original.parameters()]
             if len(flags) == len(self._param_info):
                 self._engine_trainable = flags
 

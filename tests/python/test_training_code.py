@@ -110,14 +110,19 @@ def test_default_reduction_is_the_losses_own(case):
 
 
 def test_default_reduction_unknown_is_refused_or_summed_where_it_cannot_be_known(npy_dataset):
-    """A callable loss over a dataset spec's examples, which the trainer cannot read, or
-    an empty batch: refused, naming reduction= and loss_reduction=; given, it works. An
-    attached client, which does not know the loss, sums (the README says so)."""
+    """A callable loss over a dataset spec's examples, which the trainer cannot read, an
+    empty batch or one the probe fails on: refused, naming reduction= and loss_reduction=;
+    given, it works. An attached client, which does not know the loss, sums (the README
+    says so)."""
     spec, x, y = npy_dataset
     with shmgrad.Engine(model=Mlp(), workers=1, loss=lambda o, t: F.cross_entropy(o, t)) as e:
         xs, ys = data(4)
         with pytest.raises(shmgrad.InvalidArgumentError, match="empty batch cannot tell"):
             e.gradient(inputs=xs[:0], targets=ys[:0])  # as a node's empty share would
+        # A batch the model rejects: the probe's error, not a guessed sum.
+        with pytest.raises(shmgrad.InvalidArgumentError, match=r"failed in the trainer \(Runtime"):
+            e.gradient(inputs=xs[:, :7], targets=ys)
+        assert e.gradient(inputs=xs, targets=ys).count == 4  # found out, and kept
     model = Cnn()
     with shmgrad.Engine(
         model=model, workers=2, loss=lambda o, t: F.cross_entropy(o, t), dataset=spec
@@ -407,13 +412,11 @@ def test_mean_class_loss_divides_by_the_targets_it_keeps(name):
 def shard_gradients_mean(model, loss, x, y, workers):
     """The gradient of the shards' means weighted by their examples: what a mean class
     loss would give if each worker's mean counted as its examples'."""
-    total = None
+    m = copy.deepcopy(model)
+    m.zero_grad(set_to_none=True)
     for xs, ys in zip(x.tensor_split(workers), y.tensor_split(workers)):
-        m = copy.deepcopy(model)
-        (loss(m(xs), ys) * len(xs) / len(x)).backward()
-        g = grads(m)
-        total = g if total is None else [a + b for a, b in zip(total, g)]
-    return total
+        (loss(m(xs), ys) * len(xs) / len(x)).backward()  # adds to .grad
+    return grads(m)
 
 
 def token_mean(outputs, labels):
