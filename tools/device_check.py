@@ -30,7 +30,9 @@ ignored folder .device/ (at most 64 MiB):
                                case (WRN-16-4, batch 128) as one process, with a deep copy
                                per gradient, through Dask and through shmgrad with 1, 2
                                and 4 workers on the GPU, in one run, with ratios.
-  --run --dry-run --out DIR    the same here, against .venv, scaled to this machine.
+  --run --dry-run --out DIR    the same here, against .venv, scaled to this machine
+                               (with --gpu, one test of test_gpu_workers.py: the suite
+                               runs them all here on the fake device).
 """
 
 import argparse
@@ -78,6 +80,7 @@ SCALES = {
         "warmup": 1,
         # The build's own checks and the engine's; the rest of the suite runs in CI.
         "tests": ["test_gpu.py", "test_build.py", "test_engine.py"],
+        "gpu_tests": ["test_gpu.py", "test_gpu_workers.py"],  # with --gpu
         "test_timeout": 120,
         "bench_timeout": 270,
         # GeoDamp doubling every epoch from 128 to 1024; batch 128 keeps 8 of the 16
@@ -106,6 +109,12 @@ SCALES = {
         "budget": 2,
         "warmup": 3,
         "tests": ["test_gpu.py", "test_build.py::test_bazel_and_cmake_compile_the_same_sources"],
+        # The suite runs all of test_gpu_workers.py here (on the fake device): one of them
+        # shows that --gpu's step runs.
+        "gpu_tests": [
+            "test_gpu.py",
+            "test_gpu_workers.py::test_eager_batchnorm_and_a_random_dataset_match_one_process",
+        ],
         "test_timeout": 120,
         "bench_timeout": 300,
         "adaptive": [
@@ -333,7 +342,7 @@ def run_checks(args):
         # The GPU workers' checks (issue 21): their tests on both backends, then the seed
         # case through shmgrad on the GPU beside its baselines; the CPU benchmark and the
         # adaptive example are the other runs'.
-        scale["tests"] = ["test_gpu.py", "test_gpu_workers.py"]
+        scale["tests"] = scale["gpu_tests"]
         scale["test_timeout"] = 240
         scale["probe_args"] = ["--shmgrad=1,2,4"]
         scale["probe_timeout"] = 150
