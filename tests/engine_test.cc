@@ -50,12 +50,6 @@ Fixture makeFixture(const std::string& kind, uint64_t seed) {
   return f;
 }
 
-std::vector<torch::Tensor> clone(const std::vector<torch::Tensor>& v) {
-  std::vector<torch::Tensor> out;
-  for (const auto& t : v) out.push_back(t.clone());
-  return out;
-}
-
 class GradientTest : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
 
 TEST_P(GradientTest, MatchesSingleProcessReference) {
