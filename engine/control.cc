@@ -80,6 +80,7 @@ EngineStatus readStatus(const std::string& name) {
   s.segment_bytes = h->total_size;
   s.model_path = headerString(h->model_path);
   s.loss = ipc::lossName(static_cast<ipc::LossKind>(h->loss));
+  s.loss_reduction = ipc::lossReductionName(c.loss_reduction.load());
   s.worker_kind = ipc::workerKindName(static_cast<ipc::WorkerKind>(h->worker_kind));
   s.job_path = headerString(h->job_path);
   s.num_params = h->num_params;
@@ -142,8 +143,10 @@ std::string formatStatus(const EngineStatus& s) {
           s.state.c_str(), s.coordinator_pid, s.coordinator_alive ? "" : " (not running)",
           s.segment_path.c_str(), s.segment_bytes / kBytesPerMiB);
   if (s.worker_kind == "eager") {
-    appendf(&out, "eager workers (Python): job %s, %u parameter tensors, %" PRIu64 " floats\n",
-            s.job_path.c_str(), s.num_params, s.param_floats);
+    appendf(&out,
+            "eager workers (Python): job %s, loss reduction %s, %u parameter tensors, %" PRIu64
+            " floats\n",
+            s.job_path.c_str(), s.loss_reduction.c_str(), s.num_params, s.param_floats);
   } else {
     appendf(&out, "model %s, loss %s, %u parameter tensors, %" PRIu64 " floats\n",
             s.model_path.c_str(), s.loss.c_str(), s.num_params, s.param_floats);

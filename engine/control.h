@@ -52,6 +52,8 @@ struct StepSummary {
   X(uint64_t, segment_bytes, "")                                                                 \
   X(std::string, model_path, "")                                                                 \
   X(std::string, loss, "TorchScript workers' loss (eager workers run the job's own)")            \
+  X(std::string, loss_reduction,                                                                 \
+    "what the loss returns for a batch: sum, mean, weighted ((loss_sum, count)) or unknown")     \
   X(std::string, worker_kind, "script (TorchScript, C++) or eager (Python)")                     \
   X(std::string, job_path, "eager: the pickled job the workers load")                            \
   X(uint32_t, num_params, "parameter tensors")                                                   \

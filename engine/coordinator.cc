@@ -88,6 +88,8 @@ class Coordinator {
 
   void create() {
     ipc::parseLoss(opt_.loss);  // fail early with the list of losses
+    SHMGRAD_CHECK(eager() || opt_.loss_reduction.empty(), ErrorKind::kInvalidArgument,
+                  "--loss-reduction is for eager jobs (TorchScript workers' losses are sums)");
     SHMGRAD_CHECK(opt_.workers >= 1 && opt_.workers <= ipc::kMaxWorkers,
                   ErrorKind::kInvalidArgument, "--workers ", opt_.workers,
                   " is out of range: use 1 to ", ipc::kMaxWorkers);
@@ -111,6 +113,7 @@ class Coordinator {
     char resolved[PATH_MAX];
     spec.model_path = realpath(opt_.model_path.c_str(), resolved) ? resolved : opt_.model_path;
     spec.loss = ipc::parseLoss(opt_.loss);
+    spec.loss_reduction = ipc::LossReduction::kSum;  // TorchScript workers: a named loss
     spec.num_slots = slots;
     spec.threads_per_worker = opt_.threads_per_worker;
     spec.params = model.params;
@@ -132,6 +135,9 @@ class Coordinator {
                     ErrorKind::kInvalidArgument,
                     "give --dataset or --eager-dataset-size, not both");
       spec.worker_kind = ipc::WorkerKind::kEager;
+      spec.loss_reduction = opt_.loss_reduction.empty()
+                                ? ipc::LossReduction::kUnknown
+                                : ipc::parseLossReduction(opt_.loss_reduction);
       spec.job_path = realpath(opt_.eager_job.c_str(), resolved) ? resolved : opt_.eager_job;
       if (opt_.eager_dataset_size > 0) {
         // The workers hold the dataset: only its size lives here (empty shapes, no data).

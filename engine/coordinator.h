@@ -31,6 +31,9 @@ struct ServeOptions {
   // parameters' holder the launcher wrote. eager_dataset_size: examples of the dataset the
   // workers hold (0: none).
   std::string eager_job;
+  // What the job's loss returns for a batch, as the launcher found it ("sum", "mean",
+  // "weighted"); empty: the workers find out (ipc::LossReduction). Named losses are sums.
+  std::string loss_reduction;
   std::string python;
   int64_t eager_dataset_size = 0;
   std::string owned_dir;  // removed (its plain files, then itself) when the engine stops

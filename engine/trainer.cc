@@ -245,6 +245,10 @@ torch::Tensor Trainer::gradientBuffer() const {
 
 int64_t Trainer::datasetSize() const { return segment().header()->data_count; }
 
+std::string Trainer::lossReduction() const {
+  return ipc::lossReductionName(segment().header()->control.loss_reduction.load());
+}
+
 int Trainer::slotCount() const { return static_cast<int>(segment().header()->num_slots); }
 
 int Trainer::workerCount() const {

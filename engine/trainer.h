@@ -144,6 +144,11 @@ class Trainer {
   int device() const;
   int64_t datasetSize() const;
   int workerCount() const;  // worker processes ready now
+  // What the job's loss returns for a batch: "sum", "mean", "weighted" ((loss_sum, count),
+  // a mean over the count) or "unknown" (an eager job whose workers have not computed
+  // yet). GradientOptions::mean is what takes the mean; a trainer that wants what
+  // loss.backward() gives sets it for anything but "sum".
+  std::string lossReduction() const;
   // Physical cores this trainer counts when it decides whether a step's processes may
   // spin before sleeping (every participant's threads + the trainer <= cores).
   uint32_t cores() const { return cores_; }

@@ -32,7 +32,7 @@
 namespace shmgrad::ipc {
 
 constexpr uint64_t kMagic = 0x31444152474d4853ull;  // "SHMGRAD1", little endian
-constexpr uint32_t kLayoutVersion = 10;
+constexpr uint32_t kLayoutVersion = 11;
 constexpr uint64_t kAlign = 64;  // every region and tensor starts on a cache line
 constexpr uint32_t kAlignFloats = kAlign / sizeof(float);
 constexpr uint32_t kMaxWorkers = 64;            // gradient slots in one segment, at most
@@ -66,6 +66,14 @@ enum class LossKind : uint32_t { kCrossEntropy = 1, kNll = 2, kMse = 3 };
 constexpr const char* kLossNames[] = {nullptr, "cross_entropy", "nll", "mse"};
 constexpr uint32_t kNumLossKinds = 3;
 
+// What the job's loss returns for a batch, so that a trainer's gradient() takes, by
+// default, what loss.backward() would give: the batch's sum, its mean over the examples,
+// or a (loss_sum, count) pair (a mean over the count). Known at start (TorchScript workers'
+// named losses are sums; the launcher says what it found) or found out by the first eager
+// worker that computes (ControlBlock::loss_reduction); kUnknown until then.
+enum class LossReduction : uint32_t { kUnknown = 0, kSum = 1, kMean = 2, kWeighted = 3 };
+constexpr const char* kLossReductionNames[] = {"unknown", "sum", "mean", "weighted"};
+
 enum class DType : uint32_t { kNone = 0, kFloat32 = 1, kInt64 = 2 };
 
 enum class EngineState : uint32_t { kStarting = 0, kServing = 1, kStopping = 2, kFailed = 3 };
@@ -89,6 +97,10 @@ constexpr const char* enumName(const char* const (&names)[N], T v) {
 }
 inline const char* lossName(LossKind v) { return enumName(kLossNames, v); }
 inline const char* engineStateName(EngineState v) { return enumName(kEngineStateNames, v); }
+// A value read from shared memory: anything but a known one reads as "unknown".
+inline const char* lossReductionName(uint32_t v) {
+  return enumName(kLossReductionNames, static_cast<LossReduction>(v));
+}
 inline const char* workerStateName(WorkerState v) { return enumName(kWorkerStateNames, v); }
 inline bool lossKindValid(uint32_t v) { return v >= 1 && v <= kNumLossKinds; }
 // Bytes per element of a dtype read from shared memory; 0 for one no region may hold.
@@ -306,8 +318,11 @@ struct alignas(64) ControlBlock {
   std::atomic<uint32_t> abandon_epoch;
   alignas(64) std::atomic<uint32_t> coordinator_wake;  // bumped on stop/resize requests
   std::atomic<uint32_t> stop_requested;
-  std::atomic<uint32_t> engine_state;            // EngineState
-  std::atomic<uint32_t> target_workers;          // resize request (issue: adaptive)
+  std::atomic<uint32_t> engine_state;    // EngineState
+  std::atomic<uint32_t> target_workers;  // resize request (issue: adaptive)
+  // LossReduction: set at creation, or by the first eager worker that finds it out (a
+  // compare-and-swap from kUnknown, so the first answer stays).
+  std::atomic<uint32_t> loss_reduction;
   alignas(64) std::atomic<int32_t> trainer_pid;  // the lease: 0 free, else holder
   std::atomic<uint64_t> steps_served;
   std::atomic<uint64_t> steps_aborted;

@@ -12,6 +12,7 @@
 #include <boost/interprocess/shared_memory_object.hpp>
 #include <cerrno>
 #include <cstring>
+#include <iterator>
 #include <new>
 
 #include "ipc/device_table.h"
@@ -108,6 +109,14 @@ LossKind parseLoss(const std::string& name) {
     choices += (k > 1 ? ", " : "") + std::string(kLossNames[k]);
   raise(ErrorKind::kInvalidArgument, "unknown loss '", name, "': use one of ", choices,
         " (each summed over the batch)");
+}
+
+LossReduction parseLossReduction(const std::string& name) {
+  for (uint32_t k = 1; k < std::size(kLossReductionNames); ++k) {
+    if (name == kLossReductionNames[k]) return static_cast<LossReduction>(k);
+  }
+  raise(ErrorKind::kInvalidArgument, "unknown loss reduction '", name,
+        "': use sum, mean or weighted (a forward's (loss_sum, count))");
 }
 
 std::string segmentName(const std::string& engine_name) { return "/" + bipName(engine_name); }
@@ -454,6 +463,7 @@ void Segment::writeHeader(const SegmentSpec& spec, const Layout& l, uint8_t* bas
   }
   h->control.engine_state.store(static_cast<uint32_t>(EngineState::kStarting));
   h->control.target_workers.store(spec.num_slots);
+  h->control.loss_reduction.store(static_cast<uint32_t>(spec.loss_reduction));
   auto* table = reinterpret_cast<ParamEntry*>(base + l.params_table.offset);
   for (size_t i = 0; i < spec.params.size(); ++i) {
     fillEntry(&table[i], spec.params[i].name, spec.params[i].shape, l.param_offsets[i]);

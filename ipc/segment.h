@@ -32,7 +32,8 @@ struct SegmentSpec {
   WorkerKind worker_kind = WorkerKind::kScript;
   std::string job_path;  // eager workers' pickled job
   LossKind loss = LossKind::kCrossEntropy;
-  uint32_t num_slots = 1;  // gradient slots (most workers at once)
+  LossReduction loss_reduction = LossReduction::kSum;  // kUnknown: the workers find out
+  uint32_t num_slots = 1;                              // gradient slots (most workers at once)
   uint32_t threads_per_worker = 1;
   std::vector<ParamSpec> params;
   std::vector<BufferSpec> buffers;  // shared buffers (BatchNorm statistics), may be empty
@@ -59,6 +60,8 @@ uint64_t checkedNumel(ErrorKind kind, const char* what, const int64_t* dims, uin
 
 // Parses a loss name (ipc::kLossNames); throws InvalidArgument listing the choices.
 LossKind parseLoss(const std::string& name);
+// Parses "sum", "mean" or "weighted" (kLossReductionNames); throws InvalidArgument.
+LossReduction parseLossReduction(const std::string& name);
 // "/shmgrad-<uid>-<name>": the uid keeps two users' engines of the same name apart.
 std::string segmentName(const std::string& engine_name);
 // The file backing the segment, "/dev/shm/shmgrad-<uid>-<name>".

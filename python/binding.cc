@@ -221,6 +221,7 @@ PYBIND11_MODULE(_C, m) {
       .def("gradient_buffer", &shmgrad::Trainer::gradientBuffer)
       .def("accumulator_views", &shmgrad::Trainer::accumulatorViews)
       .def("dataset_size", &shmgrad::Trainer::datasetSize)
+      .def("loss_reduction", &shmgrad::Trainer::lossReduction)
       .def("worker_count", &shmgrad::Trainer::workerCount)
       .def("slot_count", &shmgrad::Trainer::slotCount)
       .def("coordinator_pid", &shmgrad::Trainer::coordinatorPid)

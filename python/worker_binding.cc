@@ -233,6 +233,15 @@ void bindEagerWorker(py::module_& m) {
              return p.views(p.memory().reduced(),
                             p.memory().tensorDevice(p.memory().trainerOrdinal()));
            })
+      .def(
+          "publish_loss_reduction",
+          [](EagerParticipant& p, const std::string& name) {
+            // Once, after this worker found it out: the first answer stays.
+            uint32_t unknown = static_cast<uint32_t>(ipc::LossReduction::kUnknown);
+            p.seg_->header()->control.loss_reduction.compare_exchange_strong(
+                unknown, static_cast<uint32_t>(ipc::parseLossReduction(name)));
+          },
+          py::arg("name"))
       .def("report_startup_failure",
            [](EagerParticipant& p, const std::string& text) {
              p.participant_->reportStartupFailure(text);

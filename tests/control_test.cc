@@ -172,6 +172,7 @@ TEST_P(ReadStatusTest, ReturnsExactlyWhatTheSegmentHolds) {
   EXPECT_EQ(s.segment_bytes, seg->size());
   EXPECT_EQ(s.model_path, kModelPath);
   EXPECT_EQ(s.loss, "mse");
+  EXPECT_EQ(s.loss_reduction, "sum");  // SegmentSpec's default: a named loss
   EXPECT_EQ(s.num_params, 2u);
   EXPECT_EQ(s.param_floats, h->param_floats);
   EXPECT_EQ(s.dataset, kDatasetDescription);
@@ -262,8 +263,10 @@ TEST(ReadStatusTest, OutOfRangeStatesReadAsUnknown) {
   seg->header()->control.engine_state.store(99);
   seg->header()->workers[1].pid.store(1002);
   seg->header()->workers[1].state.store(77);
+  seg->header()->control.loss_reduction.store(5);
   const EngineStatus s = readStatus(name);
   EXPECT_EQ(s.state, "unknown");
+  EXPECT_EQ(s.loss_reduction, "unknown");
   ASSERT_EQ(s.workers.size(), 1u);
   EXPECT_EQ(s.workers[0].slot, 1u);
   EXPECT_EQ(s.workers[0].state, "unknown");

@@ -380,6 +380,29 @@ TEST(SegmentTest, LayoutIsAlignedAndDisjoint) {
 
 // Shared buffers (BatchNorm statistics): laid out aligned in their own region, and a
 // header that puts one outside it, or gives it another dtype or size, is corrupt.
+TEST(SegmentTest, LossReductionIsStoredParsedAndReadSafely) {
+  for (auto r : {LossReduction::kSum, LossReduction::kMean, LossReduction::kWeighted}) {
+    EXPECT_EQ(parseLossReduction(lossReductionName(static_cast<uint32_t>(r))), r);
+  }
+  std::string message;
+  EXPECT_TRUE(throwsKind(
+      ErrorKind::kInvalidArgument, [] { parseLossReduction("unknown"); }, &message));
+  EXPECT_NE(message.find("use sum, mean or weighted"), std::string::npos) << message;
+  EXPECT_TRUE(throwsKind(ErrorKind::kInvalidArgument, [] { parseLossReduction("avg"); }));
+  // A value read from shared memory outside the enumeration reads as "unknown".
+  EXPECT_STREQ(lossReductionName(4), "unknown");
+  EXPECT_STREQ(lossReductionName(0xffffffffu), "unknown");
+
+  const std::string name = uniqueEngineName();
+  SegmentGuard guard(name);
+  SegmentSpec spec = smallSpec(name);
+  EXPECT_EQ(spec.loss_reduction, LossReduction::kSum);  // named losses are sums
+  spec.loss_reduction = LossReduction::kUnknown;        // an eager job's, for its workers to find
+  auto seg = Segment::create(spec);
+  EXPECT_EQ(seg->header()->control.loss_reduction.load(),
+            static_cast<uint32_t>(LossReduction::kUnknown));
+}
+
 TEST(SegmentTest, BuffersAreLaidOutAndCheckedOnAttach) {
   const std::string name = uniqueEngineName();
   SegmentGuard guard(name);

@@ -143,13 +143,14 @@ Command addServe(CLI::App& app, engine::ServeOptions* o) {
   CLI::Option* eager = cmd->add_option("--eager", g_eager_spec,
                                        "eager Python workers instead: MODULE:FUNCTION, where\n"
                                        "FUNCTION() returns a dict with model, loss, dataset\n"
-                                       "(optionally collate_fn, forward); any nn.Module,\n"
-                                       "any loss, any torch Dataset (python3 -m\n"
+                                       "(optionally collate_fn, forward, loss_reduction);\n"
+                                       "any nn.Module, any loss, any torch Dataset (python3 -m\n"
                                        "shmgrad._serve_eager prepares it)")
                            ->type_name("MODULE:FUNCTION");
   model->excludes(eager);
   // Set by the eager launcher (shmgrad._serve_eager or shmgrad.Engine); not for users.
   cmd->add_option("--eager-job", o->eager_job, "pickled eager job")->group("");
+  cmd->add_option("--loss-reduction", o->loss_reduction, "sum, mean or weighted")->group("");
   cmd->add_option("--python", o->python, "interpreter of the eager workers")->group("");
   cmd->add_option("--eager-dataset-size", o->eager_dataset_size, "examples the workers hold")
       ->group("")

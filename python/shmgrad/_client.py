@@ -133,7 +133,8 @@ def _check_buffers(buffers: str) -> str:
 
 # The fix named wherever gradient() cannot find out its default reduction.
 _SAY_REDUCTION = (
-    "give gradient(..., reduction='sum' or 'mean'), or start the engine with loss_reduction="
+    "give gradient(..., reduction='sum' or 'mean'), or start the engine with loss_reduction= "
+    "(for shmgrad serve --eager: the job's 'loss_reduction')"
 )
 
 
@@ -659,9 +660,20 @@ class Client:
         loss out (an undeclared callable, no Dataset), this trainer probes it first, once,
         on the batch's first examples as the workers would (indices into a dataset spec's
         examples, which it cannot read, an empty batch, or a batch the probe fails on are
-        refused naming the fix); an attached client, which does not know the loss, sums."""
+        refused naming the fix). An attached client reads what the engine's segment says:
+        known at start, or found out by the workers' first step; before that it refuses."""
         known = self._loss_reduction
-        if known is None and self._probe_job is not None:
+        if known is None:
+            published = self._trainer.loss_reduction()
+            if published != "unknown":
+                known = self._loss_reduction = published
+        if known is None and self._probe_job is None:
+            raise errors.InvalidArgumentError(
+                f"engine {self.name!r} cannot tell yet whether its loss is the batch's sum or "
+                "its mean (its eager workers find out at their first step, and this trainer "
+                f"attached without the job): {_SAY_REDUCTION}"
+            )
+        if known is None:
             probe = None
             if batch is not None:
                 probe = batch
@@ -674,7 +686,7 @@ class Client:
                     f"reach): {_SAY_REDUCTION}"
                 )
             known = self._loss_reduction = self._probe_loss(probe)
-        return "sum" if known in (None, "sum") else "mean"
+        return "sum" if known == "sum" else "mean"
 
     def _probe_loss(self, batch):
         model, loss, forward = self._probe_job

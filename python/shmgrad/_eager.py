@@ -500,7 +500,8 @@ class EagerJob(NamedTuple):
 
     def serve_arguments(self) -> List[str]:
         """The options that make ``shmgrad serve`` run this job in eager workers, with
-        this interpreter, and remove the job's directory with the engine."""
+        this interpreter, and remove the job's directory with the engine; and what the loss
+        returns, where known, for the segment (so that an attached trainer knows it too)."""
         return [
             "--eager-job",
             self.job_path,
@@ -510,7 +511,7 @@ class EagerJob(NamedTuple):
             str(self.dataset_size),
             "--owned-dir",
             self.directory,
-        ]
+        ] + (["--loss-reduction", self.loss_reduction] if self.loss_reduction else [])
 
 
 def _rebuild_parametrized(cls, state, specs):

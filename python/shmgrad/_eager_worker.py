@@ -158,6 +158,8 @@ class ShardRunner:
             self.loss_reduction = self._eager.probe_reduction(
                 self.model, self.loss, self.forward, batch
             )
+            # For trainers that attach without the job: gradient()'s default from now on.
+            self._participant.publish_loss_reduction(self.loss_reduction)
         out = self._eager.call_loss(self.run_model, self.loss, self.forward, batch)
         examples = stop - start
         per_example = 1  # what turns the loss into the pass's sum: its examples for a mean

@@ -2,10 +2,10 @@
 
 The command line execs this module with serve's arguments. It imports MODULE (the
 current directory is on the path), calls FUNCTION(), which returns a dict with ``model``,
-``loss``, ``dataset`` (optionally ``collate_fn``, ``forward``), checks and pickles that
-job once, and execs ``shmgrad serve`` again with the job in place of ``--eager``: the
-process stays the engine's coordinator, so ``shmgrad stop``, signals and attach by name
-work as for any engine. A failure before that exec is reported like serve's own
+``loss``, ``dataset`` (optionally ``collate_fn``, ``forward``, ``loss_reduction``), checks
+and pickles that job once, and execs ``shmgrad serve`` again with the job in place of
+``--eager``: the process stays the engine's coordinator, so ``shmgrad stop``, signals and
+attach by name work as for any engine. A failure before that exec is reported like serve's own
 (``--status-fd``'s JSON line, exit status 1).
 """
 
@@ -16,7 +16,7 @@ import os
 import sys
 
 EXIT_FAILURE = 1
-JOB_KEYS = ("model", "loss", "dataset", "collate_fn", "forward")
+JOB_KEYS = ("model", "loss", "dataset", "collate_fn", "forward", "loss_reduction")
 
 
 def _split_arguments(args):
@@ -93,6 +93,7 @@ def main(argv) -> int:
             collate_fn=job.get("collate_fn"),
             forward=job.get("forward"),
             loss_names=_C.loss_names(),
+            loss_reduction=job.get("loss_reduction"),
         )
         serve = [
             installed_binary("shmgrad", "SHMGRAD_BINARY"),

@@ -109,11 +109,11 @@ def test_default_reduction_is_the_losses_own(case):
         assert abs(st.loss - want_loss) < 1e-5 * abs(want_loss)
 
 
-def test_default_reduction_unknown_is_refused_or_summed_where_it_cannot_be_known(npy_dataset):
+def test_default_reduction_unknown_is_refused_until_it_is_known(npy_dataset):
     """A callable loss over a dataset spec's examples, which the trainer cannot read, an
     empty batch or one the probe fails on: refused, naming reduction= and loss_reduction=;
-    given, it works. An attached client, which does not know the loss, sums (the README
-    says so)."""
+    given, it works, and once the workers have found the loss out (they publish it in the
+    segment), the default is theirs."""
     spec, x, y = npy_dataset
     with shmgrad.Engine(model=Mlp(), workers=1, loss=lambda o, t: F.cross_entropy(o, t)) as e:
         xs, ys = data(4)
@@ -130,18 +130,45 @@ def test_default_reduction_unknown_is_refused_or_summed_where_it_cannot_be_known
         engine.bind(model)
         with pytest.raises(shmgrad.InvalidArgumentError, match="reduction='sum' or 'mean'"):
             engine.gradient(range(8))
+        assert shmgrad.read_status(engine.name).loss_reduction == "unknown"
         engine.gradient(range(8), reduction="mean")
         want = reference_gradient(model, "cross_entropy", x[:8], y[:8], reduction="mean")
         assert relative_error(grads(model), want) < 1e-5
-    with shmgrad.serve(model=Mlp(), workers=1, loss=torch.nn.CrossEntropyLoss()) as server:
+        assert shmgrad.read_status(engine.name).loss_reduction == "mean"
+        engine.gradient(range(8, 16))  # found out by the workers: the default now
+        want = reference_gradient(model, "cross_entropy", x[8:16], y[8:16], reduction="mean")
+        assert relative_error(grads(model), want) < 1e-5
+
+
+def test_attached_trainer_takes_the_losses_own_reduction_from_the_engine():
+    """A trainer that attaches without the job (as to `shmgrad serve --eager`) reads what
+    the loss returns from the engine's segment: known at start, or once the workers have
+    found it out; before that gradient() refuses, naming reduction=."""
+    xs, ys = data(6)
+    with shmgrad.serve(model=Mlp(), workers=2, loss=torch.nn.CrossEntropyLoss()) as server:
         assert server.loss_reduction == "mean"
         model = Mlp()
         with shmgrad.attach(server.name) as client:
             client.bind(model)
-            xs, ys = data(6)
-            client.gradient(inputs=xs, targets=ys)
-            want = reference_gradient(model, "cross_entropy", xs, ys, reduction="sum")
+            stats = client.gradient(inputs=xs, targets=ys)
+            want = reference_gradient(model, "cross_entropy", xs, ys, reduction="mean")
             assert relative_error(grads(model), want) < 1e-5
+            assert stats.count == 6
+    mean = lambda o, t: F.cross_entropy(o, t)  # noqa: E731 (undeclared, no Dataset)
+    with shmgrad.serve(model=Mlp(), workers=2, loss=mean) as server:
+        assert server.loss_reduction is None
+        model = Mlp()
+        with shmgrad.attach(server.name) as client:
+            client.bind(model)
+            with pytest.raises(shmgrad.InvalidArgumentError, match="reduction='sum' or 'mean'"):
+                client.gradient(inputs=xs, targets=ys)
+            client.gradient(inputs=xs, targets=ys, reduction="sum")  # the workers find out
+            assert shmgrad.read_status(server.name).loss_reduction == "mean"
+            client.gradient(inputs=xs, targets=ys)
+            want = reference_gradient(model, "cross_entropy", xs, ys, reduction="mean")
+            assert relative_error(grads(model), want) < 1e-5
+    with shmgrad.serve(model=Mlp(), workers=1, loss="cross_entropy", mode="script") as server:
+        assert shmgrad.read_status(server.name).loss_reduction == "sum"
 
 
 def test_loss_module_with_mean_reduction_is_taken():
