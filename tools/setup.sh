@@ -14,6 +14,9 @@
 #   SHMGRAD_TORCH_SPEC=SPEC   pin torch and torchvision (tools/test.sh uses it for 2.11),
 #                             e.g. "torch==2.11.* torchvision==0.26.*"
 #   SHMGRAD_SKIP_BAZEL=1      the pip build only
+#   SHMGRAD_BAZEL_CONFIGURE_ONLY=1
+#                             write .bazelrc.local but build nothing with Bazel
+#                             (tools/test.sh builds the C++ tests with sanitizers)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$(pwd)"
@@ -62,8 +65,10 @@ if [ -z "${SHMGRAD_SKIP_BAZEL:-}" ]; then
 # Written by tools/setup.sh: Bazel builds against the torch of $VENV.
 build --repo_env=SHMGRAD_PYTHON=$PY
 EOF
-  echo "setup: building the C++ tests and tools (bazel build //...)"
-  bazel build //... 2>&1 | grep -Ev "^(Loading|Analyzing|INFO: (Analyzed|Found|Elapsed|From)|\[)" || true
-  test -f bazel-bin/tools/shmgrad -a -f bazel-bin/python/_C.so || { echo "setup: bazel build failed" >&2; exit 1; }
+  if [ -z "${SHMGRAD_BAZEL_CONFIGURE_ONLY:-}" ]; then
+    echo "setup: building the C++ tests and tools (bazel build //...)"
+    bazel build //... 2>&1 | grep -Ev "^(Loading|Analyzing|INFO: (Analyzed|Found|Elapsed|From)|\[)" || true
+    test -f bazel-bin/tools/shmgrad -a -f bazel-bin/python/_C.so || { echo "setup: bazel build failed" >&2; exit 1; }
+  fi
 fi
 echo "setup: done ($VENV/bin/python -c 'import shmgrad'; $VENV/bin/shmgrad --help)"
