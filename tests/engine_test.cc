@@ -62,6 +62,7 @@ TEST_P(GradientTest, MatchesSingleProcessReference) {
   auto t = Trainer::attach(name);
   ASSERT_EQ(t->workerCount(), workers);
   ASSERT_EQ(t->datasetSize(), kExamples);
+  EXPECT_EQ(t->lossReduction(), "sum");  // a named loss
   auto grads = t->gradientViews();
   for (int64_t B : {1, 7, 127, 256}) {
     SCOPED_TRACE("batch " + std::to_string(B));
