@@ -113,7 +113,6 @@ class Coordinator {
     char resolved[PATH_MAX];
     spec.model_path = realpath(opt_.model_path.c_str(), resolved) ? resolved : opt_.model_path;
     spec.loss = ipc::parseLoss(opt_.loss);
-    spec.loss_reduction = ipc::LossReduction::kSum;  // TorchScript workers: a named loss
     spec.num_slots = slots;
     spec.threads_per_worker = opt_.threads_per_worker;
     spec.params = model.params;
@@ -135,6 +134,7 @@ class Coordinator {
                     ErrorKind::kInvalidArgument,
                     "give --dataset or --eager-dataset-size, not both");
       spec.worker_kind = ipc::WorkerKind::kEager;
+      // The spec's default, a sum, is the TorchScript workers' (a named loss).
       spec.loss_reduction = opt_.loss_reduction.empty()
                                 ? ipc::LossReduction::kUnknown
                                 : ipc::parseLossReduction(opt_.loss_reduction);

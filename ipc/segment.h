@@ -32,8 +32,9 @@ struct SegmentSpec {
   WorkerKind worker_kind = WorkerKind::kScript;
   std::string job_path;  // eager workers' pickled job
   LossKind loss = LossKind::kCrossEntropy;
-  LossReduction loss_reduction = LossReduction::kSum;  // kUnknown: the workers find out
-  uint32_t num_slots = 1;                              // gradient slots (most workers at once)
+  // Named losses are sums; an eager job's may be kUnknown (its workers find out).
+  LossReduction loss_reduction = LossReduction::kSum;
+  uint32_t num_slots = 1;  // gradient slots (most workers at once)
   uint32_t threads_per_worker = 1;
   std::vector<ParamSpec> params;
   std::vector<BufferSpec> buffers;  // shared buffers (BatchNorm statistics), may be empty

@@ -378,8 +378,7 @@ TEST(SegmentTest, LayoutIsAlignedAndDisjoint) {
   EXPECT_FALSE(Segment::remove(name));
 }
 
-// Shared buffers (BatchNorm statistics): laid out aligned in their own region, and a
-// header that puts one outside it, or gives it another dtype or size, is corrupt.
+// The loss reduction: names, the value stored, and hostile values read back.
 TEST(SegmentTest, LossReductionIsStoredParsedAndReadSafely) {
   for (auto r : {LossReduction::kSum, LossReduction::kMean, LossReduction::kWeighted}) {
     EXPECT_EQ(parseLossReduction(lossReductionName(static_cast<uint32_t>(r))), r);
@@ -397,12 +396,15 @@ TEST(SegmentTest, LossReductionIsStoredParsedAndReadSafely) {
   SegmentGuard guard(name);
   SegmentSpec spec = smallSpec(name);
   EXPECT_EQ(spec.loss_reduction, LossReduction::kSum);  // named losses are sums
-  spec.loss_reduction = LossReduction::kUnknown;        // an eager job's, for its workers to find
+  // An eager job's whose workers are to find it out.
+  spec.loss_reduction = LossReduction::kUnknown;
   auto seg = Segment::create(spec);
   EXPECT_EQ(seg->header()->control.loss_reduction.load(),
             static_cast<uint32_t>(LossReduction::kUnknown));
 }
 
+// Shared buffers (BatchNorm statistics): laid out aligned in their own region, and a
+// header that puts one outside it, or gives it another dtype or size, is corrupt.
 TEST(SegmentTest, BuffersAreLaidOutAndCheckedOnAttach) {
   const std::string name = uniqueEngineName();
   SegmentGuard guard(name);

@@ -5,8 +5,8 @@ current directory is on the path), calls FUNCTION(), which returns a dict with `
 ``loss``, ``dataset`` (optionally ``collate_fn``, ``forward``, ``loss_reduction``), checks
 and pickles that job once, and execs ``shmgrad serve`` again with the job in place of
 ``--eager``: the process stays the engine's coordinator, so ``shmgrad stop``, signals and
-attach by name work as for any engine. A failure before that exec is reported like serve's own
-(``--status-fd``'s JSON line, exit status 1).
+attach by name work as for any engine. A failure before that exec is reported like
+serve's own (``--status-fd``'s JSON line, exit status 1).
 """
 
 import argparse
