@@ -479,6 +479,9 @@ void Trainer::checkStepOptions(const GradientOptions& o) const {
   SHMGRAD_CHECK(o.timeout_seconds > 0, ErrorKind::kInvalidArgument, "timeout must be > 0 seconds");
   SHMGRAD_CHECK(std::isfinite(o.prev_count) && o.prev_count >= 0, ErrorKind::kInvalidArgument,
                 "prev_count must be a finite number >= 0");
+  SHMGRAD_CHECK(std::isfinite(o.loss_scale) && o.loss_scale > 0, ErrorKind::kInvalidArgument,
+                "loss_scale must be a finite number > 0, got ", o.loss_scale,
+                " (1: no loss scaling; a GradScaler's scale otherwise)");
   SHMGRAD_CHECK(o.accumulate == ipc::Accumulate::kFresh ||
                     o.accumulate == ipc::Accumulate::kReducedToAccum ||
                     o.accumulate == ipc::Accumulate::kAccumToReduced,
@@ -541,6 +544,7 @@ uint32_t Trainer::publish(int64_t B, const GradientOptions& o, uint32_t kind,
   r.num_participants = p.n;
   r.reduction_scale_is_mean = o.mean ? 1 : 0;
   r.scale = o.mean ? ipc::meanScale(B) : 1.0f;
+  r.loss_scale = o.loss_scale;
   r.max_examples_per_pass = o.max_examples_per_pass;
   r.seed = o.seed;
   r.train_mode = o.train ? 1 : 0;

@@ -48,6 +48,10 @@ struct GradientOptions {
   int64_t min_examples_per_worker = 1;  // fewer workers take part in a small batch
   int64_t max_examples_per_pass = 0;    // >0: workers process their shard in passes
   bool raise_on_nonfinite = false;      // NaN/inf loss or gradient raises NonFinite
+  // Workers backpropagate the loss times this (a GradScaler's scale, as its
+  // scale(loss).backward() does): the reduced gradient is loss_scale times the gradient,
+  // overflowing to inf where the scale is too large. Finite and > 0.
+  float loss_scale = 1.0f;
   // Eager workers: the step's seed (each example i is drawn after seeding with
   // example_seed(seed, i)) and whether the model runs in train mode.
   uint64_t seed = 0;

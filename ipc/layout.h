@@ -32,7 +32,7 @@
 namespace shmgrad::ipc {
 
 constexpr uint64_t kMagic = 0x31444152474d4853ull;  // "SHMGRAD1", little endian
-constexpr uint32_t kLayoutVersion = 11;
+constexpr uint32_t kLayoutVersion = 12;
 constexpr uint64_t kAlign = 64;  // every region and tensor starts on a cache line
 constexpr uint32_t kAlignFloats = kAlign / sizeof(float);
 constexpr uint32_t kMaxWorkers = 64;            // gradient slots in one segment, at most
@@ -252,12 +252,19 @@ struct StepRequest {
   uint32_t kind;                     // BatchKind
   int64_t num_examples;              // batch size B >= 1
   uint32_t num_participants;         // workers taking part, 1..num_slots
-  uint32_t reduction_scale_is_mean;  // 1: reduced = sum / B
-  float scale;                       // factor applied while reducing (1 or 1/B)
-  uint32_t input_dtype;              // explicit: DType of inputs (float32; int64 for eager workers)
-  Shape example_shape;               // explicit: shape of one input example
-  uint32_t target_dtype;             // explicit: DType of targets
-  uint32_t reserved0;
+  uint32_t reduction_scale_is_mean;  // 1: reduced = the mean over the step's count
+  // What each worker multiplies its summed loss by before backward (with loss_scale):
+  // 1/B for a mean (as backward of the batch's mean gives, so that float16 overflows
+  // where plain PyTorch's would), else 1. A mean over counts other than the examples
+  // is rescaled by B / count while reducing.
+  float scale;
+  uint32_t input_dtype;   // explicit: DType of inputs (float32; int64 for eager workers)
+  Shape example_shape;    // explicit: shape of one input example
+  uint32_t target_dtype;  // explicit: DType of targets
+  // Loss scaling (float16 mixed precision): each worker backpropagates its loss times
+  // this, so the reduced gradient is loss_scale times the gradient, for a GradScaler to
+  // unscale. 1 without; finite and > 0, checked by the trainer and by every worker.
+  float loss_scale;
   Shape target_shape;             // explicit: shape of one target (ndim 0 for class labels)
   int64_t max_examples_per_pass;  // >0: a worker splits its shard into passes
   uint64_t publish_ns;            // CLOCK_MONOTONIC when published (for wall time)

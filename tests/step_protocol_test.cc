@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <limits>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -18,6 +19,7 @@
 #include "ipc/error.h"
 #include "ipc/futex.h"
 #include "ipc/segment.h"
+#include "ipc/step.h"
 #include "worker/step_protocol.h"
 
 namespace shmgrad {
@@ -254,6 +256,47 @@ TEST(StepProtocolAloneTest, TheOnlyParticipantWritesTheReducedBufferDirectly) {
   EXPECT_LT(engine.maxRelError(engine.expected(ids, true)), 1e-6);
 }
 
+// Loss scaling: every participant backpropagates its loss times loss_scale, alone (with
+// the mean's 1/B folded in) or not, so the result is loss_scale times the gradient; the
+// loss is reported unscaled. The trainer refuses a scale that is not finite and > 0.
+TEST(StepProtocolLossScaleTest, TheResultIsLossScaleTimesTheGradient) {
+  Engine engine(3);
+  GradientOptions o;
+  o.timeout_seconds = 20;
+  o.loss_scale = 1024.0f;
+  std::vector<int64_t> ids = {1, 5, 8, 13, 21, 34, 2};
+  double loss = 0;
+  for (int64_t i : ids) loss += i;
+  for (bool mean : {false, true}) {
+    for (int64_t min_epw : {int64_t{1}, int64_t{100}}) {  // 3 participants, then alone
+      o.mean = mean;
+      o.min_examples_per_worker = min_epw;
+      GradientStats s = engine.trainer().gradient(indexTensor(ids), o);
+      EXPECT_EQ(s.workers.size(), min_epw == 1 ? 3u : 1u);
+      EXPECT_DOUBLE_EQ(s.loss_sum, loss);
+      std::vector<float> want = engine.expected(ids, mean);
+      for (float& v : want) v *= 1024.0f;
+      EXPECT_LT(engine.maxRelError(want), 1e-6) << "mean " << mean << " min_epw " << min_epw;
+    }
+  }
+  for (float bad : {0.0f, -2.0f, std::numeric_limits<float>::infinity(),
+                    std::numeric_limits<float>::quiet_NaN()}) {
+    o.loss_scale = bad;
+    try {
+      engine.trainer().gradient(indexTensor(ids), o);
+      ADD_FAILURE() << "loss_scale " << bad << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find("loss_scale"), std::string::npos) << e.what();
+    }
+  }
+  o.loss_scale = 1.0f;  // the engine kept serving
+  o.mean = false;
+  o.min_examples_per_worker = 1;
+  engine.trainer().gradient(indexTensor(ids), o);
+  EXPECT_LT(engine.maxRelError(engine.expected(ids, false)), 1e-6);
+}
+
 TEST(StepProtocolPassTest, TheProtocolSplitsEachShardIntoPassesForEveryKindOfWorker) {
   // max_examples_per_pass is applied by the shared protocol, not by each kind of worker:
   // a shard of 20 examples in passes of 6 is 4 passes (6, 6, 6, 2), with the exact sum.
@@ -323,7 +366,7 @@ TEST(StepProtocolStructuredTest, StructuredBatchesAreSplitAlongTheirFirstDimensi
 
 // A leaf table that points outside the input region (as no trainer writes it) is the
 // worker's error, never a read out of bounds: hand-published here, past the trainer.
-TEST(StepProtocolStructuredTest, HostileLeafTableIsRefusedByTheWorkers) {
+TEST(StepProtocolStructuredTest, HostileLeafTableAndScalesAreRefusedByTheWorkers) {
   Engine engine(1);
   engine.segment().header()->worker_kind = static_cast<uint32_t>(ipc::WorkerKind::kEager);
   GradientOptions o;
@@ -333,7 +376,10 @@ TEST(StepProtocolStructuredTest, HostileLeafTableIsRefusedByTheWorkers) {
   ipc::SegmentHeader* h = engine.segment().header();
   ipc::ControlBlock& c = h->control;
   ipc::StepRequest& r = h->request;
-  const auto publish = [&] {
+  // Publishes the request as it stands, waits until the worker has answered it (its
+  // result record), and returns the epoch. A request the worker can read is completed by
+  // it (done_epoch); one that fails the structural checks is not taken part in.
+  const auto publish_epoch = [&] {
     const uint32_t e = c.step_epoch.load() + 1;
     r.epoch = e;
     h->workers[0].assigned_rank.store(0);
@@ -342,9 +388,18 @@ TEST(StepProtocolStructuredTest, HostileLeafTableIsRefusedByTheWorkers) {
     c.reduce_barrier.store(ipc::barrierTag(e));
     c.step_epoch.store(e);
     ipc::futexWake(&c.step_epoch);
-    for (int i = 0; i < 2000 && c.done_epoch.load() != e; ++i) {
+    const auto answered = [&] {
+      return __atomic_load_n(&h->workers[0].result_epoch, __ATOMIC_ACQUIRE) == e &&
+             h->workers[0].busy_epoch.load() == 0;
+    };
+    for (int i = 0; i < 2000 && !answered(); ++i) {
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
+    EXPECT_TRUE(answered());
+    return e;
+  };
+  const auto publish = [&] {
+    const uint32_t e = publish_epoch();
     EXPECT_EQ(c.done_epoch.load(), e);
     return std::string(h->workers[0].error_text);
   };
@@ -359,6 +414,16 @@ TEST(StepProtocolStructuredTest, HostileLeafTableIsRefusedByTheWorkers) {
   r.leaves[0].type = static_cast<uint32_t>(ipc::LeafType::kFloat32);
   r.num_leaves = ipc::kMaxLeaves + 1;
   EXPECT_NE(publish().find("structured batch header"), std::string::npos);
+  // The worker records why it did not take part and leaves the step to the trainer's abort.
+  r.num_leaves = 1;
+  for (float bad : {0.0f, -1.0f, std::numeric_limits<float>::quiet_NaN()}) {
+    r.loss_scale = bad;
+    const uint32_t e = publish_epoch();
+    EXPECT_NE(c.done_epoch.load(), e);
+    EXPECT_NE(std::string(h->workers[0].error_text).find("corrupt step request"), std::string::npos)
+        << bad;
+    ipc::abortStep(c, e);
+  }
 }
 
 TEST(StepProtocolExitTest, StopRequestEndsEveryParticipantWithTheStoppedCode) {

@@ -190,13 +190,15 @@ bool StepParticipant::prepareShard(uint32_t e, Shard* s) {
                r.kind >= static_cast<uint32_t>(ipc::BatchKind::kIndices) &&
                r.kind <= static_cast<uint32_t>(ipc::BatchKind::kStructured) &&
                r.max_examples_per_pass >= 0 && std::isfinite(r.scale) &&
+               std::isfinite(r.loss_scale) && r.loss_scale > 0 &&
                r.buffer_rule <= static_cast<uint32_t>(ipc::BufferRule::kFirst) &&
                r.accumulate <= static_cast<uint32_t>(ipc::Accumulate::kAccumToReduced) &&
                std::isfinite(r.prev_count) && r.prev_count >= 0;
   for (uint32_t k = 0; valid && k < n; ++k) valid = r.participants[k] < h_->num_slots;
   if (!valid) {
     setError("",
-             "corrupt step request (participants, rank, batch size, kind or rules out of range)");
+             "corrupt step request (participants, rank, batch size, kind, scales or rules out "
+             "of range)");
     return false;
   }
   const int64_t B = r.num_examples;
@@ -218,7 +220,7 @@ bool StepParticipant::prepareShard(uint32_t e, Shard* s) {
   s->alone =
       n == 1 && s->accumulate == ipc::Accumulate::kFresh && s->device == mem_->trainerOrdinal();
   s->grads = s->alone ? mem_->reduced() : mem_->slot(slot_);
-  s->grad_scale = s->alone ? r.scale : 1.0f;
+  s->grad_scale = r.scale * r.loss_scale;
   s->seed = r.seed;
   s->train = r.train_mode != 0;
   spin_ns_ = std::min<uint64_t>(r.spin_ns, ipc::kMaxSpinNs);
@@ -361,20 +363,21 @@ void StepParticipant::reducePhase(const Shard& shard) {
   const ipc::StepRequest& r = h_->request;
   const uint32_t n = shard.participants;
   const bool mean = r.reduction_scale_is_mean != 0;
-  // A mean is over the participants' counts (the examples, where they are the counts:
-  // then the same factor as r.scale). 0 for a count of 0: the trainer refuses that step.
+  // A mean is over the participants' counts (the examples, where they are the counts).
+  // Backward already took the mean's r.scale = 1/B (prepareShard: the slots hold what
+  // plain PyTorch's backward of the batch's mean gives for their examples, so float16
+  // overflows where it would); only a mean over other counts (tokens) rescales, by
+  // B / count. 0 for a count of 0: the trainer refuses that step.
   const double count = mean ? stepCount(shard) : 0;
   const bool by_examples = !mean || count == static_cast<double>(r.num_examples);
-  const float scale = !mean ? 1.0f : count > 0 ? ipc::meanScale(count) : 0.0f;
+  const float rescale = by_examples ? 1.0f
+                        : count > 0 ? static_cast<float>(r.num_examples / count)
+                                    : 0.0f;
   const int dev = shard.device;  // where this reducer runs: its own device, or the host
   if (shard.alone) {
-    // The gradient is already in the reduced buffer (prepareShard), scaled by r.scale;
-    // only a mean over counts other than the examples rescales it. Then look for
+    // The gradient is already in the reduced buffer (prepareShard). Then look for
     // non-finite values, as the reducers of a larger step do.
-    if (!by_examples) {
-      mem_->scale(dev, shard.grads, 0, h_->param_floats,
-                  count > 0 ? static_cast<float>(r.num_examples / count) : 0.0f);
-    }
+    if (!by_examples) mem_->scale(dev, shard.grads, 0, h_->param_floats, rescale);
     if (mem_->anyNonFinite(dev, shard.grads, 0, h_->param_floats)) {
       me_.nonfinite_grad.store(1, std::memory_order_relaxed);
     }
@@ -386,7 +389,7 @@ void StepParticipant::reducePhase(const Shard& shard) {
   for (uint32_t k = 0; k < n; ++k) ins[k] = mem_->slot(r.participants[k]);
   float* out = mem_->reduced();
   if (shard.accumulate == ipc::Accumulate::kFresh) {
-    mem_->reduce(dev, out, nullptr, 0.0f, ins, n, b, end, scale);
+    mem_->reduce(dev, out, nullptr, 0.0f, ins, n, b, end, rescale);
   } else {
     // out = a * prev + b * sum: the previous result is left intact (a retry adds once).
     const bool into_accum = shard.accumulate == ipc::Accumulate::kReducedToAccum;
@@ -396,7 +399,7 @@ void StepParticipant::reducePhase(const Shard& shard) {
     if (mean) {
       const double total = r.prev_count + count;
       a = total > 0 ? static_cast<float>(r.prev_count / total) : 0.0f;
-      s = total > 0 ? ipc::meanScale(total) : 0.0f;
+      s = total > 0 ? static_cast<float>(r.num_examples / total) : 0.0f;  // slots are / B
     }
     mem_->reduce(dev, out, prev, a, ins, n, b, end, s);
   }

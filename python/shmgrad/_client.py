@@ -3,6 +3,7 @@ read the status. :func:`attach` returns one for an engine started elsewhere
 (``shmgrad serve``); :class:`shmgrad.Engine` is one that also started its engine."""
 
 import dataclasses
+import math
 import operator
 import time
 import warnings
@@ -21,6 +22,7 @@ BUFFER_RULES = ("average", "first")  # how a step publishes BatchNorm statistics
 STATE_VERSION = 1  # Client.state_dict()'s format
 RESIZE_POLL_S = 0.01  # how often resize() looks at the ready worker count
 _NONE_UNUSED = frozenset()
+_FLOAT32_MAX = torch.finfo(torch.float32).max  # the largest loss_scale a step can carry
 
 
 class GradientStats:
@@ -213,6 +215,7 @@ class Client:
         self._current = 0  # the set that holds the last result
         self._last_count = 0.0  # what the last result is the sum or mean over
         self._last_mean = None  # its reduction; None: no result yet
+        self._last_loss_scale = 1.0  # and its loss scale
         self._has_batchnorm = False
         self._warned_passes = False
         # A GPU engine: the bound module's parameters are on this device, and its buffers
@@ -428,6 +431,7 @@ class Client:
         seed: Optional[int] = None,
         accumulate: bool = False,
         batch=None,
+        loss_scale=1.0,
     ) -> GradientStats:
         """Computes the gradient of the loss over a batch into the reduced gradient (and so
         into the ``.grad`` of a bound module).
@@ -456,6 +460,13 @@ class Client:
         retried after a worker died is added once. Across nodes each micro-batch is
         all-reduced, then added by the trainer (one pass over the gradient).
 
+        ``loss_scale=scaler`` (a ``torch.amp.GradScaler``) scales the loss as
+        ``scaler.scale(loss).backward()`` does: every worker backpropagates its loss times
+        the scaler's current scale, so the reduced gradient is scaled, and
+        ``scaler.step(optimizer)`` unscales it and skips the step if it overflowed, then
+        ``scaler.update()``. A number is a fixed scale (1: none). Every call of one
+        accumulation takes the same scale. The returned ``loss`` is not scaled.
+
         .. warning:: Blocks until every worker has finished its slice of the reduction
            (a synchronisation point of all workers), an error is raised, or ``timeout``
            seconds pass. A step that loses a worker is re-run (up to ``max_retries``) and
@@ -481,6 +492,7 @@ class Client:
             NodeError: across nodes, a peer died, timed out or failed its step.
         """
         t = self._check_open()
+        scale = self._loss_scale(loss_scale)
         if reduction is None:
             reduction = self._default_reduction(inputs, targets, batch)
         elif reduction not in REDUCTIONS:
@@ -503,6 +515,12 @@ class Client:
                     f"accumulate=True adds to a result of reduction="
                     f"{'mean' if self._last_mean else 'sum'!r}: give the same reduction to "
                     "every call of one accumulation"
+                )
+            if self._last_loss_scale != scale:
+                raise errors.InvalidArgumentError(
+                    f"accumulate=True adds to a result of loss_scale={self._last_loss_scale}, "
+                    f"but this call's is {scale}: give the same loss scale to every call of one "
+                    "accumulation (call the GradScaler's update() only after its step())"
                 )
             prev_count = self._last_count
             if nodes is None:
@@ -549,6 +567,7 @@ class Client:
             self.buffers == "average",
             mode,
             prev_count,
+            scale,
         )
         if batch is not None:
             if indices is not None or inputs is not None or targets is not None:
@@ -641,6 +660,7 @@ class Client:
         else:
             self._current, self._last_count = 1 - self._current, prev_count + count
         self._last_mean = mean
+        self._last_loss_scale = scale
         if self._all_bound:
             self._relink_grads()
         elif not self._views_handed_out and not self._warned_unbound:
@@ -652,6 +672,39 @@ class Client:
                 stacklevel=2,
             )
         return stats
+
+    def _loss_scale(self, loss_scale) -> float:
+        """gradient()'s ``loss_scale`` as the float the workers multiply their loss by: a
+        GradScaler's current scale (1 when it is disabled), or a number."""
+        if hasattr(loss_scale, "scale") and hasattr(loss_scale, "unscale_"):  # a GradScaler
+            if not loss_scale.is_enabled():
+                return 1.0
+            # scale() sets the scaler up on the gradients' device as scaler.scale(loss)
+            # would (its step() refuses a scaler that never scaled anything), and gives
+            # the scale (on a GPU, one small copy to the host).
+            one = torch.ones((), device=self._device or "cpu")
+            value = float(loss_scale.scale(one))
+        elif isinstance(loss_scale, (int, float, torch.Tensor)) and not isinstance(
+            loss_scale, bool
+        ):
+            if isinstance(loss_scale, torch.Tensor) and loss_scale.numel() != 1:
+                raise errors.InvalidArgumentError(
+                    f"loss_scale must be one number, got a tensor of shape "
+                    f"{tuple(loss_scale.shape)}"
+                )
+            value = float(loss_scale)
+        else:
+            raise errors.InvalidArgumentError(
+                f"loss_scale must be a torch.amp.GradScaler or a number, got "
+                f"{type(loss_scale).__name__}"
+            )
+        if not (math.isfinite(value) and 0 < value <= _FLOAT32_MAX):
+            raise errors.InvalidArgumentError(
+                f"loss_scale must be a finite float32 number > 0, got {value!r} (1: no loss "
+                "scaling; a GradScaler whose scale reached this has seen only overflows: "
+                "look for NaN/inf in the loss itself)"
+            )
+        return value
 
     def _default_reduction(self, inputs, targets, batch) -> str:
         """gradient()'s reduction when none is given: the loss's own, so that the gradient

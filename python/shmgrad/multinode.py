@@ -291,7 +291,7 @@ class NodeGroup:
                 raise errors.InvalidArgumentError(
                     f"the global batch's count is {weight}: a mean needs a count > 0"
                 )
-            self._grad.mul_(_C.mean_scale(weight))  # as the workers scale one node's
+            self._grad.mul_(_C.mean_scale(weight))
         if self._buffers:  # the statistics of the first node that computed (DDP: rank 0's)
             src = _global_rank(self._pg, int(counts.nonzero()[0][0]))
             self._collective(

@@ -155,19 +155,26 @@ def test_gradients_and_training_match_one_process(backend, devices, workers, mod
             assert relative_error(_cpu(p.grad for p in model.parameters()), expected) < 1e-5
         # Training: the optimizer steps the first device's parameters; workers on the
         # other device compute with them after the engine brings their copy up to date.
+        # Through a GradScaler on the trainer's device (a power of two that does not
+        # overflow: the same steps as plain float32 PyTorch's without one).
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        scaler = torch.amp.GradScaler("cuda" if on_gpu else "cpu", init_scale=2.0**10)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
         g = torch.Generator().manual_seed(1)
         for _ in range(20):
             idx = torch.randint(0, 90, (24,), generator=g)
             opt.zero_grad()
-            stats = engine.gradient(inputs=x[idx], targets=y[idx], reduction="mean")
+            stats = engine.gradient(
+                inputs=x[idx], targets=y[idx], reduction="mean", loss_scale=scaler
+            )
             assert (stats.param_sync_seconds > 0) == (len(devices) > 1)
-            opt.step()
+            scaler.step(opt)
+            scaler.update()
             ref_opt.zero_grad()
             torch.nn.functional.cross_entropy(ref(x[idx]), y[idx]).backward()
             ref_opt.step()
         assert relative_error(_cpu(model.parameters()), list(ref.parameters())) < 1e-4
+        assert scaler.get_scale() == 2.0**10  # no step skipped
     # The engine is gone: the module keeps its trained parameters (on a GPU engine, its
     # own copies on the device, made when the trainer closed) and still computes.
     assert relative_error(_cpu(model.parameters()), list(ref.parameters())) < 1e-4

@@ -307,12 +307,18 @@ def _sgd(rank, spec, prefix):
     with _engine(rank, model, prefix, "sgd", workers=1, dataset=spec) as engine:
         engine.bind(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        # A loss scale so large that the first steps overflow float32: every node's scaler
+        # must skip them and back off alike (a power of two: the steps it keeps are exact).
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)
         g = torch.Generator().manual_seed(7)  # the same global batches on every node
+        out["scales"] = []
         for _ in range(SGD_STEPS):
             idx = torch.randint(0, 120, (SGD_BATCH,), generator=g)
             opt.zero_grad()
-            engine.gradient(shard(idx, rank, NODES), reduction="mean")
-            opt.step()
+            engine.gradient(shard(idx, rank, NODES), reduction="mean", loss_scale=scaler)
+            scaler.step(opt)
+            scaler.update()
+            out["scales"].append(scaler.get_scale())
         out["params"] = [p.detach().clone() for p in model.parameters()]
         out["checksum"] = engine.check_consistency()
         if rank == 1:  # one node drifts: both must see it
@@ -333,14 +339,22 @@ def test_parameters_stay_bit_identical(npy_dataset, tmp_path, prefix):
         assert torch.equal(a, b)  # bit-identical
     assert r0["checksum"] == r1["checksum"]
     assert r0["drift"][0] == 1 and r1["drift"][0] == 1 and "rank(s) [1]" in r0["drift"][1]
-    # Against plain PyTorch from rank 0's weights on the global batches.
+    # The scalers skipped the same first steps (the scale halves at each) and kept the rest.
+    assert r0["scales"] == r1["scales"]
+    skipped = next(k for k in range(SGD_STEPS) if r0["scales"][k] == r0["scales"][-1]) + 1
+    assert 1 <= skipped <= SGD_STEPS - 10, r0["scales"]
+    assert r0["scales"][skipped - 1] == 2.0 ** (127 - skipped)
+    # Against plain PyTorch (no scaler) from rank 0's weights on the global batches,
+    # skipping the same steps.
     torch.manual_seed(200)
     ref = Cnn()
     initial = copy.deepcopy(ref)
     opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     g = torch.Generator().manual_seed(7)
-    for _ in range(SGD_STEPS):
+    for step in range(SGD_STEPS):
         idx = torch.randint(0, 120, (SGD_BATCH,), generator=g)
+        if step < skipped:
+            continue
         opt.zero_grad()
         torch.nn.functional.cross_entropy(ref(x[idx]), y[idx]).backward()
         opt.step()

@@ -58,6 +58,7 @@ def test_stress_short_run(tmp_path):
         # A stopped worker the step needed: the step timed out, ran again exactly, and the
         # worker was replaced (not_replaced counts those still there).
         assert run["stops"] > 0 and run["stop_timeouts"] > 0, (kind, run)
+        assert run["scaled_steps"] > 0, (kind, "some steps must scale the loss")
         for key in ("wrong", "hangs", "not_replaced", "leaked_segments", "leftover_workers"):
             assert run[key] == 0, (kind, key, run)
     eager = counts["runs"]["eager"]

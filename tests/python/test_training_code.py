@@ -885,6 +885,108 @@ def test_autocast_forward_gives_float32_gradients():
         assert relative_error(grads(model), grads(ref)) < 2e-2
 
 
+@pytest.mark.parametrize("kind", ["script", "eager"])
+def test_loss_scale_scales_the_gradient_and_not_the_loss(kind):
+    """A fixed loss_scale (a power of two) with TorchScript workers (a named loss) and
+    eager ones (a callable): the gradient is the scale times the reference, for a sum
+    and a mean, 3 workers and one (alone, which folds the mean's 1/B in); the loss is
+    not scaled; a scale that is not a finite number > 0, or not a number, is refused and
+    the engine keeps serving."""
+    torch.manual_seed(2)
+    model = Mlp()
+    x, y = data(30)
+    loss = "cross_entropy" if kind == "script" else summed_cross_entropy
+    with shmgrad.Engine(model=model, workers=3, loss=loss, mode=kind) as engine:
+        assert engine.status().worker_kind == kind
+        engine.bind(model)
+        for reduction in ("sum", "mean"):
+            ref = reference_gradient(model, "cross_entropy", x, y, reduction=reduction)
+            for mepw in (1, 100):
+                st = engine.gradient(
+                    inputs=x,
+                    targets=y,
+                    reduction=reduction,
+                    loss_scale=1024.0,
+                    min_examples_per_worker=mepw,
+                )
+                assert st.workers == (3 if mepw == 1 else 1)
+                assert relative_error(grads(model), [1024 * g for g in ref]) < 1e-6
+                with torch.no_grad():
+                    want = float(F.cross_entropy(model(x), y, reduction=reduction))
+                assert abs(st.loss - want) < 1e-5 * abs(want)
+        for bad, says in [
+            (0.0, "finite float32 number > 0"),
+            (-4.0, "finite float32 number > 0"),
+            (float("inf"), "finite float32 number > 0"),
+            (float("nan"), "finite float32 number > 0"),
+            (1e39, "finite float32 number > 0"),  # inf in float32
+            ("2", "GradScaler or a number"),
+            (torch.ones(2), "one number"),
+        ]:
+            with pytest.raises(shmgrad.InvalidArgumentError, match=says):
+                engine.gradient(inputs=x, targets=y, loss_scale=bad)
+        engine.gradient(inputs=x, targets=y, reduction="sum", loss_scale=torch.tensor(1.0))
+        assert relative_error(grads(model), reference_gradient(model, "cross_entropy", x, y)) < 1e-5
+
+
+def test_grad_scaler_training_matches_plain_pytorch():
+    """float16 autocast with a GradScaler (its default scale, 2^16), written as PyTorch
+    users write it, against the same loop through 3 eager workers with loss_scale=scaler:
+    the scaler grows (growth interval 2), a batch with an example that overflows float16
+    makes both loops skip that step and back off, and the scales and weights stay
+    together: the workers' backward takes the mean's 1/B, so it overflows only where
+    plain PyTorch's does (summed shards overflowed at step 0). Accumulating with a scale
+    other than the previous call's is refused; a disabled scaler scales nothing."""
+    torch.manual_seed(3)
+    model = Mlp()
+    plain = copy.deepcopy(model)
+    x, y = data(48 * 8, seed=3)
+    x[48 * 5 + 7] = 1e6  # float16's largest is 65504: this step's gradient is NaN
+    batches = [torch.arange(48 * k, 48 * (k + 1)) for k in range(8)]
+
+    def forward(m, batch):
+        with torch.autocast("cpu", dtype=torch.float16):
+            return F.cross_entropy(m(batch[0]), batch[1])  # a mean, computed in float32
+
+    def make(params):
+        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        return opt, torch.amp.GradScaler("cpu", growth_interval=2)  # from 2^16
+
+    opt, scaler = make(plain.parameters())
+    plain_scales, plain_weights = [], []
+    for idx in batches:
+        opt.zero_grad()
+        scaler.scale(forward(plain, (x[idx], y[idx]))).backward()
+        scaler.step(opt)
+        scaler.update()
+        plain_scales.append(scaler.get_scale())
+        plain_weights.append([p.detach().clone() for p in plain.parameters()])
+
+    with shmgrad.Engine(model=model, workers=3, forward=forward, dataset=Pairs(x, y)) as engine:
+        engine.bind(model)
+        opt, scaler = make(model.parameters())
+        for k, idx in enumerate(batches):
+            opt.zero_grad()
+            st = engine.gradient(idx, loss_scale=scaler)
+            assert st.nonfinite == (k == 5)
+            scaler.step(opt)
+            scaler.update()
+            assert scaler.get_scale() == plain_scales[k], f"step {k}"
+            # float16 products in another order: 4e-5 after 8 steps here.
+            assert relative_error(list(model.parameters()), plain_weights[k]) < 1e-3, k
+        assert plain_scales[4] > 2.0**16 and plain_scales[5] == plain_scales[4] / 2
+
+        engine.gradient(batches[0], loss_scale=scaler)
+        scaler.update(scaler.get_scale() * 2)
+        with pytest.raises(shmgrad.InvalidArgumentError, match="same loss scale"):
+            engine.gradient(batches[1], loss_scale=scaler, accumulate=True)
+        off = torch.amp.GradScaler("cpu", enabled=False)
+        st = engine.gradient(batches[1], loss_scale=off)
+        ref = copy.deepcopy(model)
+        forward(ref, (x[batches[1]], y[batches[1]])).backward()
+        assert relative_error(grads(model), grads(ref)) < 1e-2  # float16 products
+
+
 # -- 3. structured batches -------------------------------------------------------------
 class DictModel(torch.nn.Module):
     def __init__(self):

@@ -145,7 +145,8 @@ def report(label, c):
     print(
         f"{label}: {c.elapsed_s:.1f} s, trainer restarts {c.trainer_restarts}, "
         f"worker replacements {c.worker_replacements}, steps aborted {c.steps_aborted}, "
-        f"shrink-and-grow {c.resizes}, errors after repeated deaths {c.errors}"
+        f"shrink-and-grow {c.resizes}, errors after repeated deaths {c.errors}, "
+        f"loss-scaled steps {c.scaled_steps}"
         + (
             f", structured batches {c.structured_steps}, accumulated {c.accumulated_steps}"
             if c.structured_steps or c.accumulated_steps

@@ -66,6 +66,7 @@ class Counts:
     resizes: int = 0  # shrink-and-grow-back pairs
     structured_steps: int = 0  # eager: explicit batches given as gradient(batch=(x, y))
     accumulated_steps: int = 0  # eager: a batch given as two accumulated micro-batches
+    scaled_steps: int = 0  # steps with a loss scale (2^10), unscaled before the check
     stops: int = 0  # workers SIGSTOPped
     stop_timeouts: int = 0  # steps with a stopped worker that ended in a timeout, then re-run
     stops_resumed: int = 0  # stopped workers not needed by their batch twice, resumed
@@ -121,6 +122,9 @@ class StressRun:
         self.workload = workload
         self.log = log
         self.rng = random.Random(args.seed)
+        # Which steps scale their loss: a stream of its own, so that a seed's faults stay
+        # where they were.
+        self.scale_rng = random.Random(args.seed + 1)
         self.counts = Counts()
         self.worker_pids_seen = set()
         self.model = workload.model
@@ -247,7 +251,24 @@ class StressRun:
         inputs, targets, reduction and the call that computes its gradient (given a
         timeout). An indexed
         step gets an explicit seed, with which the workload rebuilds what the workers
-        compute on."""
+        compute on. A quarter of the steps scale the loss by 2^10 (as a GradScaler would)
+        and divide the gradient by it after the call (as its unscale_ does)."""
+        scale = 2.0**10 if self.scale_rng.random() < 0.25 else 1.0
+        x, y, mean, call = self._draw_unscaled_batch(scale)
+        if scale == 1.0:
+            return x, y, mean, call
+        self.counts.scaled_steps += 1
+
+        def scaled(timeout):
+            stats = call(timeout)
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.div_(scale)
+            return stats
+
+        return x, y, mean, scaled
+
+    def _draw_unscaled_batch(self, loss_scale):
         batch = self.rng.randint(1, self.args.max_batch)
         mean = self.rng.random() < 0.5
         reduction = "mean" if mean else "sum"
@@ -260,7 +281,7 @@ class StressRun:
                 y,
                 mean,
                 lambda timeout: self.trainer.gradient(
-                    idx, reduction=reduction, timeout=timeout, seed=seed
+                    idx, reduction=reduction, timeout=timeout, loss_scale=loss_scale, seed=seed
                 ),
             )
         x, y = torch.randn(batch, *INPUT_SHAPE), torch.randint(0, CLASSES, (batch,))
@@ -274,7 +295,7 @@ class StressRun:
                 y,
                 mean,
                 lambda timeout: self.trainer.gradient(
-                    batch=(x, y), reduction=reduction, timeout=timeout
+                    batch=(x, y), reduction=reduction, timeout=timeout, loss_scale=loss_scale
                 ),
             )
         if self.workload.kind == "eager" and form == "accumulated" and batch >= 2:
@@ -283,13 +304,18 @@ class StressRun:
 
             def accumulated(timeout):
                 first = self.trainer.gradient(
-                    inputs=x[:cut], targets=y[:cut], reduction=reduction, timeout=timeout
+                    inputs=x[:cut],
+                    targets=y[:cut],
+                    reduction=reduction,
+                    timeout=timeout,
+                    loss_scale=loss_scale,
                 )
                 second = self.trainer.gradient(
                     inputs=x[cut:],
                     targets=y[cut:],
                     reduction=reduction,
                     timeout=timeout,
+                    loss_scale=loss_scale,
                     accumulate=True,
                 )
                 return types.SimpleNamespace(retries=first.retries + second.retries)
@@ -300,7 +326,7 @@ class StressRun:
             y,
             mean,
             lambda timeout: self.trainer.gradient(
-                inputs=x, targets=y, reduction=reduction, timeout=timeout
+                inputs=x, targets=y, reduction=reduction, timeout=timeout, loss_scale=loss_scale
             ),
         )
 
