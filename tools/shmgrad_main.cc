@@ -42,7 +42,7 @@ constexpr double kMinStartupTimeoutS = 0.001;
 constexpr double kMaxStartupTimeoutS = 86400;
 
 // The interpreter that runs `stress`, `bench` and `serve --eager`: the one the
-// environment names (the installed `shmgrad` command, python/shmgrad/_cli.py, names its
+// environment names (the installed `shmgrad` command, python/shmgrad_tools/cli.py, names its
 // own), else python3 on the PATH.
 constexpr char kDefaultPython[] = "python3";
 constexpr char kPythonEnv[] = "SHMGRAD_PYTHON";

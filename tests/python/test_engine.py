@@ -378,6 +378,41 @@ def test_cli_help_documents_options():
         assert cmd in out.stdout
 
 
+def test_cli_finds_its_program_without_importing_torch(tmp_path):
+    """The console script (shmgrad_tools.cli) finds bin/shmgrad in the installed package
+    without importing shmgrad or torch, so that status, stop and --help answer at once; a
+    missing program is named by shmgrad.program's error."""
+    code = (
+        "import sys, shmgrad_tools.cli as c; p = c.program_path(); "
+        "print(p, 'torch' in sys.modules, 'shmgrad' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    path, torch_loaded, shmgrad_loaded = out.stdout.split()
+    assert path == shmgrad.program("shmgrad") and os.path.isfile(path)
+    assert (torch_loaded, shmgrad_loaded) == ("False", "False")
+    # $SHMGRAD_BINARY wins; a package without its program is refused by the library.
+    env = dict(os.environ, SHMGRAD_BINARY=str(tmp_path / "elsewhere"))
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert out.stdout.split()[0] == str(tmp_path / "elsewhere")
+    fake = tmp_path / "shmgrad"
+    fake.mkdir()
+    (fake / "__init__.py").write_text(
+        "def program(name):\n    raise RuntimeError('no program ' + name + ' here')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    out = subprocess.run(
+        [sys.executable, "-c", "import shmgrad_tools.cli as c; c.main()"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert out.returncode != 0 and "no program shmgrad here" in out.stderr, out.stderr
+
+
 def test_status_is_data(npy_dataset):
     spec, x, y = npy_dataset
     model = Cnn()
