@@ -322,8 +322,12 @@ def probe_reduction(model, loss, forward, batch) -> str:
         model.train(was_training)
     raise errors.InvalidArgumentError(
         f"cannot tell whether the loss is the batch's sum or its mean (loss {a:.6g}, and "
-        f"{b:.6g} for the batch given twice): say which with Engine(..., "
-        "loss_reduction='sum' or 'mean'), or return (loss_sum, count) from forward="
+        f"{b:.6g} for the batch given twice, neither the same nor twice as much). If it "
+        "is a sum or a mean of per-example terms, say which with Engine(..., "
+        "loss_reduction='sum' or 'mean'), or return (loss_sum, count) from forward=. A "
+        "loss that couples the batch's examples (in-batch negatives, as in a contrastive "
+        "loss) differs when the batch is split: declared, each worker's gradient would "
+        "see only its own shard's examples, as each DDP rank does without gathering"
     )
 
 

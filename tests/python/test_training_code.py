@@ -109,6 +109,36 @@ def test_default_reduction_is_the_losses_own(case):
         assert abs(st.loss - want_loss) < 1e-5 * abs(want_loss)
 
 
+class TwoTowers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 4), torch.nn.Linear(6, 4)
+
+    def forward(self, x, t):
+        return F.normalize(self.a(x), dim=1), F.normalize(self.b(t), dim=1)
+
+
+def contrastive_forward(model, batch):
+    """A CLIP-style loss: every example's negatives are the batch's other examples."""
+    za, zb = model(*batch)
+    logits = za @ zb.T / 0.1
+    labels = torch.arange(len(logits))
+    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+
+
+def test_a_loss_that_couples_the_batchs_examples_is_refused_saying_why():
+    """In-batch negatives make the loss neither a sum nor a mean of per-example terms: the
+    probe cannot tell, and the error says what declaring a reduction would do."""
+    g = torch.Generator().manual_seed(5)
+    x, t = torch.randn(32, 8, generator=g), torch.randn(32, 6, generator=g)
+    with shmgrad.Engine(model=TwoTowers(), workers=2, forward=contrastive_forward) as engine:
+        with pytest.raises(shmgrad.InvalidArgumentError) as info:
+            engine.gradient(batch=(x, t))
+        message = str(info.value)
+        assert "loss_reduction=" in message and "couples the batch's examples" in message
+        assert "only its own shard's examples" in message
+
+
 def test_default_reduction_unknown_is_refused_until_it_is_known(npy_dataset):
     """A callable loss over a dataset spec's examples, which the trainer cannot read, an
     empty batch or one the probe fails on: refused, naming reduction= and loss_reduction=;
