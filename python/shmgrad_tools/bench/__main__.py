@@ -58,6 +58,7 @@ import torch
 from shmgrad import heap_environment
 from shmgrad.testing import relative_error
 from . import models, report, runners
+from .nodes import NodeRun
 from .timing import Budget, log, now, summarize
 
 SYSTEMS = ("single", "shmgrad", "eager", "compiled", "bf16", "ddp", "dask", "reduce")
@@ -572,6 +573,21 @@ def measure_nodes(args):
             ),
         )
         reps = runners.ddp_repeats(budget, ref_rec.get("median_s", 0) / k)
+
+        def node_run(workers, suffix):
+            return NodeRun(
+                k,
+                model_name,
+                batch,
+                args.warmup,
+                reps,
+                args.seed,
+                workers,
+                f"bench-{os.getpid()}-{count}{suffix}",
+                args.bucket_cap_mb,
+                args.pin,
+            )
+
         for w in args.workers:
             count += 1
             if "shmgrad" in args.systems:
@@ -595,36 +611,12 @@ def measure_nodes(args):
                 base,
                 "shmgrad-nodes",
                 w,
-                lambda: runners.run_nodes(
-                    model_name,
-                    batch,
-                    args.warmup,
-                    reps,
-                    k,
-                    w,
-                    args.seed,
-                    now() + args.timeout,
-                    f"bench-{os.getpid()}-{count}n",
-                    args.bucket_cap_mb,
-                    args.pin,
-                ),
+                lambda: runners.run_nodes(node_run(w, "n"), now() + args.timeout),
                 ref,
             )
             if args.paired:
                 paired = shared_run(
-                    lambda w=w: runners.run_paired(
-                        model_name,
-                        batch,
-                        args.warmup,
-                        reps,
-                        k,
-                        w,
-                        args.seed,
-                        now() + args.timeout,
-                        f"bench-{os.getpid()}-{count}p",
-                        args.bucket_cap_mb,
-                        args.pin,
-                    )
+                    lambda w=w: runners.run_paired(node_run(w, "p"), now() + args.timeout)
                 )
                 record(base, "shmgrad-nodes-paired", w, paired("shmgrad-nodes"), ref)
                 if "error" not in records[-1]:

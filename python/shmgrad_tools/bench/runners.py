@@ -241,48 +241,20 @@ def ring_bytes_sent(payload_bytes, nodes):
 
 
 # -- 3b. shmgrad on several nodes -------------------------------------------------------
-def run_nodes(
-    model_name,
-    batch,
-    warmup,
-    repeats,
-    nodes,
-    workers,
-    seed,
-    deadline,
-    engine_prefix,
-    bucket_cap_mb=None,
-    pin=False,
-):
-    """``nodes`` ranks on 127.0.0.1, each a shmgrad engine of ``workers`` workers with a
-    gloo process group (bench/nodes.py), timed like DDP; with ``pin`` each on its share of
-    the CPUs."""
+def run_nodes(run: nodes_rank.NodeRun, deadline):
+    """``run.world`` ranks on 127.0.0.1, each a shmgrad engine of ``run.workers`` workers
+    with a gloo process group (bench/nodes.py), timed like DDP; with ``run.pin`` each on
+    its share of the CPUs."""
     results, total = _run_ranks(
-        nodes_rank.rank_main,
-        nodes,
-        (
-            nodes,
-            _free_port(),
-            model_name,
-            batch,
-            warmup,
-            repeats,
-            seed,
-            workers,
-            engine_prefix,
-            bucket_cap_mb,
-            pin,
-        ),
-        deadline,
-        "shmgrad node",
+        nodes_rank.rank_main, run.world, (run, _free_port()), deadline, "shmgrad node"
     )
-    out = _nodes_summary(results, nodes, workers)
+    out = _nodes_summary(results, run.world, run.workers)
     out.update(
         {
             "total_s": total,
             "loopback_bytes_per_node_step": results[0]["loopback_bytes"]
             / max(1, len(out["times_s"]))
-            / nodes,
+            / run.world,
         }
     )
     return out, results[0]["grad"]
@@ -315,46 +287,22 @@ def _nodes_summary(results, nodes, workers):
     }
 
 
-def run_paired(
-    model_name,
-    batch,
-    warmup,
-    repeats,
-    nodes,
-    workers,
-    seed,
-    deadline,
-    engine_prefix,
-    bucket_cap_mb=None,
-    pin=False,
-):
-    """``--paired``: ``nodes`` ranks that are each a shmgrad node and a DDP rank, every
+def run_paired(run: nodes_rank.NodeRun, deadline):
+    """``--paired``: ``run.world`` ranks that are each a shmgrad node and a DDP rank, every
     batch through both in turn (bench/nodes.py ``paired_rank_main``). Returns
     ``{"shmgrad-nodes": (record, grad), "ddp": (record, grad)}``; the records carry the
     per-step ratios DDP / shmgrad (``paired_ratios``), each of two steps a moment apart."""
     results, total = _run_ranks(
         nodes_rank.paired_rank_main,
-        nodes,
-        (
-            nodes,
-            _free_port(),
-            model_name,
-            batch,
-            warmup,
-            repeats,
-            seed,
-            workers,
-            engine_prefix,
-            bucket_cap_mb,
-            pin,
-        ),
+        run.world,
+        (run, _free_port()),
         deadline,
         "paired shmgrad node and DDP rank",
     )
     node = {r: res["shmgrad-nodes"] for r, res in results.items()}
     ranks = {r: res["ddp"] for r, res in results.items()}
-    node_rec = _nodes_summary(node, nodes, workers)
-    ddp_rec = {"times_s": _step_times(ranks), "threads": 1, "nodes": nodes}
+    node_rec = _nodes_summary(node, run.world, run.workers)
+    ddp_rec = {"times_s": _step_times(ranks), "threads": 1, "nodes": run.world}
     ratios = [d / s for d, s in zip(ddp_rec["times_s"], node_rec["times_s"])]
     for rec in (node_rec, ddp_rec):
         rec.update({"total_s": total, "paired_ratios": ratios})
