@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "tests/segment_testing.h"
 #include "ipc/error.h"
 #include "ipc/futex.h"
 #include "ipc/layout.h"
@@ -26,6 +27,9 @@
 
 namespace shmgrad::engine {
 namespace {
+
+using testing::SegmentGuard;
+using testing::throwsKind;
 
 using ipc::Segment;
 
@@ -38,23 +42,6 @@ std::string uniqueEngineName() {
   static int counter = 0;
   return "controltest-" + std::to_string(getpid()) + "-" + std::to_string(counter++);
 }
-
-// Removes the segment on scope exit, whatever happened in between.
-class SegmentGuard {
- public:
-  explicit SegmentGuard(std::string name) : name_(std::move(name)) {}
-  ~SegmentGuard() {
-    try {
-      Segment::remove(name_);
-    } catch (...) {
-    }
-  }
-  SegmentGuard(const SegmentGuard&) = delete;
-  SegmentGuard& operator=(const SegmentGuard&) = delete;
-
- private:
-  std::string name_;
-};
 
 // A small engine: two parameter tensors, kSlots slots, a dataset of kDatasetSize.
 ipc::SegmentSpec smallSpec(const std::string& name) {
@@ -86,19 +73,6 @@ pid_t deadPid() {
 }
 
 // Runs fn; succeeds if it threw shmgrad::Error of this kind (message copied out).
-template <typename Fn>
-::testing::AssertionResult throwsKind(ErrorKind kind, Fn&& fn, std::string* message = nullptr) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    if (message != nullptr) *message = e.what();
-    if (e.kind() == kind) return ::testing::AssertionSuccess();
-    return ::testing::AssertionFailure() << "threw " << errorKindName(e.kind()) << " instead of "
-                                         << errorKindName(kind) << ": " << e.what();
-  }
-  return ::testing::AssertionFailure() << "threw nothing (expected " << errorKindName(kind) << ")";
-}
-
 bool contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
 }

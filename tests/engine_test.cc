@@ -18,6 +18,7 @@
 #include "ipc/device_table.h"
 #include "ipc/error.h"
 #include "ipc/segment.h"
+#include "tests/segment_testing.h"
 #include "tests/test_util.h"
 
 namespace shmgrad::testing {
@@ -263,17 +264,6 @@ std::vector<std::string> fakeAllocations(pid_t pid) {
     closedir(d);
   }
   return out;
-}
-
-// Whether fn threw a shmgrad::Error of `kind`.
-template <typename Fn>
-bool throwsKind(ErrorKind kind, Fn&& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.kind() == kind;
-  }
-  return false;
 }
 
 // Runs `shmgrad serve ARGS` to its end: its exit status and what it printed.

@@ -25,6 +25,7 @@
 #include <utility>
 #include <vector>
 
+#include "tests/segment_testing.h"
 #include "ipc/device_table.h"
 #include "ipc/error.h"
 #include "ipc/futex.h"
@@ -35,47 +36,15 @@
 namespace shmgrad::ipc {
 namespace {
 
+using testing::SegmentGuard;
+using testing::throwsKind;
+
 // ---------------------------------------------------------------------------------
 // Helpers
 
 std::string uniqueEngineName() {
   static int counter = 0;
   return "ipctest-" + std::to_string(getpid()) + "-" + std::to_string(counter++);
-}
-
-// Removes the segment on scope exit, whatever happened in between.
-class SegmentGuard {
- public:
-  explicit SegmentGuard(std::string name) : name_(std::move(name)) {}
-  ~SegmentGuard() {
-    try {
-      Segment::remove(name_);
-    } catch (...) {
-    }
-  }
-  SegmentGuard(const SegmentGuard&) = delete;
-  SegmentGuard& operator=(const SegmentGuard&) = delete;
-  const std::string& name() const { return name_; }
-
- private:
-  std::string name_;
-};
-
-// Runs fn and returns the kind of the shmgrad::Error it threw. Fails the test if it
-// threw nothing or something else.
-template <typename Fn>
-::testing::AssertionResult throwsKind(ErrorKind kind, Fn&& fn, std::string* message = nullptr) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    if (message != nullptr) *message = e.what();
-    if (e.kind() == kind) return ::testing::AssertionSuccess();
-    return ::testing::AssertionFailure() << "threw " << errorKindName(e.kind()) << " instead of "
-                                         << errorKindName(kind) << ": " << e.what();
-  } catch (const std::exception& e) {
-    return ::testing::AssertionFailure() << "threw a non-shmgrad exception: " << e.what();
-  }
-  return ::testing::AssertionFailure() << "threw nothing (expected " << errorKindName(kind) << ")";
 }
 
 // A small model: shapes whose sizes are and are not multiples of 16 floats, a scalar

@@ -16,6 +16,7 @@
 #include "ipc/error.h"
 #include "ipc/layout.h"
 #include "ipc/segment.h"
+#include "tests/segment_testing.h"
 #include "tests/test_util.h"
 #include "worker/replica.h"
 
@@ -24,38 +25,6 @@ namespace {
 
 constexpr int64_t kSide = 8;  // inputs [1, 8, 8]
 constexpr int64_t kClasses = 5;
-
-// Removes the segment on scope exit, whatever happened in between.
-class SegmentGuard {
- public:
-  explicit SegmentGuard(std::string name) : name_(std::move(name)) {}
-  ~SegmentGuard() {
-    try {
-      ipc::Segment::remove(name_);
-    } catch (...) {
-    }
-  }
-  SegmentGuard(const SegmentGuard&) = delete;
-  SegmentGuard& operator=(const SegmentGuard&) = delete;
-
- private:
-  std::string name_;
-};
-
-template <typename Fn>
-::testing::AssertionResult throwsKind(ErrorKind kind, Fn&& fn, std::string* message = nullptr) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    if (message != nullptr) *message = e.what();
-    if (e.kind() == kind) return ::testing::AssertionSuccess();
-    return ::testing::AssertionFailure() << "threw " << errorKindName(e.kind()) << " instead of "
-                                         << errorKindName(kind) << ": " << e.what();
-  } catch (const std::exception& e) {
-    return ::testing::AssertionFailure() << "threw a non-shmgrad exception: " << e.what();
-  }
-  return ::testing::AssertionFailure() << "threw nothing (expected " << errorKindName(kind) << ")";
-}
 
 std::string saveModel(const std::string& kind, const std::string& dir, uint64_t seed) {
   const std::string path = dir + "/" + kind + std::to_string(seed) + ".pt";
