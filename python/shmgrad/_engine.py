@@ -6,6 +6,7 @@ import itertools
 import os
 import shutil
 import tempfile
+import warnings
 from typing import Optional
 
 import torch
@@ -153,6 +154,16 @@ def serve(
                 f"parameter {lazy!r} is not initialised yet (a lazy module's): run the model "
                 "once on a batch of your data before starting the engine, so that every "
                 "parameter has its shape"
+            )
+        synced = [n for n, m in model.named_modules() if isinstance(m, torch.nn.SyncBatchNorm)]
+        if synced and workers > 1:
+            warnings.warn(
+                f"the model's SyncBatchNorm layers ({', '.join(synced[:3])}"
+                f"{', ...' if len(synced) > 3 else ''}) normalise each worker's shard with its "
+                "own batch statistics, as BatchNorm does: the engine has no cross-worker "
+                "SyncBatchNorm (its workers are no process group). The gradient is DDP's "
+                "without SyncBatchNorm; for the whole batch's statistics, run one worker",
+                stacklevel=3,
             )
     mode, mode_reason = eager.choose_mode(
         mode,

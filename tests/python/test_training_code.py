@@ -644,6 +644,23 @@ def test_passes_that_split_batchnorm_batches_warn_once():
             engine.gradient(inputs=x, targets=y, max_examples_per_pass=3)
 
 
+def test_sync_batchnorm_warns_that_each_worker_normalises_its_own_shard():
+    """A model converted with SyncBatchNorm.convert_sync_batchnorm (code ported from DDP):
+    the engine has no cross-worker synchronisation, so it says so at start, and each
+    worker normalises its shard with its own statistics, as BatchNorm does."""
+    torch.manual_seed(8)
+    model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(BnNet())
+    x, y = torch.randn(30, 6) * 3 + 1, torch.randint(0, 3, (30,))
+    shards = [list(range(0, 10)), list(range(10, 20)), list(range(20, 30))]
+    ref = shard_gradients(model, x, y, shards)  # no process group here: per shard
+    with pytest.warns(UserWarning, match=r"SyncBatchNorm layers \(bn\) normalise each worker"):
+        engine = shmgrad.Engine(model=model, workers=3, loss="cross_entropy")
+    with engine:
+        engine.bind(model)
+        engine.gradient(inputs=x, targets=y)
+        assert relative_error(grads(model), ref) < 1e-5
+
+
 # -- 7. errors at start ----------------------------------------------------------------
 def test_dataloader_and_dict_examples_are_refused_at_start():
     x, y = data(8)
