@@ -206,7 +206,13 @@ class Client:
         # The two reduced gradients: a step writes the first, and accumulating steps
         # alternate (each reads the previous result and writes the other one).
         self._grad_sets = (trainer.gradient_views(), trainer.accumulator_views())
-        self._bound_grad_sets = self._grad_sets  # the views of the bound ones that train
+        # What the bound module's .grad are: other tensor objects over the same memory, so
+        # that a conversion that replaces a .grad's data in place (model.double(), .to())
+        # cannot touch the engine's own views; bind makes them.
+        self._grad_aliases = self._grad_sets
+        self._bound_grad_sets = self._grad_aliases  # those of the bound ones that train
+        # The first and last bound parameters' addresses: still in the engine's memory?
+        self._bound_ptrs = None
         # The parameters (indices) no participant's backward reached in the last result
         # (every micro-batch of an accumulation), and those whose .grad was set to None
         # for it: they keep .grad None, as after plain PyTorch's backward.
@@ -326,14 +332,16 @@ class Client:
         if self._engine_trainable is None:
             self._engine_trainable = flags
         self._check_trainable(flags)
+        self._grad_aliases = tuple([g.detach() for g in views] for views in self._grad_sets)
         with torch.no_grad():
-            for (_, p), view, grad in zip(named, self._param_views, self._grad_views):
+            for (_, p), view, grad in zip(named, self._param_views, self._grad_aliases[0]):
                 view.copy_(p.detach())
                 p.data = view
                 p.grad = grad
         self._bind_buffers(module)
         self._current = 0
         self._all_bound = [p for _, p in named]
+        self._bound_ptrs = (named[0][1].data_ptr(), named[-1][1].data_ptr()) if named else None
         self._unused, self._nulled = _NONE_UNUSED, ()
         self._set_trainable(flags)
         self._bound_module = module
@@ -342,6 +350,24 @@ class Client:
             self._nodes.broadcast_parameters()  # every node takes rank 0's values
             self._pull_buffers()
         return given
+
+    def _refuse_moved_parameters(self):
+        """The bound module's parameters left the engine's memory after bind: an optimizer
+        would step private copies that no worker sees (and gradient() would fill .grad
+        tensors it no longer steps with). Refused, naming the parameter and the fix."""
+        moved, p = next(
+            (name, p)
+            for (name, _), p, view in zip(self._param_info, self._all_bound, self._param_views)
+            if p.data_ptr() != view.data_ptr()
+        )
+        raise errors.InvalidArgumentError(
+            f"the bound module's parameter {moved!r} ({p.dtype}, {p.device}) no longer lies "
+            f"in engine {self.name!r}'s memory: its data was replaced after bind "
+            "(model.to(), .cuda(), .double(), .half() or an assignment to .data), so the "
+            "optimizer would step a copy that no worker sees. Convert the model before "
+            "starting the engine and evaluate a converted copy (copy.deepcopy(model).to(...)), "
+            "or convert it back and call engine.bind(model) again, which copies its values in"
+        )
 
     def _check_trainable(self, flags):
         """Refuses a parameter that requires grad but that the workers' models have frozen:
@@ -367,10 +393,10 @@ class Client:
         self._requires_grad = flags
         self._bound = [p for p, f in zip(self._all_bound, flags) if f]
         if all(flags):
-            self._bound_grad_sets = self._grad_sets
+            self._bound_grad_sets = self._grad_aliases
         else:
             self._bound_grad_sets = tuple(
-                [g for g, f in zip(views, flags) if f] for views in self._grad_sets
+                [g for g, f in zip(views, flags) if f] for views in self._grad_aliases
             )
         for p, f in zip(self._all_bound, flags):
             if not f:
@@ -500,6 +526,9 @@ class Client:
                 f"unknown reduction {reduction!r}: use 'sum' or 'mean'"
             )
         if self._all_bound:
+            first, last = self._all_bound[0], self._all_bound[-1]
+            if (first.data_ptr(), last.data_ptr()) != self._bound_ptrs:
+                self._refuse_moved_parameters()
             # A parameter frozen or unfrozen since the last call (about 0.4 us a parameter).
             flags = list(map(_REQUIRES_GRAD, self._all_bound))
             if flags != self._requires_grad:

@@ -661,6 +661,31 @@ def test_sync_batchnorm_warns_that_each_worker_normalises_its_own_shard():
         assert relative_error(grads(model), ref) < 1e-5
 
 
+def test_a_module_converted_after_bind_is_refused_then_bound_again():
+    """model.double() (or .to(), .half()) after bind replaces the parameters' data, and
+    their .grad's in place: the optimizer would then step copies no worker sees. gradient()
+    refuses, naming the parameter; converted back and bound again, training goes on
+    against plain PyTorch, the engine's own gradient views untouched by the conversion."""
+    torch.manual_seed(9)
+    model = Mlp()
+    x, y = data(24)
+    with shmgrad.Engine(model=model, workers=2, loss="cross_entropy") as engine:
+        engine.bind(model)
+        engine.gradient(inputs=x, targets=y)
+        model.double()
+        with pytest.raises(shmgrad.InvalidArgumentError, match=r"'fc1.weight' \(torch.float64"):
+            engine.gradient(inputs=x, targets=y)
+        model.float()
+        engine.bind(model)
+        ref = reference_gradient(model, "cross_entropy", x, y)
+        engine.gradient(inputs=x, targets=y)
+        assert relative_error(grads(model), ref) < 1e-5
+        assert relative_error(engine.gradient_tensors(), ref) < 1e-5
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+        for p, shared in zip(model.parameters(), engine.parameter_tensors()):
+            assert p.data_ptr() == shared.data_ptr()
+
+
 # -- 7. errors at start ----------------------------------------------------------------
 def test_dataloader_and_dict_examples_are_refused_at_start():
     x, y = data(8)
