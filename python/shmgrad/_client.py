@@ -705,6 +705,8 @@ class Client:
     def _loss_scale(self, loss_scale) -> float:
         """gradient()'s ``loss_scale`` as the float the workers multiply their loss by: a
         GradScaler's current scale (1 when it is disabled), or a number."""
+        if type(loss_scale) is float and 0 < loss_scale <= _FLOAT32_MAX:
+            return loss_scale  # the default (1.0) and fixed scales: no more to look at
         if hasattr(loss_scale, "scale") and hasattr(loss_scale, "unscale_"):  # a GradScaler
             if not loss_scale.is_enabled():
                 return 1.0
