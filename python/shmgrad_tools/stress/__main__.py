@@ -10,16 +10,18 @@ It runs an engine of each kind of worker in turn (--mode):
           NumPy); indexed steps get an explicit seed, and the reference applies the
           workers' seeding (seed_everything(example_seed(seed, i)) before dataset[i]).
 
-Each engine then gets N steps: random batch sizes, indexed and explicit batches, every
-gradient checked against a plain PyTorch reference in this process, SGD steps in between
-so the parameters move, workers killed (SIGKILL) at random moments, the engine shrunk
-and grown back at once now and then (a retired worker must be gone before its slot is
-reused), workers stopped (SIGSTOP, as a hung process) at random moments (the step ends
-in a timeout after --stop-timeout; the same batch again must give the exact gradient and
-the stopped worker must be gone, replaced; a stopped worker the step did not need stays
-stopped for the same batch once more, then is resumed), and the trainer restarted now
-and then (a child trainer killed while its step is in flight, then this process attaches
-again). It ends by printing, for each kind and in total,
+Each engine then gets N steps: random batch sizes, indexed and explicit batches (a
+quarter of the steps with a loss scale of 2^10, divided out after the call as a
+GradScaler's unscale_ does), every gradient checked against a plain PyTorch reference in
+this process, SGD steps in between so the parameters move, workers killed (SIGKILL) at
+random moments, the engine shrunk and grown back at once now and then (a retired worker
+must be gone before its slot is reused), workers stopped (SIGSTOP, as a hung process) at
+random moments (the step ends in a timeout after --stop-timeout; the same batch again
+must give the exact gradient and the stopped worker must be gone, replaced; a stopped
+worker the step did not need stays stopped for the same batch once more, then is
+resumed), and the trainer restarted now and then (a child trainer killed while its step
+is in flight, then this process attaches again). It ends by printing, for each kind and
+in total,
 
     steps, kills, stops, recoveries, wrong gradients, hangs, stopped workers not
     replaced, leaked segments, leftover workers
