@@ -19,11 +19,11 @@
 #include <thread>
 #include <vector>
 
-#include "tests/segment_testing.h"
 #include "ipc/error.h"
 #include "ipc/futex.h"
 #include "ipc/layout.h"
 #include "ipc/segment.h"
+#include "tests/segment_testing.h"
 
 namespace shmgrad::engine {
 namespace {
@@ -72,7 +72,6 @@ pid_t deadPid() {
   return child;
 }
 
-// Runs fn; succeeds if it threw shmgrad::Error of this kind (message copied out).
 bool contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
 }

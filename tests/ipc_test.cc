@@ -25,13 +25,13 @@
 #include <utility>
 #include <vector>
 
-#include "tests/segment_testing.h"
 #include "ipc/device_table.h"
 #include "ipc/error.h"
 #include "ipc/futex.h"
 #include "ipc/layout.h"
 #include "ipc/reduce.h"
 #include "ipc/segment.h"
+#include "tests/segment_testing.h"
 
 namespace shmgrad::ipc {
 namespace {

@@ -20,6 +20,7 @@
 #include "ipc/futex.h"
 #include "ipc/segment.h"
 #include "ipc/step.h"
+#include "tests/segment_testing.h"
 #include "worker/step_protocol.h"
 
 namespace shmgrad {
@@ -256,9 +257,9 @@ TEST(StepProtocolAloneTest, TheOnlyParticipantWritesTheReducedBufferDirectly) {
   EXPECT_LT(engine.maxRelError(engine.expected(ids, true)), 1e-6);
 }
 
-// Loss scaling: every participant backpropagates its loss times loss_scale, alone (with
-// the mean's 1/B folded in) or not, so the result is loss_scale times the gradient; the
-// loss is reported unscaled. The trainer refuses a scale that is not finite and > 0.
+// Loss scaling: every participant backpropagates its loss times loss_scale (and a mean's
+// 1/B), alone or not, so the result is loss_scale times the gradient; the loss is
+// reported unscaled. The trainer refuses a scale that is not finite and > 0.
 TEST(StepProtocolLossScaleTest, TheResultIsLossScaleTimesTheGradient) {
   Engine engine(3);
   GradientOptions o;
@@ -282,13 +283,12 @@ TEST(StepProtocolLossScaleTest, TheResultIsLossScaleTimesTheGradient) {
   for (float bad : {0.0f, -2.0f, std::numeric_limits<float>::infinity(),
                     std::numeric_limits<float>::quiet_NaN()}) {
     o.loss_scale = bad;
-    try {
-      engine.trainer().gradient(indexTensor(ids), o);
-      ADD_FAILURE() << "loss_scale " << bad << " was accepted";
-    } catch (const Error& e) {
-      EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
-      EXPECT_NE(std::string(e.what()).find("loss_scale"), std::string::npos) << e.what();
-    }
+    std::string message;
+    EXPECT_TRUE(testing::throwsKind(
+        ErrorKind::kInvalidArgument, [&] { engine.trainer().gradient(indexTensor(ids), o); },
+        &message))
+        << "loss_scale " << bad;
+    EXPECT_NE(message.find("loss_scale"), std::string::npos) << message;
   }
   o.loss_scale = 1.0f;  // the engine kept serving
   o.mean = false;

@@ -475,7 +475,8 @@ class Client:
         default is the loss's own, what ``loss.backward()`` on the batch would give:
         ``"mean"`` for a mean loss (``nn.CrossEntropyLoss()``, ``F.cross_entropy``, a
         ``forward`` returning ``(loss_sum, count)``), ``"sum"`` for a sum (the named
-        losses); an attached client, which does not know the loss, sums.
+        losses); an attached client takes what the engine says (``status().loss_reduction``),
+        and refuses while an eager job's workers have not found it out yet.
 
         ``accumulate=True`` adds this batch's gradient to the previous calls' instead of
         replacing it, as ``loss.backward()`` adds to ``.grad``: several micro-batches give

@@ -961,7 +961,7 @@ def test_autocast_forward_gives_float32_gradients():
 def test_loss_scale_scales_the_gradient_and_not_the_loss(kind):
     """A fixed loss_scale (a power of two) with TorchScript workers (a named loss) and
     eager ones (a callable): the gradient is the scale times the reference, for a sum
-    and a mean, 3 workers and one (alone, which folds the mean's 1/B in); the loss is
+    and a mean, 3 workers and one (alone, writing the result itself); the loss is
     not scaled; a scale that is not a finite number > 0, or not a number, is refused and
     the engine keeps serving."""
     torch.manual_seed(2)

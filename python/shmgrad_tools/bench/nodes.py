@@ -33,6 +33,12 @@ class NodeRun:
     bucket_cap_mb: Optional[float] = None
     pin: bool = False  # each node on its share of the CPUs
 
+    def batches(self):
+        """The run's batches (warm-up and timed), the same on every rank."""
+        return models.make_batches(
+            self.model_name, self.batch, self.warmup + self.repeats, self.seed
+        )
+
 
 @contextlib.contextmanager
 def _joined(rank, run, port, timeout_s):
@@ -55,9 +61,7 @@ def rank_main(rank, run: NodeRun, port, queue, timeout_s):
     try:
         # One thread: the trainer copies its share in, waits and all-reduces.
         with _joined(rank, run, port, timeout_s):
-            batches = models.make_batches(
-                run.model_name, run.batch, run.warmup + run.repeats, run.seed
-            )
+            batches = run.batches()
             out = {}
             with node_step(rank, run, batches[0][0], timeout_s, out) as step:
                 out.update(rank_steps(batches, run.warmup, step))
@@ -118,9 +122,7 @@ def paired_rank_main(rank, run: NodeRun, port, queue, timeout_s):
     {...}, "ddp": {...}})`` on ``queue``, each like ``rank_main``'s (or an error)."""
     try:
         with _joined(rank, run, port, timeout_s):
-            batches = models.make_batches(
-                run.model_name, run.batch, run.warmup + run.repeats, run.seed
-            )
+            batches = run.batches()
             node_out, ddp_out = {}, {}
             ddp_run = ddp_step(rank, run.world, run.model_name, run.batch, run.seed, ddp_out)
             with node_step(rank, run, batches[0][0], timeout_s, node_out) as node_run:
