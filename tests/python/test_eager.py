@@ -1,10 +1,8 @@
 """Eager Python workers: any nn.Module, any loss, any Dataset, against plain PyTorch."""
 
-import glob
 import os
 import random
 import signal
-import tempfile
 import time
 
 import numpy as np
@@ -76,8 +74,15 @@ def copy_of(model):
     return twin
 
 
-def eager_dirs():
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), "shmgrad-eager-*")))
+def job_dir(engine):
+    """The directory of the engine's pickled job: its serve process's --model lies there
+    (other tests' engines, running meanwhile, have their own)."""
+    with open(f"/proc/{engine.status().coordinator_pid}/cmdline", "rb") as f:
+        args = f.read().decode().split("\0")
+    directory = os.path.dirname(args[args.index("--model") + 1])
+    assert os.path.basename(directory).startswith("shmgrad-eager-"), directory
+    assert os.path.isdir(directory)
+    return directory
 
 
 def test_example_seed_is_documented_and_in_range():
@@ -92,12 +97,12 @@ def test_unscriptable_model_custom_loss_dataset_transforms_match_one_process():
         torch.jit.script(Unscriptable())
     torch.manual_seed(0)
     model, ds = Unscriptable(), NoisyDataset()
-    dirs_before = eager_dirs()
     with shmgrad.Engine(
         model=model, loss=smooth_loss, dataset=ds, workers=2, max_workers=3
     ) as engine:
         assert engine.mode == "eager" and engine.status().worker_kind == "eager"
         assert engine.dataset_size == len(ds)
+        job = job_dir(engine)
         ref_model = copy_of(model)
         engine.bind(model)
         idx = [3, 17, 0, 44, 9, 31, 58, 2, 25]
@@ -115,7 +120,7 @@ def test_unscriptable_model_custom_loss_dataset_transforms_match_one_process():
         engine.resize(1)
         assert engine.gradient(idx, seed=11).workers == 1
         assert relative_error([p.grad for p in model.parameters()], want) < 1e-5
-    assert eager_dirs() <= dirs_before, "the pickled job was left on disk"
+    assert not os.path.exists(job), "the pickled job was left on disk"
 
 
 def test_twenty_adam_steps_agree_with_plain_pytorch():
