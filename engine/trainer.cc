@@ -542,8 +542,11 @@ uint32_t Trainer::publish(int64_t B, const GradientOptions& o, uint32_t kind,
   r.kind = kind;
   r.num_examples = B;
   r.num_participants = p.n;
-  r.reduction_scale_is_mean = o.mean ? 1 : 0;
-  r.scale = o.mean ? ipc::meanScale(B) : 1.0f;
+  const ipc::Reduction reduction = o.mean               ? ipc::Reduction::kMean
+                                   : o.sum_through_mean ? ipc::Reduction::kSumThroughMean
+                                                        : ipc::Reduction::kSum;
+  r.reduction = static_cast<uint32_t>(reduction);
+  r.scale = reduction == ipc::Reduction::kSum ? 1.0f : ipc::meanScale(B);
   r.loss_scale = o.loss_scale;
   r.max_examples_per_pass = o.max_examples_per_pass;
   r.seed = o.seed;

@@ -42,7 +42,12 @@ struct AttachOptions {
 };
 
 struct GradientOptions {
-  bool mean = false;                    // reduced gradient of the mean instead of the sum
+  bool mean = false;  // reduced gradient of the mean instead of the sum
+  // With mean false: the sum still, but computed through the batch's mean (workers
+  // backpropagate it, the reducers multiply by B; ipc::Reduction::kSumThroughMean), so
+  // float16 with a loss_scale overflows where backward of the mean would. What a node of
+  // several asks for when the mean is over the global count, taken after the all-reduce.
+  bool sum_through_mean = false;
   double timeout_seconds = 600;         // the whole call, retries included
   int max_retries = 3;                  // re-runs of a step that lost a worker
   int64_t min_examples_per_worker = 1;  // fewer workers take part in a small batch

@@ -32,7 +32,7 @@
 namespace shmgrad::ipc {
 
 constexpr uint64_t kMagic = 0x31444152474d4853ull;  // "SHMGRAD1", little endian
-constexpr uint32_t kLayoutVersion = 12;
+constexpr uint32_t kLayoutVersion = 13;
 constexpr uint64_t kAlign = 64;  // every region and tensor starts on a cache line
 constexpr uint32_t kAlignFloats = kAlign / sizeof(float);
 constexpr uint32_t kMaxWorkers = 64;            // gradient slots in one segment, at most
@@ -144,6 +144,14 @@ enum class BufferRule : uint32_t { kMean = 0, kFirst = 1 };
 // out = a * prev + b * sum(slots), prev and out being reduced and accum, or the reverse.
 enum class Accumulate : uint32_t { kFresh = 0, kReducedToAccum = 1, kAccumToReduced = 2 };
 
+// What a step's reduced gradient is (StepRequest::reduction). kSum: the gradient of the
+// summed loss. kMean: of its mean over the step's count (the examples, or forward's
+// counts). kSumThroughMean: the sum again, but the workers backpropagate the batch's mean
+// (1/B, as for kMean) and the reducers multiply by B, so float16 overflows where the
+// mean's backward would: what a node of several computes, the mean over the global count
+// being taken after the all-reduce (DDP's ranks backpropagate their own mean alike).
+enum class Reduction : uint32_t { kSum = 0, kMean = 1, kSumThroughMean = 2 };
+
 // Which program the workers run: the C++ TorchScript replica, or Python (an eager
 // nn.Module, any loss, a torch Dataset the workers hold; python/shmgrad/_eager_worker.py).
 enum class WorkerKind : uint32_t { kScript = 0, kEager = 1 };
@@ -248,15 +256,15 @@ struct LeafEntry {
 // The step request. Written only by the lease-holding trainer, and only while no
 // worker takes part in a step (after done or abort of the previous one).
 struct StepRequest {
-  uint32_t epoch;                    // the epoch this request belongs to
-  uint32_t kind;                     // BatchKind
-  int64_t num_examples;              // batch size B >= 1
-  uint32_t num_participants;         // workers taking part, 1..num_slots
-  uint32_t reduction_scale_is_mean;  // 1: reduced = the mean over the step's count
+  uint32_t epoch;             // the epoch this request belongs to
+  uint32_t kind;              // BatchKind
+  int64_t num_examples;       // batch size B >= 1
+  uint32_t num_participants;  // workers taking part, 1..num_slots
+  uint32_t reduction;         // Reduction
   // What each worker multiplies its summed loss by before backward (with loss_scale):
-  // 1/B for a mean (as backward of the batch's mean gives, so that float16 overflows
-  // where plain PyTorch's would), else 1. A mean over counts other than the examples
-  // is rescaled by B / count while reducing.
+  // 1/B for kMean and kSumThroughMean (as backward of the batch's mean gives, so that
+  // float16 overflows where plain PyTorch's would), 1 for kSum. A mean over counts other
+  // than the examples is rescaled by B / count while reducing, kSumThroughMean by B.
   float scale;
   uint32_t input_dtype;   // explicit: DType of inputs (float32; int64 for eager workers)
   Shape example_shape;    // explicit: shape of one input example

@@ -101,9 +101,10 @@ shmgrad::GradientOptions makeOptions(bool mean, double timeout, int max_retries,
                                      int64_t min_examples_per_worker, int64_t max_examples_per_pass,
                                      bool raise_on_nonfinite, uint64_t seed, bool train,
                                      bool average_buffers, uint32_t accumulate, double prev_count,
-                                     float loss_scale) {
+                                     float loss_scale, bool sum_through_mean) {
   shmgrad::GradientOptions o;
   o.loss_scale = loss_scale;
+  o.sum_through_mean = sum_through_mean;
   o.average_buffers = average_buffers;
   o.accumulate = static_cast<shmgrad::ipc::Accumulate>(accumulate);
   o.prev_count = prev_count;
@@ -236,13 +237,14 @@ PYBIND11_MODULE(_C, m) {
              std::optional<at::Tensor> inputs, std::optional<at::Tensor> targets, bool mean,
              double timeout, int max_retries, int64_t min_epw, int64_t max_epp,
              bool raise_nonfinite, uint64_t seed, bool train, bool average_buffers,
-             uint32_t accumulate, double prev_count, float loss_scale) {
+             uint32_t accumulate, double prev_count, float loss_scale, bool sum_through_mean) {
             SHMGRAD_CHECK(inputs.has_value() == targets.has_value() &&
                               indices.has_value() != inputs.has_value(),
                           shmgrad::ErrorKind::kInvalidArgument,
                           "give either indices or both inputs and targets");
             auto o = makeOptions(mean, timeout, max_retries, min_epw, max_epp, raise_nonfinite,
-                                 seed, train, average_buffers, accumulate, prev_count, loss_scale);
+                                 seed, train, average_buffers, accumulate, prev_count, loss_scale,
+                                 sum_through_mean);
             shmgrad::GradientStats s;
             {
               py::gil_scoped_release nogil;
@@ -254,16 +256,19 @@ PYBIND11_MODULE(_C, m) {
           py::arg("timeout"), py::arg("max_retries"), py::arg("min_examples_per_worker"),
           py::arg("max_examples_per_pass"), py::arg("raise_on_nonfinite"), py::arg("seed") = 0,
           py::arg("train") = true, py::arg("average_buffers") = true, py::arg("accumulate") = 0,
-          py::arg("prev_count") = 0.0, py::arg("loss_scale") = 1.0f)
+          py::arg("prev_count") = 0.0, py::arg("loss_scale") = 1.0f,
+          py::arg("sum_through_mean") = false)
       .def(
           "gradient_structured",
           // A structured batch (eager workers): its tensors and how they nest.
           [](shmgrad::Trainer& t, const std::vector<at::Tensor>& leaves,
              const std::string& structure, bool mean, double timeout, int max_retries,
              int64_t min_epw, int64_t max_epp, bool raise_nonfinite, uint64_t seed, bool train,
-             bool average_buffers, uint32_t accumulate, double prev_count, float loss_scale) {
+             bool average_buffers, uint32_t accumulate, double prev_count, float loss_scale,
+             bool sum_through_mean) {
             auto o = makeOptions(mean, timeout, max_retries, min_epw, max_epp, raise_nonfinite,
-                                 seed, train, average_buffers, accumulate, prev_count, loss_scale);
+                                 seed, train, average_buffers, accumulate, prev_count, loss_scale,
+                                 sum_through_mean);
             py::gil_scoped_release nogil;
             return t.gradient(leaves, structure, o);
           },
@@ -271,7 +276,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("max_retries"), py::arg("min_examples_per_worker"),
           py::arg("max_examples_per_pass"), py::arg("raise_on_nonfinite"), py::arg("seed"),
           py::arg("train"), py::arg("average_buffers"), py::arg("accumulate"),
-          py::arg("prev_count"), py::arg("loss_scale") = 1.0f);
+          py::arg("prev_count"), py::arg("loss_scale") = 1.0f, py::arg("sum_through_mean") = false);
 
   // The client side of a running engine (engine/control.h).
   m.def(

@@ -65,11 +65,13 @@ class FakeComputer : public ShardComputer {
       loss += static_cast<double>(i);
     }
     last_grads = s.grads;
+    last_grad_scale = s.grad_scale;
     return {loss, count_per_example * static_cast<double>(end - begin)};
   }
   int64_t fail_on = -1;
   double count_per_example = 1;  // the pass's count: a weighted mean's denominator
   float* last_grads = nullptr;
+  float last_grad_scale = 0;
   std::atomic<int> passes{0};
 
  private:
@@ -133,8 +135,9 @@ class Engine {
     }
     return out;
   }
-  double maxRelError(const std::vector<float>& want) const {
-    const float* got = seg_->reduced();
+  // Of the reduced buffer, or of `got`.
+  double maxRelError(const std::vector<float>& want, const float* got = nullptr) const {
+    if (got == nullptr) got = seg_->reduced();
     double worst = 0;
     for (uint64_t j = 0; j < want.size(); ++j) {
       worst =
@@ -297,6 +300,46 @@ TEST(StepProtocolLossScaleTest, TheResultIsLossScaleTimesTheGradient) {
   EXPECT_LT(engine.maxRelError(engine.expected(ids, false)), 1e-6);
 }
 
+// A sum through the mean's backward (a node of several): every participant, alone or
+// not, accumulating or not, backpropagates loss_scale / B, as backward of the batch's
+// mean does, and the result is still loss_scale times the sum.
+TEST(StepProtocolSumThroughMeanTest, BackwardTakesTheMeanAndTheResultIsTheSum) {
+  Engine engine(3);
+  GradientOptions o;
+  o.timeout_seconds = 20;
+  o.sum_through_mean = true;
+  o.loss_scale = 64.0f;
+  std::vector<int64_t> ids = {1, 5, 8, 13, 21, 34, 2};
+  for (int64_t min_epw : {int64_t{1}, int64_t{100}}) {  // 3 participants, then alone
+    o.min_examples_per_worker = min_epw;
+    GradientStats s = engine.trainer().gradient(indexTensor(ids), o);
+    ASSERT_EQ(s.workers.size(), min_epw == 1 ? 3u : 1u);
+    for (const auto& w : s.workers) {
+      EXPECT_FLOAT_EQ(engine.computer(w.slot).last_grad_scale, 64.0f / ids.size());
+    }
+    std::vector<float> want = engine.expected(ids, false);
+    for (float& v : want) v *= 64.0f;
+    EXPECT_LT(engine.maxRelError(want), 1e-6) << "min_epw " << min_epw;
+  }
+  // Accumulated: each micro-batch's backward takes its own 1/B; the sum of the union.
+  o.min_examples_per_worker = 1;
+  std::vector<int64_t> a = {3, 4, 5, 6, 7}, b = {10, 20, 30};
+  engine.trainer().gradient(indexTensor(a), o);
+  o.accumulate = ipc::Accumulate::kReducedToAccum;
+  engine.trainer().gradient(indexTensor(b), o);
+  EXPECT_FLOAT_EQ(engine.computer(0).last_grad_scale, 64.0f / b.size());
+  std::vector<int64_t> all = a;
+  all.insert(all.end(), b.begin(), b.end());
+  std::vector<float> want = engine.expected(all, false);
+  for (float& v : want) v *= 64.0f;
+  EXPECT_LT(engine.maxRelError(want, engine.segment().accum()), 1e-6);
+  // A plain sum backpropagates the loss times loss_scale alone.
+  o.sum_through_mean = false;
+  o.accumulate = ipc::Accumulate::kFresh;
+  engine.trainer().gradient(indexTensor(ids), o);
+  EXPECT_FLOAT_EQ(engine.computer(0).last_grad_scale, 64.0f);
+}
+
 TEST(StepProtocolPassTest, TheProtocolSplitsEachShardIntoPassesForEveryKindOfWorker) {
   // max_examples_per_pass is applied by the shared protocol, not by each kind of worker:
   // a shard of 20 examples in passes of 6 is 4 passes (6, 6, 6, 2), with the exact sum.
@@ -416,14 +459,20 @@ TEST(StepProtocolStructuredTest, HostileLeafTableAndScalesAreRefusedByTheWorkers
   EXPECT_NE(publish().find("structured batch header"), std::string::npos);
   // The worker records why it did not take part and leaves the step to the trainer's abort.
   r.num_leaves = 1;
+  auto refused = [&](const std::string& what) {
+    const uint32_t e = publish_epoch();
+    EXPECT_NE(c.done_epoch.load(), e) << what;
+    EXPECT_NE(std::string(h->workers[0].error_text).find("corrupt step request"), std::string::npos)
+        << what;
+    ipc::abortStep(c, e);
+  };
   for (float bad : {0.0f, -1.0f, std::numeric_limits<float>::quiet_NaN()}) {
     r.loss_scale = bad;
-    const uint32_t e = publish_epoch();
-    EXPECT_NE(c.done_epoch.load(), e);
-    EXPECT_NE(std::string(h->workers[0].error_text).find("corrupt step request"), std::string::npos)
-        << bad;
-    ipc::abortStep(c, e);
+    refused("loss_scale " + std::to_string(bad));
   }
+  r.loss_scale = 1.0f;
+  r.reduction = static_cast<uint32_t>(ipc::Reduction::kSumThroughMean) + 1;
+  refused("reduction " + std::to_string(r.reduction));
 }
 
 TEST(StepProtocolExitTest, StopRequestEndsEveryParticipantWithTheStoppedCode) {

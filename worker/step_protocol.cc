@@ -191,14 +191,15 @@ bool StepParticipant::prepareShard(uint32_t e, Shard* s) {
                r.kind <= static_cast<uint32_t>(ipc::BatchKind::kStructured) &&
                r.max_examples_per_pass >= 0 && std::isfinite(r.scale) &&
                std::isfinite(r.loss_scale) && r.loss_scale > 0 &&
+               r.reduction <= static_cast<uint32_t>(ipc::Reduction::kSumThroughMean) &&
                r.buffer_rule <= static_cast<uint32_t>(ipc::BufferRule::kFirst) &&
                r.accumulate <= static_cast<uint32_t>(ipc::Accumulate::kAccumToReduced) &&
                std::isfinite(r.prev_count) && r.prev_count >= 0;
   for (uint32_t k = 0; valid && k < n; ++k) valid = r.participants[k] < h_->num_slots;
   if (!valid) {
     setError("",
-             "corrupt step request (participants, rank, batch size, kind, scales or rules out "
-             "of range)");
+             "corrupt step request (participants, rank, batch size, kind, reduction, scales or "
+             "rules out of range)");
     return false;
   }
   const int64_t B = r.num_examples;
@@ -362,22 +363,25 @@ double StepParticipant::stepCount(const Shard& shard) const {
 void StepParticipant::reducePhase(const Shard& shard) {
   const ipc::StepRequest& r = h_->request;
   const uint32_t n = shard.participants;
-  const bool mean = r.reduction_scale_is_mean != 0;
+  const auto reduction = static_cast<ipc::Reduction>(r.reduction);
+  const bool mean = reduction == ipc::Reduction::kMean;
   // A mean is over the participants' counts (the examples, where they are the counts).
   // Backward already took the mean's r.scale = 1/B (prepareShard: the slots hold what
   // plain PyTorch's backward of the batch's mean gives for their examples, so float16
   // overflows where it would); only a mean over other counts (tokens) rescales, by
-  // B / count. 0 for a count of 0: the trainer refuses that step.
+  // B / count (0 for a count of 0: the trainer refuses that step), and a sum through the
+  // mean's backward by B.
   const double count = mean ? stepCount(shard) : 0;
-  const bool by_examples = !mean || count == static_cast<double>(r.num_examples);
-  const float rescale = by_examples ? 1.0f
-                        : count > 0 ? static_cast<float>(r.num_examples / count)
-                                    : 0.0f;
+  const double B = static_cast<double>(r.num_examples);
+  const float rescale = reduction == ipc::Reduction::kSumThroughMean ? static_cast<float>(B)
+                        : !mean || count == B                        ? 1.0f
+                        : count > 0                                  ? static_cast<float>(B / count)
+                                                                     : 0.0f;
   const int dev = shard.device;  // where this reducer runs: its own device, or the host
   if (shard.alone) {
     // The gradient is already in the reduced buffer (prepareShard). Then look for
     // non-finite values, as the reducers of a larger step do.
-    if (!by_examples) mem_->scale(dev, shard.grads, 0, h_->param_floats, rescale);
+    if (rescale != 1.0f) mem_->scale(dev, shard.grads, 0, h_->param_floats, rescale);
     if (mem_->anyNonFinite(dev, shard.grads, 0, h_->param_floats)) {
       me_.nonfinite_grad.store(1, std::memory_order_relaxed);
     }
@@ -395,7 +399,7 @@ void StepParticipant::reducePhase(const Shard& shard) {
     const bool into_accum = shard.accumulate == ipc::Accumulate::kReducedToAccum;
     const float* prev = into_accum ? mem_->reduced() : mem_->accum();
     out = into_accum ? mem_->accum() : mem_->reduced();
-    float a = 1.0f, s = 1.0f;
+    float a = 1.0f, s = rescale;
     if (mean) {
       const double total = r.prev_count + count;
       a = total > 0 ? static_cast<float>(r.prev_count / total) : 0.0f;

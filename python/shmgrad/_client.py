@@ -598,6 +598,10 @@ class Client:
             mode,
             prev_count,
             scale,
+            # Across nodes a mean is taken after the all-reduce, over the global count: the
+            # node computes its sum through its batch's mean (as DDP's ranks backpropagate
+            # theirs), so float16 with a GradScaler overflows where DDP's would.
+            mean and nodes is not None,
         )
         if batch is not None:
             if indices is not None or inputs is not None or targets is not None:

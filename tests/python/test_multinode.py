@@ -362,6 +362,87 @@ def test_parameters_stay_bit_identical(npy_dataset, tmp_path, prefix):
     assert relative_error(r0["params"], list(initial.parameters())) > 1e-3  # it trained
 
 
+# -- 2a. float16 with a GradScaler: DDP's scales, step for step ------------------------------
+FP16_STEPS = 8
+FP16_SHARE = 24  # each node's share of a global batch of 48
+FP16_BAD_STEP = 5  # a batch with an example that overflows float16
+
+
+def _fp16(rank, prefix):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(3)  # the same weights on both nodes (DDP's are checked alike)
+    model = Mlp()
+    ddp = DDP(copy.deepcopy(model))
+    g = torch.Generator().manual_seed(3)
+    n = FP16_STEPS * NODES * FP16_SHARE
+    x, y = torch.randn(n, 20, generator=g), torch.randint(0, 5, (n,), generator=g)
+    x[FP16_BAD_STEP * NODES * FP16_SHARE + 7] = 1e6  # float16's largest is 65504
+    batches = [
+        torch.arange(NODES * FP16_SHARE * k, NODES * FP16_SHARE * (k + 1))
+        for k in range(FP16_STEPS)
+    ]
+
+    def forward(m, batch):
+        with torch.autocast("cpu", dtype=torch.float16):
+            return torch.nn.functional.cross_entropy(m(batch[0]), batch[1])  # a mean
+
+    def train(params, step):
+        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        scaler = torch.amp.GradScaler("cpu", growth_interval=2)  # from 2^16
+        scales = []
+        for idx in batches:
+            opt.zero_grad()
+            step(shard(idx, rank, NODES), scaler)
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        return scales
+
+    out = {}
+    out["ddp_scales"] = train(
+        ddp.parameters(),
+        lambda idx, scaler: scaler.scale(forward(ddp, (x[idx], y[idx]))).backward(),
+    )
+    out["ddp_params"] = [p.detach().clone() for p in ddp.parameters()]
+    with shmgrad.Engine(
+        model=model,
+        workers=2,
+        forward=forward,
+        dataset=torch.utils.data.TensorDataset(x, y),
+        name=f"{prefix}-fp16-r{rank}",
+        process_group=dist.group.WORLD,
+    ) as engine:
+        engine.bind(model)
+        nonfinite = []
+
+        def step(idx, scaler):
+            nonfinite.append(engine.gradient(idx, loss_scale=scaler).nonfinite)
+
+        out["scales"] = train(model.parameters(), step)
+        out["nonfinite"] = nonfinite
+    out["params"] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+def test_grad_scaler_keeps_ddps_scales(tmp_path, prefix):
+    """float16 autocast with the default GradScaler, two nodes of two eager workers, and
+    DDP on the same shares in the same processes: each node backpropagates its share's
+    mean, as a DDP rank does, so both scalers grow, skip the step whose batch overflows
+    float16 and back off at the same steps (summed shards overflowed at the first), and
+    the weights stay together."""
+    with Ranks("fp16", tmp_path, prefix=prefix) as ranks:
+        r0, r1 = ranks.results()
+    for r in (r0, r1):
+        assert r["scales"] == r["ddp_scales"], (r["scales"], r["ddp_scales"])
+        assert r["nonfinite"] == [k == FP16_BAD_STEP for k in range(FP16_STEPS)]
+        # float16 products in another order
+        assert relative_error(r["params"], r["ddp_params"]) < 1e-3
+    assert r0["scales"] == r1["scales"]
+    assert r0["scales"][FP16_BAD_STEP - 1] > 2.0**16
+    assert r0["scales"][FP16_BAD_STEP] == r0["scales"][FP16_BAD_STEP - 1] / 2
+
+
 # -- 2b. BatchNorm statistics: DDP's rule across nodes ----------------------------------------
 class BnCnn(Cnn):
     def __init__(self):
@@ -698,6 +779,7 @@ SCENARIOS = {
     "accumulated": _accumulated,
     "gradients": _gradients,
     "sgd": _sgd,
+    "fp16": _fp16,
     "batchnorm": _batchnorm,
     "until_fault": _until_fault,
     "mismatch": _mismatch,
