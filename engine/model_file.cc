@@ -10,7 +10,7 @@ namespace shmgrad::engine {
 namespace {
 
 constexpr char kMagic[8] = {'S', 'H', 'M', 'G', 'R', 'A', 'D', 'P'};
-constexpr uint32_t kVersion = 2;
+constexpr uint32_t kVersion = 3;
 
 void checkName(const std::string& path, const std::string& name) {
   SHMGRAD_CHECK(!name.empty() && name.size() < ipc::kNameLen, ErrorKind::kInvalidArgument,
@@ -45,26 +45,33 @@ ModelDescription readModelFile(const std::string& path) {
   SHMGRAD_CHECK(std::memcmp(magic, kMagic, 8) == 0 && version == kVersion,
                 ErrorKind::kInvalidArgument, "model file ", path,
                 " is not a shmgrad model description (version ", kVersion, ")");
-  // One record: u32 name length, the name, [u32 dtype,] u32 ndim, i64 dims, the values.
-  auto readRecord = [&](bool has_dtype, std::string* name, std::vector<int64_t>* dims,
-                        ipc::DType* dtype, std::vector<uint8_t>* bytes) {
+  // One record: u32 name length, the name, u32 tag (a parameter's memory format, a
+  // buffer's dtype), u32 ndim, i64 dims, the values (a parameter's in its memory format's
+  // order).
+  auto readRecord = [&](bool is_param, std::string* name, std::vector<int64_t>* dims,
+                        ipc::DType* dtype, ipc::MemoryFormat* format, std::vector<uint8_t>* bytes) {
     const uint32_t name_len = readU32();
     SHMGRAD_CHECK(name_len >= 1 && name_len < ipc::kNameLen, ErrorKind::kInvalidArgument,
                   "model file ", path, ": a name of ", name_len, " bytes");
     name->assign(name_len, '\0');
     read(name->data(), name_len);
     *dtype = ipc::DType::kFloat32;
-    if (has_dtype) {
-      const uint32_t d = readU32();
-      SHMGRAD_CHECK(d == static_cast<uint32_t>(ipc::DType::kFloat32) ||
-                        d == static_cast<uint32_t>(ipc::DType::kInt64),
+    const uint32_t tag = readU32();
+    if (!is_param) {
+      SHMGRAD_CHECK(tag == static_cast<uint32_t>(ipc::DType::kFloat32) ||
+                        tag == static_cast<uint32_t>(ipc::DType::kInt64),
                     ErrorKind::kInvalidArgument, "model file ", path, ": ", *name, " has dtype ",
-                    d);
-      *dtype = static_cast<ipc::DType>(d);
+                    tag);
+      *dtype = static_cast<ipc::DType>(tag);
     }
     const uint32_t ndim = readU32();
     SHMGRAD_CHECK(ndim <= ipc::kMaxDims, ErrorKind::kInvalidArgument, "model file ", path, ": ",
                   *name, " has ", ndim, " dimensions");
+    if (is_param) {
+      SHMGRAD_CHECK(ipc::memoryFormatFits(tag, ndim), ErrorKind::kInvalidArgument, "model file ",
+                    path, ": ", *name, " has memory format ", tag, " for ", ndim, " dimensions");
+      *format = static_cast<ipc::MemoryFormat>(tag);
+    }
     dims->resize(ndim);
     if (ndim > 0) read(dims->data(), ndim * sizeof(int64_t));
     const uint64_t numel = numelOf(path, *name, *dims);
@@ -79,11 +86,12 @@ ModelDescription readModelFile(const std::string& path) {
     std::string name;
     std::vector<int64_t> dims;
     ipc::DType dtype;
+    ipc::MemoryFormat format;
     std::vector<uint8_t> bytes;
-    readRecord(/*has_dtype=*/false, &name, &dims, &dtype, &bytes);
+    readRecord(/*is_param=*/true, &name, &dims, &dtype, &format, &bytes);
     std::vector<float> values(bytes.size() / sizeof(float));
     if (!values.empty()) std::memcpy(values.data(), bytes.data(), bytes.size());
-    out.params.push_back({name, dims});
+    out.params.push_back({name, dims, format});
     out.param_values.push_back(std::move(values));
   }
   const uint32_t buffers = readU32();
@@ -93,8 +101,9 @@ ModelDescription readModelFile(const std::string& path) {
     std::string name;
     std::vector<int64_t> dims;
     ipc::DType dtype;
+    ipc::MemoryFormat format;
     std::vector<uint8_t> bytes;
-    readRecord(/*has_dtype=*/true, &name, &dims, &dtype, &bytes);
+    readRecord(/*is_param=*/false, &name, &dims, &dtype, &format, &bytes);
     out.buffers.push_back({name, dims, dtype});
     out.buffer_values.push_back(std::move(bytes));
   }
@@ -115,15 +124,14 @@ void writeModelFile(const std::string& path, const ModelDescription& m) {
     f.write(static_cast<const char*>(data), static_cast<std::streamsize>(n));
   };
   auto putU32 = [&](uint32_t v) { put(&v, sizeof(v)); };
-  auto putRecord = [&](const std::string& name, const std::vector<int64_t>& dims,
-                       const ipc::DType* dtype, const void* values, size_t bytes) {
+  auto putRecord = [&](const std::string& name, const std::vector<int64_t>& dims, ipc::DType dtype,
+                       uint32_t tag, const void* values, size_t bytes) {
     checkName(path, name);
-    SHMGRAD_CHECK(
-        numelOf(path, name, dims) * ipc::dtypeSize(dtype ? *dtype : ipc::DType::kFloat32) == bytes,
-        ErrorKind::kInvalidArgument, name, ": ", bytes, " bytes of values for its shape");
+    SHMGRAD_CHECK(numelOf(path, name, dims) * ipc::dtypeSize(dtype) == bytes,
+                  ErrorKind::kInvalidArgument, name, ": ", bytes, " bytes of values for its shape");
     putU32(static_cast<uint32_t>(name.size()));
     put(name.data(), name.size());
-    if (dtype != nullptr) putU32(static_cast<uint32_t>(*dtype));
+    putU32(tag);
     putU32(static_cast<uint32_t>(dims.size()));
     put(dims.data(), dims.size() * sizeof(int64_t));
     put(values, bytes);
@@ -132,12 +140,18 @@ void writeModelFile(const std::string& path, const ModelDescription& m) {
   putU32(kVersion);
   putU32(static_cast<uint32_t>(m.params.size()));
   for (size_t i = 0; i < m.params.size(); ++i) {
-    putRecord(m.params[i].name, m.params[i].shape, nullptr, m.param_values[i].data(),
-              m.param_values[i].size() * sizeof(float));
+    const ipc::ParamSpec& p = m.params[i];
+    SHMGRAD_CHECK(ipc::memoryFormatFits(static_cast<uint32_t>(p.memory_format),
+                                        static_cast<uint32_t>(p.shape.size())),
+                  ErrorKind::kInvalidArgument, p.name, ": memory format ",
+                  static_cast<uint32_t>(p.memory_format), " for ", p.shape.size(), " dimensions");
+    putRecord(p.name, p.shape, ipc::DType::kFloat32, static_cast<uint32_t>(p.memory_format),
+              m.param_values[i].data(), m.param_values[i].size() * sizeof(float));
   }
   putU32(static_cast<uint32_t>(m.buffers.size()));
   for (size_t i = 0; i < m.buffers.size(); ++i) {
-    putRecord(m.buffers[i].name, m.buffers[i].shape, &m.buffers[i].dtype, m.buffer_values[i].data(),
+    const ipc::BufferSpec& b = m.buffers[i];
+    putRecord(b.name, b.shape, b.dtype, static_cast<uint32_t>(b.dtype), m.buffer_values[i].data(),
               m.buffer_values[i].size());
   }
   f.flush();

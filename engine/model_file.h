@@ -4,10 +4,11 @@
 // `shmgrad-worker describe`, or the Python launcher for eager workers, through
 // shmgrad._C.write_model_file), and the coordinator reads it to create the segment.
 //
-// The format, written and read only here: "SHMGRADP", u32 version 2, u32 count, then per
-// parameter u32 name length, the name, u32 ndim, i64 dims[ndim] and the float32 values;
-// then u32 count and per shared buffer u32 name length, the name, u32 dtype (ipc::DType),
-// u32 ndim, i64 dims and the values. Every size is checked before it is used.
+// The format, written and read only here: "SHMGRADP", u32 version 3, u32 count, then per
+// parameter u32 name length, the name, u32 memory format (ipc::MemoryFormat), u32 ndim,
+// i64 dims[ndim] and the float32 values in that format's order (as they lie in the
+// segment); then u32 count and per shared buffer u32 name length, the name, u32 dtype
+// (ipc::DType), u32 ndim, i64 dims and the values. Every size is checked before it is used.
 #pragma once
 
 #include <cstdint>

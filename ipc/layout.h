@@ -32,7 +32,7 @@
 namespace shmgrad::ipc {
 
 constexpr uint64_t kMagic = 0x31444152474d4853ull;  // "SHMGRAD1", little endian
-constexpr uint32_t kLayoutVersion = 13;
+constexpr uint32_t kLayoutVersion = 14;
 constexpr uint64_t kAlign = 64;  // every region and tensor starts on a cache line
 constexpr uint32_t kAlignFloats = kAlign / sizeof(float);
 constexpr uint32_t kMaxWorkers = 64;            // gradient slots in one segment, at most
@@ -173,11 +173,51 @@ struct Shape {
 };
 
 // One parameter tensor of the model, in the order of named_parameters().
+// The order of a parameter's elements in every parameter-shaped buffer (its
+// ParamEntry::memory_format): row-major, or PyTorch's channels_last for a 4-D (N, C, H, W)
+// tensor (C fastest, then W, H, N) and channels_last_3d for a 5-D one. A model converted
+// with model.to(memory_format=torch.channels_last) keeps its convolutions' fast layout in
+// every process, and every process reads the same order (the views' strides come from it).
+enum class MemoryFormat : uint32_t { kContiguous = 0, kChannelsLast = 1, kChannelsLast3d = 2 };
+constexpr const char* kMemoryFormatNames[] = {"contiguous", "channels_last", "channels_last_3d"};
+inline const char* memoryFormatName(MemoryFormat v) { return enumName(kMemoryFormatNames, v); }
+
+// Whether format `f` (as read from shared memory: any value) applies to a tensor of
+// `ndim` dimensions.
+constexpr bool memoryFormatFits(uint32_t f, uint32_t ndim) {
+  return f == static_cast<uint32_t>(MemoryFormat::kContiguous) ||
+         (f == static_cast<uint32_t>(MemoryFormat::kChannelsLast) && ndim == 4) ||
+         (f == static_cast<uint32_t>(MemoryFormat::kChannelsLast3d) && ndim == 5);
+}
+
+// The strides (in elements) of a tensor of `dims` laid out in `f` (which must fit):
+// row-major, or the channel dimension (1) fastest and the others row-major after it.
+inline void memoryFormatStrides(const int64_t* dims, uint32_t ndim, MemoryFormat f,
+                                int64_t* strides) {
+  int64_t step = 1;
+  if (f == MemoryFormat::kContiguous) {
+    for (uint32_t d = ndim; d-- > 0;) {
+      strides[d] = step;
+      step *= dims[d] > 1 ? dims[d] : 1;
+    }
+    return;
+  }
+  strides[1] = 1;
+  step = dims[1] > 1 ? dims[1] : 1;
+  for (uint32_t d = ndim; d-- > 2;) {
+    strides[d] = step;
+    step *= dims[d] > 1 ? dims[d] : 1;
+  }
+  strides[0] = step;
+}
+
 struct ParamEntry {
   char name[kNameLen];  // dotted path ("fc1.weight"), NUL-terminated
   Shape shape;          // shape; numel = product of dims
   uint64_t offset;      // in floats from the start of params/slot/reduced; multiple of kAlignFloats
   uint64_t numel;       // offset + numel <= header.param_floats
+  uint32_t memory_format;  // MemoryFormat, fitting shape.ndim (checked on attach)
+  uint32_t reserved;
 };
 
 // One buffer tensor of the model (BatchNorm's running statistics, ...), shared so that

@@ -150,7 +150,13 @@ Layout computeLayout(const SegmentSpec& spec) {
   auto checkSpecShape = [](const std::string& what, const std::vector<int64_t>& shape) {
     checkedNumel(ErrorKind::kInvalidArgument, what.c_str(), shape.data(), shape.size());
   };
-  for (const auto& p : spec.params) checkSpecShape("parameter " + p.name, p.shape);
+  for (const auto& p : spec.params) {
+    checkSpecShape("parameter " + p.name, p.shape);
+    SHMGRAD_CHECK(memoryFormatFits(static_cast<uint32_t>(p.memory_format),
+                                   static_cast<uint32_t>(p.shape.size())),
+                  ErrorKind::kInvalidArgument, "parameter ", p.name, " has memory format ",
+                  static_cast<uint32_t>(p.memory_format), " for ", p.shape.size(), " dimensions");
+  }
   SHMGRAD_CHECK(spec.buffers.size() <= kMaxBuffers, ErrorKind::kInvalidArgument, "the model has ",
                 spec.buffers.size(), " buffers; shmgrad shares at most ", kMaxBuffers);
   for (const auto& b : spec.buffers) {
@@ -311,6 +317,9 @@ void validateHeader(const SegmentHeader* h, uint64_t size) {
                       p.numel <= h->param_floats - p.offset,
                   ErrorKind::kCorrupt, "segment header: parameter ", p.name,
                   " lies outside the parameter buffer");
+    SHMGRAD_CHECK(memoryFormatFits(p.memory_format, p.shape.ndim), ErrorKind::kCorrupt,
+                  "segment header: parameter ", p.name, " has memory format ", p.memory_format,
+                  " for ", p.shape.ndim, " dimensions");
   }
   // Every buffer inside the buffers region, with a sane shape and dtype.
   const auto* buffers = reinterpret_cast<const BufferEntry*>(reinterpret_cast<const uint8_t*>(h) +
@@ -468,6 +477,7 @@ void Segment::writeHeader(const SegmentSpec& spec, const Layout& l, uint8_t* bas
   for (size_t i = 0; i < spec.params.size(); ++i) {
     fillEntry(&table[i], spec.params[i].name, spec.params[i].shape, l.param_offsets[i]);
     table[i].numel = numelOf(spec.params[i].shape);
+    table[i].memory_format = static_cast<uint32_t>(spec.params[i].memory_format);
   }
   auto* btable = reinterpret_cast<BufferEntry*>(base + l.buffers_table.offset);
   for (size_t i = 0; i < spec.buffers.size(); ++i) {

@@ -16,6 +16,7 @@ namespace shmgrad::ipc {
 struct ParamSpec {
   std::string name;
   std::vector<int64_t> shape;
+  MemoryFormat memory_format = MemoryFormat::kContiguous;  // fits shape (checked)
 };
 
 // One buffer tensor (float32 or int64) as the coordinator found it in the model.

@@ -17,6 +17,7 @@
 #include "ipc/layout.h"
 #include "ipc/reduce.h"
 #include "ipc/segment.h"
+#include "worker/buffer_views.h"
 
 namespace py = pybind11;
 
@@ -315,13 +316,15 @@ PYBIND11_MODULE(_C, m) {
          const std::vector<std::pair<std::string, torch::Tensor>>& buffers) {
         shmgrad::engine::ModelDescription d;
         for (const auto& [name, t] : params) {
-          SHMGRAD_CHECK(
-              t.scalar_type() == torch::kFloat32 && t.device().is_cpu() && t.is_contiguous(),
-              shmgrad::ErrorKind::kInvalidArgument, "parameter ", name,
-              " must be a contiguous float32 CPU tensor");
-          d.params.push_back({name, t.sizes().vec()});
-          const float* p = t.data_ptr<float>();
-          d.param_values.emplace_back(p, p + t.numel());
+          SHMGRAD_CHECK(t.scalar_type() == torch::kFloat32 && t.device().is_cpu(),
+                        shmgrad::ErrorKind::kInvalidArgument, "parameter ", name,
+                        " must be a float32 CPU tensor");
+          // Its elements as they lie in memory: a channels_last weight keeps its layout.
+          const auto format = shmgrad::worker::memoryFormatOf(t);
+          const torch::Tensor v = shmgrad::worker::inMemoryFormat(t, format);
+          d.params.push_back({name, t.sizes().vec(), format});
+          const float* p = v.data_ptr<float>();
+          d.param_values.emplace_back(p, p + v.numel());
         }
         for (const auto& [name, t] : buffers) {
           const bool i64 = t.scalar_type() == torch::kInt64;

@@ -56,8 +56,12 @@ SegmentSpec smallSpec(const std::string& name, bool with_dataset = true) {
   s.loss = LossKind::kCrossEntropy;
   s.num_slots = 3;
   s.threads_per_worker = 1;
-  s.params = {{"fc1.weight", {7, 5}}, {"fc1.bias", {7}}, {"conv.weight", {4, 1, 3, 3}},
-              {"scale", {}},          {"empty", {0, 3}}, {"fc2.weight", {16}},
+  s.params = {{"fc1.weight", {7, 5}},
+              {"fc1.bias", {7}},
+              {"conv.weight", {4, 1, 3, 3}, MemoryFormat::kChannelsLast},
+              {"scale", {}},
+              {"empty", {0, 3}},
+              {"fc2.weight", {16}},
               {"fc2.bias", {2, 3, 4}}};
   s.max_batch = 100;
   s.input_bytes = 4096 + 3;  // not a multiple of 64
@@ -256,8 +260,13 @@ TEST(SegmentTest, LayoutIsAlignedAndDisjoint) {
   EXPECT_STREQ(h->model_path, spec.model_path.c_str());
   EXPECT_EQ(reinterpret_cast<uintptr_t>(seg->base()) % kAlign, 0u);
 
-  // Parameter table: offsets aligned, entries inside param_floats and disjoint.
+  // Parameter table: offsets aligned, entries inside param_floats and disjoint; each
+  // keeps its memory format.
   const ParamEntry* table = seg->paramTable();
+  for (size_t i = 0; i < spec.params.size(); ++i) {
+    EXPECT_EQ(table[i].memory_format, static_cast<uint32_t>(spec.params[i].memory_format));
+  }
+  EXPECT_EQ(table[2].memory_format, static_cast<uint32_t>(MemoryFormat::kChannelsLast));
   std::vector<std::pair<uint64_t, uint64_t>> spans;
   for (uint32_t i = 0; i < h->num_params; ++i) {
     const ParamEntry& e = table[i];
@@ -437,6 +446,9 @@ TEST(SegmentTest, ComputeLayoutRejectsBadSpecs) {
   s = smallSpec("unused");
   s.max_batch = 0;
   EXPECT_TRUE(throwsKind(ErrorKind::kInvalidArgument, [&] { computeLayout(s); }));
+  s = smallSpec("unused");
+  s.params[0].memory_format = MemoryFormat::kChannelsLast;  // a 2-D weight
+  EXPECT_TRUE(throwsKind(ErrorKind::kInvalidArgument, [&] { computeLayout(s); }));
 }
 
 // ---------------------------------------------------------------------------------
@@ -528,6 +540,16 @@ TEST(ValidateHeaderTest, TargetedCorruptionsAreCorrupt) {
       {"param ndim too large",
        [](SegmentHeader*, ParamEntry* t) { t[0].shape.ndim = kMaxDims + 1; }},
       {"param ndim huge", [](SegmentHeader*, ParamEntry* t) { t[0].shape.ndim = 0xffffffffu; }},
+      {"param memory format unknown",
+       [](SegmentHeader*, ParamEntry* t) { t[2].memory_format = 3; }},
+      {"param channels_last for 2 dims",
+       [](SegmentHeader*, ParamEntry* t) {
+         t[0].memory_format = static_cast<uint32_t>(MemoryFormat::kChannelsLast);
+       }},
+      {"param channels_last_3d for 4 dims",
+       [](SegmentHeader*, ParamEntry* t) {
+         t[2].memory_format = static_cast<uint32_t>(MemoryFormat::kChannelsLast3d);
+       }},
       {"param shape overflows",
        [](SegmentHeader*, ParamEntry* t) {
          t[0].shape.ndim = kMaxDims;

@@ -18,6 +18,7 @@
 #include "ipc/segment.h"
 #include "tests/segment_testing.h"
 #include "tests/test_util.h"
+#include "worker/buffer_views.h"
 #include "worker/replica.h"
 
 namespace shmgrad::testing {
@@ -26,10 +27,23 @@ namespace {
 constexpr int64_t kSide = 8;  // inputs [1, 8, 8]
 constexpr int64_t kClasses = 5;
 
+// Input channels: the channels_last CNN needs several (with one, both layouts agree).
+int64_t channelsOf(const std::string& kind) { return kind == "cnn_cl" ? 3 : 1; }
+
+// "mlp", "cnn", or "cnn_cl": a CNN with its 4-D weight in channels_last, as
+// model.to(memory_format=torch.channels_last) leaves it.
 std::string saveModel(const std::string& kind, const std::string& dir, uint64_t seed) {
   const std::string path = dir + "/" + kind + std::to_string(seed) + ".pt";
   if (kind == "mlp") return saveMlp(path, kSide * kSide, 16, kClasses, seed);
-  return saveCnn(path, kSide, kClasses, seed);
+  saveCnn(path, kSide, kClasses, seed, channelsOf(kind));
+  if (kind == "cnn_cl") {
+    torch::jit::Module m = torch::jit::load(path);
+    for (auto p : m.parameters()) {
+      if (p.dim() == 4) p.set_data(p.detach().contiguous(at::MemoryFormat::ChannelsLast));
+    }
+    m.save(path);
+  }
+  return path;
 }
 
 ipc::SegmentSpec specFor(const std::string& name, const std::string& model_path,
@@ -65,9 +79,8 @@ std::vector<torch::Tensor> readBuffer(const ipc::Segment& seg, const float* buf)
   std::vector<torch::Tensor> out;
   const ipc::ParamEntry* table = seg.paramTable();
   for (uint32_t i = 0; i < seg.header()->num_params; ++i) {
-    out.push_back(torch::from_blob(const_cast<float*>(buf) + table[i].offset, shapeOf(table[i]),
-                                   torch::kFloat32)
-                      .clone());
+    out.push_back(
+        worker::parameterView(const_cast<float*>(buf), table[i], torch::kFloat32).clone());
   }
   return out;
 }
@@ -151,13 +164,16 @@ TEST_P(ReplicaTest, GradientsAreWrittenIntoTheSharedSlot) {
       SCOPED_TRACE(std::string("slot ") + std::to_string(slot) + " parameter " + table[i].name);
       ASSERT_TRUE(p.requires_grad());
       ASSERT_EQ(p.sizes().vec(), shapeOf(table[i]));
-      ASSERT_TRUE(p.is_contiguous());
+      // In the model's memory format, as the table says; .grad alike.
+      ASSERT_EQ(worker::memoryFormatOf(p), static_cast<ipc::MemoryFormat>(table[i].memory_format));
+      ASSERT_TRUE(p.is_non_overlapping_and_dense());
       const float* pd = p.data_ptr<float>();
       EXPECT_EQ(pd, pbegin + table[i].offset);
       EXPECT_GE(pd, pbegin);
       EXPECT_LE(pd + p.numel(), pbegin + pf);
       ASSERT_TRUE(p.grad().defined());
       ASSERT_EQ(p.grad().sizes(), p.sizes());
+      ASSERT_EQ(p.grad().strides(), p.strides());
       const float* gd = p.grad().data_ptr<float>();
       EXPECT_EQ(gd, gbegin + table[i].offset);
       EXPECT_GE(gd, gbegin);
@@ -167,6 +183,14 @@ TEST_P(ReplicaTest, GradientsAreWrittenIntoTheSharedSlot) {
   checkViews(r0, 0);
   checkViews(r1, 1);
   if (HasFatalFailure()) return;
+  int channels_last = 0;
+  for (uint32_t i = 0; i < h->num_params; ++i) {
+    channels_last +=
+        table[i].memory_format == static_cast<uint32_t>(ipc::MemoryFormat::kChannelsLast);
+    EXPECT_EQ(worker::memoryFormatOf(model.values[i]),
+              static_cast<ipc::MemoryFormat>(table[i].memory_format));
+  }
+  EXPECT_EQ(channels_last, kind == "cnn_cl" ? 1 : 0);
   std::vector<const void*> param_ptrs, grad_ptrs;
   for (const auto& p : r0.parameters()) {
     param_ptrs.push_back(p.data_ptr());
@@ -181,7 +205,7 @@ TEST_P(ReplicaTest, GradientsAreWrittenIntoTheSharedSlot) {
   // Slot 0: backward of a random batch writes the reference gradient into the slot.
   torch::manual_seed(17);
   const int64_t B = 9;
-  torch::Tensor x = torch::randn({B, 1, kSide, kSide});
+  torch::Tensor x = torch::randn({B, channelsOf(kind), kSide, kSide});
   torch::Tensor y = torch::randint(0, kClasses, {B}, torch::kInt64);
   const double loss = r0.accumulate(x, y);
   auto ref = referenceGradient(model_path, "cross_entropy", x, y);
@@ -215,7 +239,7 @@ TEST_P(ReplicaTest, GradientsAreWrittenIntoTheSharedSlot) {
   }
 
   // Slot 1: another batch; slot 0 keeps its gradient.
-  torch::Tensor x2 = torch::randn({B + 4, 1, kSide, kSide});
+  torch::Tensor x2 = torch::randn({B + 4, channelsOf(kind), kSide, kSide});
   torch::Tensor y2 = torch::randint(0, kClasses, {B + 4}, torch::kInt64);
   r1.accumulate(x2, y2);
   auto ref2 = referenceGradient(model_path, "cross_entropy", x2, y2);
@@ -242,7 +266,8 @@ TEST_P(ReplicaTest, GradientsAreWrittenIntoTheSharedSlot) {
   for (uint32_t i = 0; i < h->num_params; ++i) {
     torch::Tensor v = model.values[i] - 0.1 * ref[i] + 0.25;
     updated.push_back(v);
-    std::memcpy(seg->params() + table[i].offset, v.contiguous().data_ptr<float>(),
+    v = worker::inMemoryFormat(v, static_cast<ipc::MemoryFormat>(table[i].memory_format));
+    std::memcpy(seg->params() + table[i].offset, v.data_ptr<float>(),
                 table[i].numel * sizeof(float));
   }
   for (uint32_t i = 0; i < h->num_params; ++i) {
@@ -261,7 +286,7 @@ TEST_P(ReplicaTest, GradientsAreWrittenIntoTheSharedSlot) {
   EXPECT_EQ(nonZero(*seg, seg->slot(0)), 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Models, ReplicaTest, ::testing::Values("mlp", "cnn"),
+INSTANTIATE_TEST_SUITE_P(Models, ReplicaTest, ::testing::Values("mlp", "cnn", "cnn_cl"),
                          [](const auto& info) { return std::string(info.param); });
 
 TEST(ReplicaErrorsTest, SlotOutOfRangeAndMismatchedModel) {

@@ -49,11 +49,12 @@ def forward(self, x):
   return path;
 }
 
-std::string saveCnn(const std::string& path, int64_t side, int64_t out, uint64_t seed) {
+std::string saveCnn(const std::string& path, int64_t side, int64_t out, uint64_t seed,
+                    int64_t channels) {
   torch::manual_seed(seed);
   const int64_t pooled = (side - 2) / 2;
   torch::jit::Module m("Cnn");
-  m.register_parameter("cw", (torch::randn({4, 1, 3, 3}) / 3.0).requires_grad_(), false);
+  m.register_parameter("cw", (torch::randn({4, channels, 3, 3}) / 3.0).requires_grad_(), false);
   m.register_parameter("cb", (torch::randn({4}) * 0.1).requires_grad_(), false);
   m.register_parameter("fw",
                        (torch::randn({out, 4 * pooled * pooled}) / std::sqrt(4.0 * pooled * pooled))

@@ -18,7 +18,9 @@ std::string tempDir(const std::string& tag);
 // on [1, side, side] inputs. Saved with torch.jit-compatible Module::save.
 std::string saveMlp(const std::string& path, int64_t in, int64_t hidden, int64_t out,
                     uint64_t seed);
-std::string saveCnn(const std::string& path, int64_t side, int64_t out, uint64_t seed);
+// Inputs [B, channels, side, side].
+std::string saveCnn(const std::string& path, int64_t side, int64_t out, uint64_t seed,
+                    int64_t channels = 1);
 
 void writeNpy(const std::string& path, const torch::Tensor& t);  // float32 or int64
 

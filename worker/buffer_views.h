@@ -87,6 +87,40 @@ inline torch::TensorOptions floatOptions(int tensor_device) {
   return options.device(torch::kCUDA, static_cast<c10::DeviceIndex>(tensor_device));
 }
 
+// The memory format a parameter is laid out in: channels_last (3d) where it is that and
+// not row-major (a model converted with .to(memory_format=...)), else row-major.
+inline ipc::MemoryFormat memoryFormatOf(const torch::Tensor& t) {
+  if (t.is_contiguous()) return ipc::MemoryFormat::kContiguous;
+  if (t.dim() == 4 && t.is_contiguous(at::MemoryFormat::ChannelsLast)) {
+    return ipc::MemoryFormat::kChannelsLast;
+  }
+  if (t.dim() == 5 && t.is_contiguous(at::MemoryFormat::ChannelsLast3d)) {
+    return ipc::MemoryFormat::kChannelsLast3d;
+  }
+  return ipc::MemoryFormat::kContiguous;
+}
+
+// `t` with its elements in `f`'s order (itself when they already are; else a copy): its
+// data is what a parameter-shaped buffer holds for it.
+inline torch::Tensor inMemoryFormat(const torch::Tensor& t, ipc::MemoryFormat f) {
+  return t.contiguous(f == ipc::MemoryFormat::kChannelsLast     ? at::MemoryFormat::ChannelsLast
+                      : f == ipc::MemoryFormat::kChannelsLast3d ? at::MemoryFormat::ChannelsLast3d
+                                                                : at::MemoryFormat::Contiguous);
+}
+
+// Parameter `e` over `base` (the parameters, a slot or the reduced gradient): its shape,
+// and the strides of its memory format (checked on attach), so that every process reads
+// its elements in the same order. `keep` as below.
+inline torch::Tensor parameterView(
+    float* base, const ipc::ParamEntry& e, const torch::TensorOptions& options,
+    std::function<void(void*)> keep = [](void*) {}) {
+  int64_t strides[ipc::kMaxDims];
+  ipc::memoryFormatStrides(e.shape.dims, e.shape.ndim,
+                           static_cast<ipc::MemoryFormat>(e.memory_format), strides);
+  return torch::from_blob(base + e.offset, c10::IntArrayRef(e.shape.dims, e.shape.ndim),
+                          c10::IntArrayRef(strides, e.shape.ndim), std::move(keep), options);
+}
+
 // One float32 tensor per parameter, laid out over `base` (the parameters, a slot or the
 // reduced gradient: host memory, or device memory of `tensor_device`), in table order.
 // `keep` as below.
@@ -97,8 +131,7 @@ inline std::vector<torch::Tensor> parameterShapedViews(
   const ipc::ParamEntry* table = segment.paramTable();
   const torch::TensorOptions options = floatOptions(tensor_device);
   for (uint32_t i = 0; i < segment.header()->num_params; ++i) {
-    std::vector<int64_t> shape(table[i].shape.dims, table[i].shape.dims + table[i].shape.ndim);
-    out.push_back(torch::from_blob(base + table[i].offset, shape, keep, options));
+    out.push_back(parameterView(base, table[i], options, keep));
   }
   return out;
 }

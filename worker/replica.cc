@@ -43,8 +43,9 @@ ModelParams describeModel(const std::string& path) {
                   "; shmgrad engines hold float32 parameters: call module.float() before saving");
     SHMGRAD_CHECK(t.device().is_cpu(), ErrorKind::kInvalidArgument, "parameter ", np.name,
                   " is on ", t.device(), "; save the CPU model");
-    out.specs.push_back({np.name, t.sizes().vec()});
-    out.values.push_back(t.detach().contiguous().clone());
+    const ipc::MemoryFormat format = memoryFormatOf(t);
+    out.specs.push_back({np.name, t.sizes().vec(), format});
+    out.values.push_back(inMemoryFormat(t.detach(), format).clone());
   }
   SHMGRAD_CHECK(!out.specs.empty(), ErrorKind::kInvalidArgument, "model ", path,
                 " has no parameters: nothing to compute a gradient of");
@@ -113,7 +114,7 @@ Replica::Replica(const ipc::Segment& segment, uint32_t slot, const gpu::EngineMe
         "); was the file replaced after the engine started?");
     // The parameter's storage becomes the shared buffer: every worker and the trainer
     // see the same bytes, so an optimizer step is seen by all with no copy.
-    p.set_data(torch::from_blob(params + e.offset, shape, options_));
+    p.set_data(parameterView(params, e, options_));
     params_.push_back(p);
     ++i;
   }
@@ -161,8 +162,7 @@ void Replica::bindGradients(float* base) {
   for (size_t i = 0; i < params_.size(); ++i) {
     // A defined .grad is accumulated into in place by autograd: backward writes
     // straight into shared memory.
-    params_[i].mutable_grad() =
-        torch::from_blob(base + table[i].offset, params_[i].sizes(), options_);
+    params_[i].mutable_grad() = parameterView(base, table[i], options_);
   }
   grads_base_ = base;
 }

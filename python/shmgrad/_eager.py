@@ -606,7 +606,7 @@ def write_params(model: torch.nn.Module, path: str) -> None:
             )
     _C.write_model_file(
         path,
-        [(name, p.detach().contiguous()) for name, p in named],
+        [(name, p.detach()) for name, p in named],  # as laid out: channels_last stays
         [(name, b.detach().contiguous()) for name, b in shared_buffers(model)],
     )
 

@@ -179,7 +179,8 @@ class NodeGroup:
         self.allreduce_bytes = sum(t.numel() * t.element_size() for t in self._collectives)
         self._broken: Optional[errors.NodeError] = None
         self._steps = 0
-        self._peers = self._exchange_layout(list(parameters), engine_name)
+        formats = [_memory_format(v) for v in trainer.parameter_views()]
+        self._peers = self._exchange_layout(list(parameters), formats, engine_name)
         self.broadcast_parameters()
 
     @property
@@ -188,7 +189,7 @@ class NodeGroup:
         return [self._params] + self._buffers.tensors
 
     # -- construction -----------------------------------------------------------------
-    def _exchange_layout(self, parameters, engine_name):
+    def _exchange_layout(self, parameters, formats, engine_name):
         """Gathers every node's (host, pid, engine, parameter layout); refuses a layout
         other than rank 0's on every node, naming the rank and the parameter."""
         mine = {
@@ -196,6 +197,8 @@ class NodeGroup:
             "pid": os.getpid(),
             "engine": engine_name,
             "parameters": [(n, tuple(s)) for n, s in parameters],
+            # The order of each parameter's elements in the flat buffer all-reduced.
+            "formats": formats,
             "buffers": self._buffers.layout,
             "floats": self._grad.numel(),
             "collectives": [(t.numel(), str(t.dtype)) for t in self._collectives],
@@ -501,6 +504,14 @@ def _layout_difference(want, got) -> Optional[str]:
             return f"parameter {i} is {pb[0]!r} {pb[1]} there but {pa[0]!r} {pa[1]} on rank 0"
     if len(a) != len(b):
         return f"it has {len(b)} parameters, rank 0 has {len(a)}"
+    for i, (fa, fb) in enumerate(zip(want["formats"], got["formats"])):
+        if fa != fb:
+            return (
+                f"parameter {i} {a[i][0]!r} is laid out {fb} there but {fa} on rank 0 "
+                "(the flat buffers would be summed in different orders): convert the model "
+                "alike on every node, e.g. model.to(memory_format=torch.channels_last), "
+                "before starting its engine"
+            )
     if want["buffers"] != got["buffers"]:
         return f"its buffers are {got['buffers'][:4]}..., rank 0's {want['buffers'][:4]}..."
     if want["floats"] != got["floats"]:
@@ -512,6 +523,17 @@ def _layout_difference(want, got) -> Optional[str]:
             f"{[c[0] for c in want['collectives']]}: give every node the same bucket_cap_mb"
         )
     return None
+
+
+def _memory_format(t: torch.Tensor) -> str:
+    """How a parameter view's elements are ordered (ipc::MemoryFormat's names)."""
+    if t.is_contiguous():
+        return "contiguous"
+    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last):
+        return "channels_last"
+    if t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d):
+        return "channels_last_3d"
+    return f"strides {t.stride()}"
 
 
 def _process_alive(pid) -> bool:

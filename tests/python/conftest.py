@@ -63,9 +63,9 @@ def shard_gradients(model, x, y, shards):
 
 
 class Cnn(torch.nn.Module):
-    def __init__(self, d_out=5):
+    def __init__(self, d_out=5, channels=1):
         super().__init__()
-        self.conv = torch.nn.Conv2d(1, 4, 3)
+        self.conv = torch.nn.Conv2d(channels, 4, 3)
         self.fc = torch.nn.Linear(4 * 5 * 5, d_out)
 
     def forward(self, x):

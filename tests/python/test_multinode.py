@@ -617,6 +617,16 @@ def _mismatch(rank, prefix):
             out["started"] = True
     except shmgrad.InvalidArgumentError as exc:
         out["buckets"] = str(exc)
+    # The same shapes, but rank 1's convolution in channels_last: its elements lie in
+    # another order in the flat buffer the nodes sum.
+    model = Cnn(channels=3)
+    if rank == 1:
+        model = model.to(memory_format=torch.channels_last)
+    try:
+        with _engine(rank, model, prefix, "other-layout", workers=1):
+            out["started"] = True
+    except shmgrad.InvalidArgumentError as exc:
+        out["layout"] = str(exc)
     return out
 
 
@@ -628,6 +638,9 @@ def test_mismatched_models_are_refused(tmp_path, prefix):
         assert "rank 1" in r["model"] and "'fc.weight' (3, 100)" in r["model"], r["model"]
         assert "(5, 100)" in r["model"]
         assert "rank 1" in r["buckets"] and "bucket_cap_mb" in r["buckets"], r["buckets"]
+        layout = r["layout"]
+        assert "rank 1" in layout and "'conv.weight'" in layout, layout
+        assert "channels_last there but contiguous on rank 0" in layout, layout
 
 
 # -- 5. shmgrad.dask.run --------------------------------------------------------------------

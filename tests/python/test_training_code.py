@@ -686,6 +686,55 @@ def test_a_module_converted_after_bind_is_refused_then_bound_again():
             assert p.data_ptr() == shared.data_ptr()
 
 
+def channels_last(t):
+    """Whether a tensor is laid out channels_last (and not also row-major)."""
+    return not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
+
+
+def conv_forward_checking_its_layout(m, batch):
+    """An eager worker's forward that refuses to run unless its convolution's weight is
+    channels_last, as the trainer's model is."""
+    if not channels_last(m.conv.weight):
+        raise RuntimeError(f"the worker's conv.weight has strides {m.conv.weight.stride()}")
+    return F.cross_entropy(m(batch[0]), batch[1], reduction="sum")
+
+
+@pytest.mark.parametrize("mode", ["script", "eager"])
+def test_a_channels_last_model_keeps_its_layout_in_every_process(mode):
+    """model.to(memory_format=torch.channels_last), as users write it for faster
+    convolutions: after bind the 4-D weight and its .grad are still channels_last (bind
+    made them row-major before, silently slower), the workers' weight too (the eager
+    forward checks; TorchScript workers would sum another order), and the gradient and
+    3 SGD steps match plain PyTorch's channels_last model."""
+    torch.manual_seed(4)
+    model = Cnn(channels=3).to(memory_format=torch.channels_last)
+    plain = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(30, 3, 12, 12, generator=g), torch.randint(0, 5, (30,), generator=g)
+    kwargs = (
+        {"loss": "cross_entropy"}
+        if mode == "script"
+        else {"forward": conv_forward_checking_its_layout}
+    )
+    with shmgrad.Engine(model=model, workers=3, mode=mode, **kwargs) as engine:
+        engine.bind(model)
+        assert channels_last(model.conv.weight) and channels_last(model.conv.weight.grad)
+        assert model.fc.weight.is_contiguous()
+        opt, plain_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, plain))
+        for step in range(3):
+            batch = slice(10 * step, 10 * step + 10)
+            ref = reference_gradient(plain, "cross_entropy", x[batch], y[batch])
+            engine.gradient(inputs=x[batch], targets=y[batch])
+            assert relative_error(grads(model), ref) < 1e-5, step
+            assert channels_last(model.conv.weight.grad)
+            opt.step()
+            plain_opt.zero_grad()
+            F.cross_entropy(plain(x[batch]), y[batch], reduction="sum").backward()
+            plain_opt.step()
+        assert relative_error(list(model.parameters()), list(plain.parameters())) < 1e-5
+        assert channels_last(model.conv.weight)
+
+
 # -- 7. errors at start ----------------------------------------------------------------
 def test_dataloader_and_dict_examples_are_refused_at_start():
     x, y = data(8)
