@@ -627,6 +627,19 @@ def _mismatch(rank, prefix):
             out["started"] = True
     except shmgrad.InvalidArgumentError as exc:
         out["layout"] = str(exc)
+    # Converted alike on both: served, and the gradient of the global batch is plain
+    # PyTorch's, the convolution still channels_last.
+    model = Cnn(channels=3).to(memory_format=torch.channels_last)
+    g = torch.Generator().manual_seed(11)
+    x, y = torch.randn(9, 3, 12, 12, generator=g), torch.randint(0, 5, (9,), generator=g)
+    with _engine(rank, model, prefix, "channels-last", workers=2) as engine:
+        engine.bind(model)  # rank 0's weights on both
+        ref = reference_gradient(copy.deepcopy(model), "cross_entropy", x, y)
+        mine = shard(torch.arange(9), rank, NODES)
+        engine.gradient(inputs=x[mine], targets=y[mine], reduction="sum")
+        out["cl_error"] = relative_error(_grads(model), ref)
+        w = model.conv.weight
+        out["cl_kept"] = not w.is_contiguous() and w.grad.stride() == w.stride()
     return out
 
 
@@ -641,6 +654,7 @@ def test_mismatched_models_are_refused(tmp_path, prefix):
         layout = r["layout"]
         assert "rank 1" in layout and "'conv.weight'" in layout, layout
         assert "channels_last there but contiguous on rank 0" in layout, layout
+        assert r["cl_error"] < 1e-5 and r["cl_kept"]
 
 
 # -- 5. shmgrad.dask.run --------------------------------------------------------------------
