@@ -148,6 +148,7 @@ Trainer::Trainer(std::string name, std::shared_ptr<ipc::Segment> seg, const Atta
     p.name = table[i].name;
     p.shape.assign(table[i].shape.dims, table[i].shape.dims + table[i].shape.ndim);
     p.numel = static_cast<int64_t>(table[i].numel);
+    p.memory_format = static_cast<ipc::MemoryFormat>(table[i].memory_format);  // checked
     params_.push_back(std::move(p));
   }
   if (lease_) {

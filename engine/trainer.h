@@ -116,6 +116,7 @@ struct ParamInfo {
   std::string name;
   std::vector<int64_t> shape;
   int64_t numel = 0;
+  ipc::MemoryFormat memory_format = ipc::MemoryFormat::kContiguous;  // its views' order
 };
 
 class Trainer {

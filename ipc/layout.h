@@ -172,7 +172,6 @@ struct Shape {
   int64_t dims[kMaxDims];
 };
 
-// One parameter tensor of the model, in the order of named_parameters().
 // The order of a parameter's elements in every parameter-shaped buffer (its
 // ParamEntry::memory_format): row-major, or PyTorch's channels_last for a 4-D (N, C, H, W)
 // tensor (C fastest, then W, H, N) and channels_last_3d for a 5-D one. A model converted
@@ -194,23 +193,19 @@ constexpr bool memoryFormatFits(uint32_t f, uint32_t ndim) {
 // row-major, or the channel dimension (1) fastest and the others row-major after it.
 inline void memoryFormatStrides(const int64_t* dims, uint32_t ndim, MemoryFormat f,
                                 int64_t* strides) {
+  const bool channels_first = f != MemoryFormat::kContiguous;  // dimension 1 is the fastest
   int64_t step = 1;
-  if (f == MemoryFormat::kContiguous) {
-    for (uint32_t d = ndim; d-- > 0;) {
-      strides[d] = step;
-      step *= dims[d] > 1 ? dims[d] : 1;
-    }
-    return;
-  }
-  strides[1] = 1;
-  step = dims[1] > 1 ? dims[1] : 1;
-  for (uint32_t d = ndim; d-- > 2;) {
+  auto next = [&](uint32_t d) {  // d is the fastest dimension not yet given a stride
     strides[d] = step;
     step *= dims[d] > 1 ? dims[d] : 1;
+  };
+  if (channels_first) next(1);
+  for (uint32_t d = ndim; d-- > 0;) {
+    if (!(channels_first && d == 1)) next(d);
   }
-  strides[0] = step;
 }
 
+// One parameter tensor of the model, in the order of named_parameters().
 struct ParamEntry {
   char name[kNameLen];  // dotted path ("fc1.weight"), NUL-terminated
   Shape shape;          // shape; numel = product of dims

@@ -215,7 +215,10 @@ PYBIND11_MODULE(_C, m) {
       .def("parameters",
            [](const shmgrad::Trainer& t) {
              py::list out;
-             for (const auto& p : t.parameters()) out.append(py::make_tuple(p.name, p.shape));
+             for (const auto& p : t.parameters()) {
+               out.append(py::make_tuple(p.name, p.shape,
+                                         shmgrad::ipc::memoryFormatName(p.memory_format)));
+             }
              return out;
            })
       .def("parameter_views", &shmgrad::Trainer::parameterViews)

@@ -126,12 +126,15 @@ class Engine {
   }
 
   // The expected reduced gradient for dataset indices (or explicit input values) `ids`.
-  std::vector<float> expected(const std::vector<int64_t>& ids, bool mean) const {
+  // The sum (or mean) of the examples' gradients, times `factor` (a loss scale, or one
+  // over a weighted mean's count).
+  std::vector<float> expected(const std::vector<int64_t>& ids, bool mean,
+                              double factor = 1.0) const {
     std::vector<float> out(seg_->header()->param_floats, 0.0f);
     for (uint64_t j = 0; j < out.size(); ++j) {
       double sum = 0;
       for (int64_t i : ids) sum += static_cast<double>((i + 1) * static_cast<int64_t>(j + 1));
-      out[j] = static_cast<float>(mean ? sum / ids.size() : sum);
+      out[j] = static_cast<float>((mean ? sum / ids.size() : sum) * factor);
     }
     return out;
   }
@@ -206,9 +209,8 @@ TEST(StepProtocolCountTest, MeanDividesByTheParticipantsCounts) {
     o.mean = true;
     GradientStats s = engine.trainer().gradient(indexTensor(ids), o);
     EXPECT_DOUBLE_EQ(s.count, 2.5 * ids.size());
-    std::vector<float> want = engine.expected(ids, false);
-    for (float& v : want) v /= 2.5f * ids.size();
-    EXPECT_LT(engine.maxRelError(want), 1e-6) << workers << " workers";
+    EXPECT_LT(engine.maxRelError(engine.expected(ids, false, 1.0 / (2.5 * ids.size()))), 1e-6)
+        << workers << " workers";
   }
 }
 
@@ -278,9 +280,8 @@ TEST(StepProtocolLossScaleTest, TheResultIsLossScaleTimesTheGradient) {
       GradientStats s = engine.trainer().gradient(indexTensor(ids), o);
       EXPECT_EQ(s.workers.size(), min_epw == 1 ? 3u : 1u);
       EXPECT_DOUBLE_EQ(s.loss_sum, loss);
-      std::vector<float> want = engine.expected(ids, mean);
-      for (float& v : want) v *= 1024.0f;
-      EXPECT_LT(engine.maxRelError(want), 1e-6) << "mean " << mean << " min_epw " << min_epw;
+      EXPECT_LT(engine.maxRelError(engine.expected(ids, mean, 1024.0)), 1e-6)
+          << "mean " << mean << " min_epw " << min_epw;
     }
   }
   for (float bad : {0.0f, -2.0f, std::numeric_limits<float>::infinity(),
@@ -317,9 +318,7 @@ TEST(StepProtocolSumThroughMeanTest, BackwardTakesTheMeanAndTheResultIsTheSum) {
     for (const auto& w : s.workers) {
       EXPECT_FLOAT_EQ(engine.computer(w.slot).last_grad_scale, 64.0f / ids.size());
     }
-    std::vector<float> want = engine.expected(ids, false);
-    for (float& v : want) v *= 64.0f;
-    EXPECT_LT(engine.maxRelError(want), 1e-6) << "min_epw " << min_epw;
+    EXPECT_LT(engine.maxRelError(engine.expected(ids, false, 64.0)), 1e-6) << "min_epw " << min_epw;
   }
   // Accumulated: each micro-batch's backward takes its own 1/B; the sum of the union.
   o.min_examples_per_worker = 1;
@@ -330,9 +329,7 @@ TEST(StepProtocolSumThroughMeanTest, BackwardTakesTheMeanAndTheResultIsTheSum) {
   EXPECT_FLOAT_EQ(engine.computer(0).last_grad_scale, 64.0f / b.size());
   std::vector<int64_t> all = a;
   all.insert(all.end(), b.begin(), b.end());
-  std::vector<float> want = engine.expected(all, false);
-  for (float& v : want) v *= 64.0f;
-  EXPECT_LT(engine.maxRelError(want, engine.segment().accum()), 1e-6);
+  EXPECT_LT(engine.maxRelError(engine.expected(all, false, 64.0), engine.segment().accum()), 1e-6);
   // A plain sum backpropagates the loss times loss_scale alone.
   o.sum_through_mean = false;
   o.accumulate = ipc::Accumulate::kFresh;

@@ -43,9 +43,9 @@ struct Shard {
   uint32_t participants = 0;
   int64_t begin = 0, end = 0;         // examples [begin, end) of the step's batch
   int64_t max_examples_per_pass = 0;  // > 0: compute in passes of at most this many
-  // Multiply the summed loss by this before backward: the step's loss_scale, times 1/B
-  // for a mean (StepRequest::scale), as backward of the batch's mean weights these
-  // examples.
+  // Multiply the summed loss by this before backward: the step's loss_scale times
+  // StepRequest::scale (1/B for a mean or a sum through the mean, as backward of the
+  // batch's mean weights these examples; else 1).
   float grad_scale = 1.0f;
   // Where backward must accumulate, already zeroed: this worker's slot, or the reduced
   // buffer itself when it is the step's only participant (no reduction copy) and, on

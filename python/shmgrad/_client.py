@@ -201,7 +201,7 @@ class Client:
         except Exception:  # no status: send seeds anyway, as an eager engine needs them
             self.mode = "eager"
         self._eager_workers = self.mode == "eager"
-        self._param_info = [(n, tuple(s)) for n, s in trainer.parameters()]
+        self._param_info = [(n, tuple(s)) for n, s, _ in trainer.parameters()]
         self._param_views = trainer.parameter_views()
         # The two reduced gradients: a step writes the first, and accumulating steps
         # alternate (each reads the previous result and writes the other one).

@@ -179,7 +179,7 @@ class NodeGroup:
         self.allreduce_bytes = sum(t.numel() * t.element_size() for t in self._collectives)
         self._broken: Optional[errors.NodeError] = None
         self._steps = 0
-        formats = [_memory_format(v) for v in trainer.parameter_views()]
+        formats = [f for _, _, f in trainer.parameters()]  # ipc::MemoryFormat's names
         self._peers = self._exchange_layout(list(parameters), formats, engine_name)
         self.broadcast_parameters()
 
@@ -523,17 +523,6 @@ def _layout_difference(want, got) -> Optional[str]:
             f"{[c[0] for c in want['collectives']]}: give every node the same bucket_cap_mb"
         )
     return None
-
-
-def _memory_format(t: torch.Tensor) -> str:
-    """How a parameter view's elements are ordered (ipc::MemoryFormat's names)."""
-    if t.is_contiguous():
-        return "contiguous"
-    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last):
-        return "channels_last"
-    if t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d):
-        return "channels_last_3d"
-    return f"strides {t.stride()}"
 
 
 def _process_alive(pid) -> bool:
