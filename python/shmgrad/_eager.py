@@ -561,8 +561,23 @@ def _reduce_parametrized(module):
     return _rebuild_parametrized, (cls, state, specs)
 
 
+def _script_modules():
+    """This process's script when the workers could not import it by name, so that its
+    classes and functions travel by value, as those of a plain script's ``__main__`` do.
+    In a process that multiprocessing's spawn or forkserver started
+    (``torch.multiprocessing.spawn``, Lightning's ``ddp_spawn``), the parent's script runs
+    as the module ``__mp_main__``, which cloudpickle would pickle by reference: an eager
+    worker, whose own ``__main__`` is shmgrad's, would look the names up there. (In any
+    other process ``__mp_main__``, where it exists, is ``__main__`` itself, named so.)"""
+    module = sys.modules.get("__mp_main__")
+    if module is not None and getattr(module, "__name__", None) == "__mp_main__":
+        return [module]
+    return []
+
+
 def _dumps(obj, cloudpickle):
-    """cloudpickle.dumps, which also takes modules with parametrizations."""
+    """cloudpickle.dumps, which also takes modules with parametrizations, and the classes
+    and functions of a spawned process's script (:func:`_script_modules`)."""
     from torch.nn.utils import parametrize
 
     class Pickler(cloudpickle.CloudPickler):
@@ -571,9 +586,17 @@ def _dumps(obj, cloudpickle):
                 return _reduce_parametrized(obj)
             return super().reducer_override(obj)
 
-    buf = io.BytesIO()
-    Pickler(buf, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(obj)
-    return buf.getvalue()
+    registered = set(cloudpickle.list_registry_pickle_by_value())
+    by_value = [m for m in _script_modules() if m.__name__ not in registered]
+    for module in by_value:  # for this pickling only: the caller's registry stays as it was
+        cloudpickle.register_pickle_by_value(module)
+    try:
+        buf = io.BytesIO()
+        Pickler(buf, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(obj)
+        return buf.getvalue()
+    finally:
+        for module in by_value:
+            cloudpickle.unregister_pickle_by_value(module)
 
 
 def _pickle(name, obj, pickler):
@@ -757,9 +780,39 @@ def prepare_job(
     return EagerJob(directory, holder, job, size, loss_reduction)
 
 
+class _JobUnpickler(pickle.Unpickler):
+    """pickle's loader (cloudpickle's output loads with it), whose error for a class or
+    function pickled by reference that this process cannot find names the object, its
+    module and what to do, instead of pointing into shmgrad's worker."""
+
+    def find_class(self, module, name):
+        try:
+            return super().find_class(module, name)
+        except (ImportError, AttributeError) as exc:
+            if module in ("__main__", "__mp_main__"):
+                why = (
+                    f"it was pickled by reference to the script's module {module!r}, which in "
+                    "an eager worker is shmgrad's own. In the trainer, "
+                    f"cloudpickle.register_pickle_by_value(sys.modules[{module!r}]) before "
+                    "the engine starts sends the script's classes and functions by value"
+                )
+            else:
+                why = (
+                    f"the worker cannot import it ({type(exc).__name__}: {exc}); it runs with "
+                    "the trainer's sys.path and working directory as they were when the "
+                    "engine started. Define it at module level in a module on that path, or "
+                    "send its module by value: cloudpickle.register_pickle_by_value(module) "
+                    "in the trainer before the engine starts"
+                )
+            raise errors.InvalidArgumentError(
+                f"the engine's job refers to {name!r} of module {module!r}, which the eager "
+                f"worker cannot find: {why}"
+            ) from exc
+
+
 def load_job(path: str) -> dict:
     with open(path, "rb") as f:
-        return pickle.load(f)  # cloudpickle's output loads with pickle
+        return _JobUnpickler(f).load()
 
 
 class CountedClassLoss:
