@@ -12,41 +12,12 @@ import torch
 
 import shmgrad
 from conftest import relative_error
+from text_models import UNEVEN_BATCH, TokenSequences, lm_collate, pad_collate, tiny_bert, tiny_gpt2
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # -- a Hugging Face BERT on variable-length token sequences --------------------------------
-class TokenSequences(torch.utils.data.Dataset):
-    """``n`` sequences of 3 to 24 random token ids (1..vocab-1; 0 is padding) with labels
-    0..classes-1: ``{"input_ids": LongTensor[L], "label": int}``, as a tokenized text
-    data set serves them."""
-
-    def __init__(self, n=40, vocab=100, classes=3, seed=0):
-        g = torch.Generator().manual_seed(seed)
-        lengths = torch.randint(3, 25, (n,), generator=g).tolist()
-        self.ids = [torch.randint(1, vocab, (k,), generator=g) for k in lengths]
-        self.labels = torch.randint(0, classes, (n,), generator=g).tolist()
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "label": self.labels[i]}
-
-
-def pad_collate(examples):
-    """Pads to the batch's longest sequence: the dict of keyword arguments the model takes."""
-    longest = max(len(e["input_ids"]) for e in examples)
-    ids = torch.zeros(len(examples), longest, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for k, e in enumerate(examples):
-        ids[k, : len(e["input_ids"])] = e["input_ids"]
-        mask[k, : len(e["input_ids"])] = 1
-    labels = torch.tensor([e["label"] for e in examples], dtype=torch.long)
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
-
-
 def bert_length_weighted_loss(model, batch):
     """A weighted mean: each example's loss weighted by its tokens, as (sum, count)."""
     inputs = {k: v for k, v in batch.items() if k != "labels"}
@@ -54,21 +25,6 @@ def bert_length_weighted_loss(model, batch):
     tokens = batch["attention_mask"].sum(1)
     per_example = torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="none")
     return (per_example * tokens).sum(), tokens.sum()
-
-
-def tiny_bert(transformers):
-    config = transformers.BertConfig(
-        vocab_size=100,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        num_labels=3,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    return transformers.BertForSequenceClassification(config)
 
 
 @pytest.mark.parametrize(
@@ -86,10 +42,9 @@ def test_hugging_face_bert_with_padding_collate_matches_one_process(forward, eng
     model = tiny_bert(transformers)
     ref = copy.deepcopy(model)
     ds = TokenSequences()
-    # 11 examples: the workers' shards are unequal (6 and 5), so a mean must be weighted by
-    # each shard's examples (or counts). The longest sequence is in one shard only: a worker
-    # pads its shard to another length than the whole batch is padded to in the reference.
-    idx = [5, 17, 2, 33, 8, 21, 0, 39, 12, 26, 14]
+    # The shards are unequal, so a mean must be weighted by each shard's examples (or
+    # counts); a worker pads its shard to another length than the whole batch's.
+    idx = UNEVEN_BATCH
     lengths = [len(ds[i]["input_ids"]) for i in idx]
     assert max(lengths[:5]) != max(lengths[5:]) and max(lengths[:6]) != max(lengths[6:])
     with shmgrad.Engine(
@@ -111,67 +66,23 @@ def test_hugging_face_bert_with_padding_collate_matches_one_process(forward, eng
 
 
 # -- a Hugging Face causal language model, labels padded with -100 -------------------------
-def lm_collate(examples):
-    """Right-padded ids, their mask, and labels that are the ids with -100 at the padding,
-    as Hugging Face's language-modelling collators make them."""
-    batch = pad_collate(examples)
-    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-    return {
-        "input_ids": batch["input_ids"],
-        "attention_mask": batch["attention_mask"],
-        "labels": labels,
-    }
-
-
-def lm_loss_sum_and_count(model, batch):
-    """The next-token loss summed over the labels that are not -100 (the model's own loss
-    with num_items_in_batch=1, its divisor), and their number: the model's own loss is
-    their mean over the whole batch once the sums are added up."""
-    total = model(**batch, num_items_in_batch=1).loss
-    return total, (batch["labels"][:, 1:] != -100).sum()
-
-
-def test_hugging_face_causal_lm_token_mean_refused_as_written_and_exact_as_a_count():
+def test_hugging_face_causal_lm_token_mean_is_refused_as_written():
     """`model(**batch).loss` of a causal LM is the mean over the batch's tokens: weighted
     by each shard's examples it would be silently wrong, so the engine refuses it when it
-    finds it out (the first sequences differ in length), naming the fix; the fix,
-    (loss_sum, count), gives the whole batch's loss and gradient."""
+    finds it out (the first sequences differ in length), naming the fix. The fix, the
+    README's (loss_sum, count) recipes, is tested in test_recipes.py."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        vocab_size=100,
-        n_positions=64,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    model = transformers.GPT2LMHeadModel(config)
-    ref = copy.deepcopy(model)
     ds = TokenSequences()
     assert len(ds[0]["input_ids"]) != len(ds[1]["input_ids"])
     with pytest.raises(shmgrad.InvalidArgumentError, match=r"not over the batch's examples"):
         shmgrad.Engine(
-            model=model,
+            model=tiny_gpt2(transformers),
             workers=2,
             dataset=ds,
             collate_fn=lm_collate,
             forward=lambda model, batch: model(**batch).loss,
         )
-    idx = [5, 17, 2, 33, 8, 21, 0, 39, 12, 26, 14]
-    with shmgrad.Engine(
-        model=model, workers=2, dataset=ds, collate_fn=lm_collate, forward=lm_loss_sum_and_count
-    ) as engine:
-        engine.bind(model)
-        stats = engine.gradient(idx, reduction="mean")
-        got = [p.grad.clone() for p in model.parameters()]
-    want_loss = ref(**lm_collate([ds[i] for i in idx])).loss  # the model's own token mean
-    want_loss.backward()
-    assert relative_error(got, [p.grad for p in ref.parameters()]) < 1e-5
-    assert abs(stats.loss - want_loss.item()) < 1e-5 * max(1.0, abs(want_loss.item()))
-    assert stats.count == sum(len(ds[i]["input_ids"]) - 1 for i in idx)
 
 
 # -- a timm ResNet on explicit image batches ------------------------------------------------
