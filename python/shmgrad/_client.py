@@ -12,6 +12,7 @@ from typing import List, Optional
 import torch
 
 from . import _eager, _gpu, errors, multinode
+from ._discard import DiscardWatch
 from ._native import _C, DEFAULTS
 from ._eager import REDUCTIONS, compiled_original, has_batchnorm, shared_buffers, step_seed
 from ._status import EngineStatus, read_status
@@ -163,6 +164,7 @@ class Client:
     _trainer = None
     _closed = False
     _nodes = None
+    _discard_watch = None
 
     def __init__(
         self,
@@ -192,6 +194,8 @@ class Client:
         self._bound_module = None
         self._views_handed_out = False  # gradient_tensors()/parameter_tensors() were asked for
         self._warned_unbound = False
+        # Warns once when a gradient was dropped before an optimizer step used it.
+        self._discard_watch = DiscardWatch(name)
         self.min_examples_per_worker = min_examples_per_worker
         self.max_examples_per_pass = max_examples_per_pass
         # Only eager workers use a step's seed; TorchScript workers get 0, which spares the
@@ -401,6 +405,7 @@ class Client:
         for p, f in zip(self._all_bound, flags):
             if not f:
                 p.grad = None
+        self._discard_watch.bind(self._bound)
 
     def _bind_buffers(self, module):
         # The engine's shared buffers (BatchNorm statistics) by name: the module's values
@@ -697,6 +702,7 @@ class Client:
         self._last_loss_scale = scale
         if self._all_bound:
             self._relink_grads()
+            self._discard_watch.gradient_given(self._first_given())
         elif not self._views_handed_out and not self._warned_unbound:
             self._warned_unbound = True
             warnings.warn(
@@ -836,6 +842,13 @@ class Client:
             for p in self._nulled:
                 p.grad = None
 
+    def _first_given(self):
+        """The first bound parameter that the last result gave a .grad (None if none)."""
+        if not self._nulled:
+            return self._bound[0] if self._bound else None
+        nulled = {id(p) for p in self._nulled}
+        return next((p for p in self._bound if id(p) not in nulled), None)
+
     @property
     def node_rank(self) -> int:
         """This node's rank in the engine's process group (0 without one)."""
@@ -913,6 +926,8 @@ class Client:
         if self._closed:
             return
         self._closed = True
+        if self._discard_watch is not None:
+            self._discard_watch.close()
         if getattr(self, "_device", None) is not None:
             self._detach_from_device_memory()
         if self._trainer is not None:

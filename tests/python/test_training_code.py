@@ -1195,3 +1195,58 @@ def test_found_out_mean_with_a_forward_that_pops_from_its_batch():
         engine.bind(model)
         engine.gradient(range(12), reduction="mean")
         assert relative_error(grads(model), grads(ref)) < 1e-5
+
+
+# -- a gradient dropped before the optimizer could use it ----------------------------------
+def _discarding_steps(engine, model, opt, x, y, between):
+    for _ in range(3):
+        engine.gradient(inputs=x, targets=y)
+        between()
+        opt.step()
+
+
+@pytest.mark.parametrize(
+    "drop, cause",
+    [("none", "set to None"), ("zero", "zeroed")],
+)
+def test_a_gradient_dropped_before_the_step_warns_once_naming_the_cause(drop, cause):
+    """The order Lightning's automatic optimization runs a training_step that calls the
+    engine in: gradient(), then zero_grad(), then step(), which then trains on nothing."""
+    torch.manual_seed(0)
+    model = Mlp()
+    x, y = data(8)
+    with shmgrad.Engine(model=model, workers=2, loss="cross_entropy", mode="eager") as engine:
+        engine.bind(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.warns(RuntimeWarning, match=cause) as record:
+            _discarding_steps(
+                engine, model, opt, x, y, lambda: opt.zero_grad(set_to_none=drop == "none")
+            )
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    dropped = [w for w in record if "did not use the engine's gradient" in str(w.message)]
+    assert len(dropped) == 1, [str(w.message) for w in record]
+    assert "optimizer_zero_grad" in str(dropped[0].message)
+
+
+def test_a_loop_that_uses_its_gradient_does_not_warn():
+    """Clipping and unscaling change .grad in place, an optimizer over other parameters
+    steps too, and zero_grad() after the step is the usual place: none of it warns."""
+    import warnings
+
+    torch.manual_seed(0)
+    model, other = Mlp(), torch.nn.Linear(2, 2)
+    x, y = data(8)
+    with shmgrad.Engine(model=model, workers=2, loss="cross_entropy", mode="eager") as engine:
+        engine.bind(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt_other = torch.optim.SGD(other.parameters(), lr=0.1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            for _ in range(3):
+                engine.gradient(inputs=x, targets=y)
+                opt_other.zero_grad()  # another model's optimizer, dropping its own .grad
+                opt_other.step()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+                opt.step()
+                opt.zero_grad()
