@@ -448,6 +448,11 @@ def _scripts(model) -> bool:
         return False
 
 
+def _in_words(items: List[str]) -> str:
+    """["a", "b", "c"] -> "a, b and c"."""
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
 def choose_mode(
     mode: str, *, model, loss, dataset, collate_fn, forward, loss_names, compile: bool = False
 ) -> Tuple[str, str]:
@@ -461,23 +466,25 @@ def choose_mode(
     if dataset is not None and not isinstance(dataset, str):
         python_only.append("a torch Dataset")
     if collate_fn is not None:
-        python_only.append("collate_fn")
+        python_only.append("a collate_fn")
     if forward is not None:
-        python_only.append("forward")
+        python_only.append("a forward=")
     if compile:
-        python_only.append("compile= (or a torch.compile'd module)")
+        python_only.append("torch.compile")
     if mode == "script":
         if python_only:
             raise errors.InvalidArgumentError(
                 "mode='script' runs TorchScript workers, which cannot take "
-                f"{', '.join(python_only)}: "
-                "use mode='eager' (or 'auto')"
+                f"{_in_words(python_only)}: use mode='eager' (or 'auto')"
             )
         return "script", "asked for: mode='script'"
     if mode == "eager":
         return "eager", "asked for: mode='eager'"
     if python_only:
-        return "eager", f"auto: {', '.join(python_only)} need Python workers"
+        return "eager", (
+            f"auto: {_in_words(python_only)} can run only in Python, so the workers are "
+            "eager (Python) workers"
+        )
     if isinstance(model, (str, os.PathLike)):
         return "script", "auto: the model is a TorchScript file"
     if isinstance(model, torch.jit.ScriptModule):

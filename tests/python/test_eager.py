@@ -583,3 +583,22 @@ def test_dataset_spec_is_read_from_shared_memory_by_either_kind_of_worker(npy_da
             mode="eager",
             collate_fn=lambda b: b,
         )
+
+
+def test_auto_modes_reason_is_a_sentence():
+    from shmgrad import _eager as eager
+
+    common = dict(model=nn.Linear(2, 2), collate_fn=None, forward=None, loss_names=["mse"])
+    mode, why = eager.choose_mode(
+        "auto",
+        loss=lambda o, t: (o - t).pow(2).sum(),
+        dataset=torch.utils.data.TensorDataset(torch.zeros(2, 2)),
+        **common,
+    )
+    assert mode == "eager"
+    assert why == (
+        "auto: a callable loss and a torch Dataset can run only in Python, so the workers "
+        "are eager (Python) workers"
+    )
+    with pytest.raises(shmgrad.InvalidArgumentError, match=r"cannot take a callable loss: use"):
+        eager.choose_mode("script", loss=lambda o, t: o.sum(), dataset=None, **common)
