@@ -6,6 +6,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <chrono>
 #include <cinttypes>
 #include <cmath>
 #include <cstdio>
@@ -35,8 +37,11 @@ using ipc::WorkerState;
 constexpr auto kSuperviseSlice = std::chrono::milliseconds(100);  // reap/resize/stop checks
 constexpr auto kGrowPoll = std::chrono::milliseconds(2);    // a grow waits for a retired worker
 constexpr auto kReadyPoll = std::chrono::milliseconds(50);  // start-up: workers becoming ready
-constexpr auto kStopPoll = std::chrono::milliseconds(10);   // stop: workers exiting
-constexpr uint64_t kStopGraceNs = 5000000000ull;            // then SIGKILL
+// Stopping: how long the devices' memory waits for the trainer that maps it to let go.
+// Within the launcher's SIGTERM-to-SIGKILL grace (python/shmgrad/_launcher.py STOP_TIMEOUT_S).
+constexpr auto kDeviceDetachTimeout = std::chrono::seconds(5);
+constexpr auto kStopPoll = std::chrono::milliseconds(10);  // stop: workers exiting
+constexpr uint64_t kStopGraceNs = 5000000000ull;           // then SIGKILL
 constexpr int kExitExecFailed =
     config::kExitCannotExec;                        // the forked child could not exec the worker
 constexpr uint64_t kRetireGraceNs = 5000000000ull;  // a retired, idle worker still there: SIGKILL
@@ -227,9 +232,38 @@ class Coordinator {
       }
       const gpu::IpcHandle handle = cuda_->ipcHandle(e.ordinal, ptr);
       std::memcpy(e.ipc_handle, handle.data(), handle.size());
+      const gpu::DeviceUuid uuid = cuda_->deviceUuid(e.ordinal);
+      std::memcpy(e.uuid, uuid.data(), uuid.size());
       e.state.store(static_cast<uint32_t>(ipc::DeviceState::kPublished), std::memory_order_release);
     }
   }
+
+  // Waits, at most kDeviceDetachTimeout, until no live trainer maps the devices' memory:
+  // CUDA leaves a cudaFree before the importer's cudaIpcCloseMemHandle undefined. The
+  // workers are gone by now (stopWorkers); a trainer that still holds views is told in
+  // the log, and the memory is freed anyway as the coordinator's exit would free it.
+  void awaitDeviceDetach() noexcept {
+    if (device_ptrs_.empty()) return;
+    const uint64_t deadline =
+        ipc::monotonicNs() +
+        std::chrono::duration_cast<std::chrono::nanoseconds>(kDeviceDetachTimeout).count();
+    int32_t pid = 0;
+    while ((pid = c().device_trainer_pid.load(std::memory_order_acquire)) > 0 &&
+           processAlive(pid)) {
+      if (ipc::monotonicNs() >= deadline) {
+        std::fprintf(stderr,
+                     "shmgrad: trainer pid %d still maps the engine's device memory %.0f s "
+                     "after the stop; freeing it now: that process's views of it are invalid "
+                     "(close the client, and drop gradient_tensors()/parameter_tensors(), "
+                     "before stopping the engine)\n",
+                     pid, std::chrono::duration<double>(kDeviceDetachTimeout).count());
+        return;
+      }
+      std::this_thread::sleep_for(kReadyPoll);
+    }
+  }
+
+  static bool processAlive(int32_t pid) { return pid > 0 && (kill(pid, 0) == 0 || errno == EPERM); }
 
   void freeDevices() noexcept {
     for (const auto& [ordinal, ptr] : device_ptrs_) {
@@ -424,6 +458,8 @@ class Coordinator {
       const int code = WEXITSTATUS(status);
       const char* meaning = code == worker::kExitStartupFailed     ? " (start-up failed)"
                             : code == worker::kExitCoordinatorGone ? " (coordinator gone)"
+                            : code == worker::kExitDeviceFault
+                                ? " (a CUDA kernel fault left its context unusable)"
                             : code == kExitExecFailed ? " (could not exec the worker binary)"
                                                       : "";
       return "exit code " + std::to_string(code) + meaning;
@@ -629,6 +665,7 @@ class Coordinator {
     } catch (const Error& e) {
       std::fprintf(stderr, "shmgrad: while stopping the workers: %s\n", e.what());
     }
+    awaitDeviceDetach();
     freeDevices();
     ipc::Segment::remove(opt_.name);
     removeOwnedDir();

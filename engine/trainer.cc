@@ -12,6 +12,7 @@
 
 #include "ipc/config.h"
 #include "gpu/engine_memory.h"
+#include "ipc/device_table.h"
 #include "ipc/error.h"
 #include "ipc/layout.h"
 #include "ipc/futex.h"
@@ -153,11 +154,36 @@ Trainer::Trainer(std::string name, std::shared_ptr<ipc::Segment> seg, const Atta
   }
   if (lease_) {
     try {
-      mem_ = std::make_shared<gpu::EngineMemory>(*seg_, o.cuda_library);
+      mem_ = openMemory(o.cuda_library);
     } catch (...) {
       close();  // the lease is released: nothing of the engine's is held
       throw;
     }
+  }
+}
+
+// The engine's step memory, as this trainer's views hold it. With devices, the segment
+// says that this process maps their memory (device_trainer_pid) from before it opens them
+// until the last view of them is gone, so that a stopping coordinator frees them only then.
+std::shared_ptr<gpu::EngineMemory> Trainer::openMemory(const std::string& cuda_library) {
+  ipc::ControlBlock& c = seg_->header()->control;
+  // Read only to decide whether to say so; EngineMemory validates the table.
+  const bool devices = seg_->region<ipc::DeviceTable>(seg_->header()->device)->count > 0;
+  if (!devices) return std::make_shared<gpu::EngineMemory>(*seg_, cuda_library);
+  const int32_t me = getpid();
+  c.device_trainer_pid.store(me, std::memory_order_release);
+  auto detach = [seg = seg_, me](gpu::EngineMemory* memory) {
+    delete memory;  // closes this process's mappings of the devices' memory
+    int32_t expected = me;
+    seg->header()->control.device_trainer_pid.compare_exchange_strong(expected, 0,
+                                                                      std::memory_order_acq_rel);
+  };
+  try {
+    return std::shared_ptr<gpu::EngineMemory>(new gpu::EngineMemory(*seg_, cuda_library), detach);
+  } catch (...) {
+    int32_t expected = me;
+    c.device_trainer_pid.compare_exchange_strong(expected, 0);
+    throw;
   }
 }
 
@@ -169,6 +195,9 @@ void Trainer::close() {
     int32_t me = getpid();
     seg_->header()->control.trainer_pid.compare_exchange_strong(me, 0);
   }
+  // The device memory stays mapped while views of it live (each holds it); once the last
+  // is gone it is closed and the segment says so (openMemory).
+  mem_.reset();
   seg_.reset();
 }
 
@@ -200,6 +229,8 @@ torch::Tensor Trainer::flatView(float* base) const {
       base, {static_cast<int64_t>(seg_->header()->param_floats)}, [keep, mem](void*) {},
       worker::floatOptions(device()));
 }
+
+bool Trainer::onDevice() const { return mem_ != nullptr && mem_->onDevice(); }
 
 int Trainer::device() const { return mem_ ? mem_->tensorDevice(mem_->trainerOrdinal()) : -1; }
 
@@ -496,6 +527,15 @@ uint64_t Trainer::deadlineFor(const GradientOptions& o) const {
   return ipc::monotonicNs() + static_cast<uint64_t>(o.timeout_seconds * 1e9);
 }
 
+// What a stopped or dead engine with devices leaves this trainer: its views of the
+// devices' memory, which the coordinator allocated and which went with it.
+std::string Trainer::goneOnDevice() const {
+  if (mem_ == nullptr || !mem_->onDevice()) return "";
+  return "; its GPU memory, which the bound module's parameters and .grad are views of, "
+         "went with it: their values are lost (restore the model and the optimizer from a "
+         "checkpoint, start a new engine and bind again)";
+}
+
 bool Trainer::serving() const {
   return seg_->header()->control.engine_state.load(std::memory_order_acquire) ==
          static_cast<uint32_t>(ipc::EngineState::kServing);
@@ -681,6 +721,10 @@ GradientStats Trainer::run(int64_t B, const GradientOptions& o, uint32_t kind, u
                            uint64_t deadline) {
   ipc::ControlBlock& c = seg_->header()->control;
   GradientStats stats;
+  // Before any device work: a stopped engine's memory is gone (memory reads only: a dead
+  // coordinator is found in await, without a system call per step here).
+  SHMGRAD_CHECK(serving(), ErrorKind::kNotFound, "engine '", name_, "' has stopped",
+                goneOnDevice());
   if (mem_ != nullptr && mem_->onDevice()) {
     // The optimizer's step (on this process's device) is done before any worker reads the
     // parameters, and every other device's copy of them is brought up to date.
@@ -690,7 +734,7 @@ GradientStats Trainer::run(int64_t B, const GradientOptions& o, uint32_t kind, u
   }
   for (int attempt = 0;; ++attempt) {
     SHMGRAD_CHECK(serving() && (attempt == 0 || ipc::processAlive(seg_->header()->coordinator_pid)),
-                  ErrorKind::kNotFound, "engine '", name_, "' has stopped");
+                  ErrorKind::kNotFound, "engine '", name_, "' has stopped", goneOnDevice());
     const Participants p = pickParticipants(B, o, deadline);
     const uint32_t e = publish(B, o, kind, p);
     const Outcome outcome = await(e, p, deadline);
@@ -720,7 +764,7 @@ GradientStats Trainer::run(int64_t B, const GradientOptions& o, uint32_t kind, u
       ipc::bumpAndWake(&c.coordinator_wake);
     }
     SHMGRAD_CHECK(outcome != Outcome::kEngineGone, ErrorKind::kNotFound, "engine '", name_,
-                  "' stopped during the step");
+                  "' stopped during the step", goneOnDevice());
     SHMGRAD_CHECK(outcome != Outcome::kTimedOut, ErrorKind::kTimeout, "engine '", name_,
                   "': the step did not finish within ", o.timeout_seconds,
                   " s (timeout_seconds); the engine keeps serving");

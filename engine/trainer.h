@@ -152,6 +152,9 @@ class Trainer {
   std::vector<torch::Tensor> accumulatorViews() const;
   // The CUDA device the views are on, or -1 (a CPU engine).
   int device() const;
+  // Whether this trainer's views are of the engine's device memory (mapped through CUDA
+  // IPC until the last of them is gone), whatever kind of tensor they are.
+  bool onDevice() const;
   int64_t datasetSize() const;
   int workerCount() const;  // worker processes ready now
   // What the job's loss returns for a batch: "sum", "mean", "weighted" ((loss_sum, count),
@@ -209,10 +212,12 @@ class Trainer {
   void checkStepOptions(const GradientOptions& options) const;
   uint64_t deadlineFor(const GradientOptions& options) const;
   bool serving() const;
+  std::string goneOnDevice() const;
   void waitIdle(uint64_t deadline_ns);
   void checkUsable() const;
   std::vector<torch::Tensor> views(float* base) const;
   torch::Tensor flatView(float* base) const;
+  std::shared_ptr<gpu::EngineMemory> openMemory(const std::string& cuda_library);
 
   std::string name_;
   std::shared_ptr<ipc::Segment> seg_;

@@ -4,6 +4,7 @@
 #include <limits.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -72,6 +73,10 @@ std::shared_ptr<CudaLibrary> CudaLibrary::load(const std::string& path) {
   bind(handle, path, "shmgrad_cuda_copy", &lib->copy_);
   bind(handle, path, "shmgrad_cuda_reduce", &lib->reduce_);
   bind(handle, path, "shmgrad_cuda_any_nonfinite", &lib->any_nonfinite_);
+  bind(handle, path, "shmgrad_cuda_device_uuid", &lib->device_uuid_);
+  bind(handle, path, "shmgrad_cuda_error_is_sticky", &lib->error_is_sticky_);
+  bind(handle, path, "shmgrad_cuda_host_register", &lib->host_register_);
+  bind(handle, path, "shmgrad_cuda_host_unregister", &lib->host_unregister_);
   // Read once: where the library's allocations live does not change while it is loaded.
   decltype(&shmgrad_cuda_memory_kind) memory_kind = nullptr;
   bind(handle, path, "shmgrad_cuda_memory_kind", &memory_kind);
@@ -96,10 +101,16 @@ std::string CudaLibrary::describe(int code) const {
 
 void CudaLibrary::check(int code, const char* what, int device) const {
   if (code == 0) return;
-  SHMGRAD_CHECK(code != kErrorMemoryAllocation, ErrorKind::kNoSpace, what, " on cuda:", device,
+  const std::string where = device < 0 ? "" : " on cuda:" + std::to_string(device);
+  if (error_is_sticky_(code) != 0) {
+    faulted_.store(true, std::memory_order_relaxed);
+    raise(ErrorKind::kSystem, what, where, " failed: ", describe(code),
+          "; this process's CUDA context is unusable from now on (a sticky error)");
+  }
+  SHMGRAD_CHECK(code != kErrorMemoryAllocation, ErrorKind::kNoSpace, what, where,
                 " failed: the device is out of memory (", describe(code),
                 "); free memory there or serve fewer workers on it");
-  raise(ErrorKind::kSystem, what, " on cuda:", device, " failed: ", describe(code));
+  raise(ErrorKind::kSystem, what, where, " failed: ", describe(code));
 }
 
 int CudaLibrary::deviceCount() const {
@@ -117,6 +128,48 @@ int CudaLibrary::deviceCount() const {
                 "CPU");
   SHMGRAD_CHECK(code == 0, ErrorKind::kSystem, "the CUDA runtime failed: ", describe(code));
   return count;
+}
+
+std::string uuidText(const DeviceUuid& uuid) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out = "GPU-";
+  for (size_t i = 0; i < uuid.size(); ++i) {
+    if (i == 4 || i == 6 || i == 8 || i == 10) out += '-';
+    out += kHex[uuid[i] >> 4];
+    out += kHex[uuid[i] & 15];
+  }
+  return out;
+}
+
+DeviceUuid CudaLibrary::deviceUuid(int device) const {
+  DeviceUuid uuid{};
+  check(device_uuid_(device, uuid.data()), "cudaGetDeviceProperties (its UUID)", device);
+  return uuid;
+}
+
+int CudaLibrary::localOrdinal(const DeviceUuid& uuid, const std::string& engine_name) const {
+  const int count = deviceCount();
+  for (int d = 0; d < count; ++d) {
+    if (deviceUuid(d) == uuid) return d;
+  }
+  const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+  raise(ErrorKind::kInvalidArgument, "the engine computes on ", uuidText(uuid), " (", engine_name,
+        " where it was started), which this process does not see among its ", count,
+        " GPU(s) (CUDA_VISIBLE_DEVICES=", visible ? visible : "(unset)",
+        "): start it with the engine's CUDA_VISIBLE_DEVICES, or serve GPUs it sees");
+}
+
+void CudaLibrary::hostRegister(void* ptr, uint64_t bytes) const {
+  check(host_register_(ptr, bytes), "cudaHostRegister", -1);
+}
+
+int CudaLibrary::hostUnregister(void* ptr) const noexcept { return host_unregister_(ptr); }
+
+bool CudaLibrary::deviceFaulted(int device) const {
+  if (faulted()) return true;
+  const int code = synchronize_(device);
+  if (code != 0 && error_is_sticky_(code) != 0) faulted_.store(true, std::memory_order_relaxed);
+  return faulted();
 }
 
 uint64_t CudaLibrary::alloc(int device, uint64_t bytes) const {
@@ -211,7 +264,9 @@ DeviceMapping::DeviceMapping(std::shared_ptr<const CudaLibrary> cuda, const ipc:
                     static_cast<uint32_t>(ipc::DeviceState::kPublished),
                 ErrorKind::kNotFound, "cuda:", e.ordinal,
                 "'s buffers are not published yet: the coordinator is still starting");
-  ordinal_ = e.ordinal;
+  DeviceUuid uuid;
+  std::memcpy(uuid.data(), e.uuid, uuid.size());
+  ordinal_ = cuda_->localOrdinal(uuid, "cuda:" + std::to_string(e.ordinal));
   slots_ = e.slots;
   layout_ = e.layout;
   std::memcpy(handle_.data(), e.ipc_handle, handle_.size());

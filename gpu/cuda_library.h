@@ -5,6 +5,7 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -16,6 +17,10 @@
 namespace shmgrad::gpu {
 
 using IpcHandle = std::array<uint8_t, SHMGRAD_IPC_HANDLE_BYTES>;
+using DeviceUuid = std::array<uint8_t, SHMGRAD_DEVICE_UUID_BYTES>;
+
+// "GPU-3b2f6c1a-..." as nvidia-smi and CUDA_VISIBLE_DEVICES write a UUID.
+std::string uuidText(const DeviceUuid& uuid);
 
 class CudaLibrary {
  public:
@@ -33,6 +38,12 @@ class CudaLibrary {
   const std::string& path() const { return path_; }
   // Visible devices; kInvalidArgument naming a missing driver or device when there are none.
   int deviceCount() const;
+  // The GPU's UUID, the same in every process.
+  DeviceUuid deviceUuid(int device) const;
+  // This process's ordinal of the GPU with `uuid`; kInvalidArgument naming it, what the
+  // engine calls it (`engine_name`, e.g. "cuda:1") and the fix, when this process does
+  // not see it (another CUDA_VISIBLE_DEVICES than the engine's).
+  int localOrdinal(const DeviceUuid& uuid, const std::string& engine_name) const;
   // cudaMalloc'd, zero-filled; kNoSpace when the device is full.
   uint64_t alloc(int device, uint64_t bytes) const;
   // Frees; returns the CUDA error code rather than throwing (used while stopping).
@@ -55,6 +66,15 @@ class CudaLibrary {
   void reduce(int device, uint64_t out, uint64_t prev, const uint64_t* ins, uint32_t nins,
               uint64_t begin, uint64_t end, float a, float b) const;
   bool anyNonFinite(int device, uint64_t ptr, uint64_t begin, uint64_t end) const;
+  // Page-locks host memory (copies from it to a device become asynchronous DMA).
+  void hostRegister(void* ptr, uint64_t bytes) const;
+  int hostUnregister(void* ptr) const noexcept;
+  // Whether a call of this process's has failed with a sticky error (a kernel fault): its
+  // CUDA context is unusable, and a worker must exit to be replaced.
+  bool faulted() const { return faulted_.load(std::memory_order_relaxed); }
+  // Whether `device`'s context has a sticky error, this library's or torch's (they share
+  // the device's primary context): waits for the device, and looks at what that returns.
+  bool deviceFaulted(int device) const;
   // "cudaErrorNoDevice: no CUDA-capable device is detected"
   std::string describe(int code) const;
 
@@ -81,7 +101,12 @@ class CudaLibrary {
   decltype(&shmgrad_cuda_copy) copy_ = nullptr;
   decltype(&shmgrad_cuda_reduce) reduce_ = nullptr;
   decltype(&shmgrad_cuda_any_nonfinite) any_nonfinite_ = nullptr;
+  decltype(&shmgrad_cuda_device_uuid) device_uuid_ = nullptr;
+  decltype(&shmgrad_cuda_error_is_sticky) error_is_sticky_ = nullptr;
+  decltype(&shmgrad_cuda_host_register) host_register_ = nullptr;
+  decltype(&shmgrad_cuda_host_unregister) host_unregister_ = nullptr;
   bool host_memory_ = false;
+  mutable std::atomic<bool> faulted_{false};
 };
 
 // One device's buffers as a worker or trainer sees them: the published table entry's IPC
@@ -95,16 +120,18 @@ class CudaLibrary {
 // there.
 class DeviceMapping {
  public:
-  // kInvalidArgument for a device index past the table, or for a `context` other than the
-  // one this process already opened the allocation in; kNotFound while the coordinator has
-  // not published the entry; CorruptError for a table that fails validation. `context` -1:
-  // the allocation's own device.
+  // kInvalidArgument for a device index past the table, for a GPU this process does not
+  // see (its UUID), or for a `context` other than the one this process already opened the
+  // allocation in; kNotFound while the coordinator has not published the entry;
+  // CorruptError for a table that fails validation. `context` -1: the allocation's own
+  // device (this process's ordinal of it).
   DeviceMapping(std::shared_ptr<const CudaLibrary> cuda, const ipc::Segment& segment,
                 uint32_t device_index, int context = -1);
   ~DeviceMapping();
   DeviceMapping(const DeviceMapping&) = delete;
   DeviceMapping& operator=(const DeviceMapping&) = delete;
 
+  // This process's ordinal of the device (found by its UUID: the coordinator's may differ).
   int ordinal() const { return ordinal_; }
   // The device in whose context the buffers are mapped here.
   int context() const { return context_; }

@@ -10,15 +10,37 @@
 
 namespace {
 
-// Every entry point first makes `device` current on the calling thread.
-cudaError_t use(int device, int* visible = nullptr) {
-  int count = 0;
-  cudaError_t e = cudaGetDeviceCount(&count);
-  if (e != cudaSuccess) return e;
-  if (device < 0 || device >= count) return cudaErrorInvalidDevice;
-  if (visible != nullptr) *visible = count;
-  return cudaSetDevice(device);
-}
+// Makes `device` current on the calling thread for one entry point, and the caller's
+// current device current again when the entry point returns: a trainer whose torch
+// computes on another device than the engine's is not switched (torch keeps its own idea
+// of the current device, and would launch its next kernels on ours). Nothing is set, nor
+// restored, when `device` is current already.
+class OnDevice {
+ public:
+  OnDevice() = default;
+  OnDevice(const OnDevice&) = delete;
+  OnDevice& operator=(const OnDevice&) = delete;
+  ~OnDevice() {
+    if (restore_ >= 0) cudaSetDevice(restore_);
+  }
+
+  cudaError_t use(int device, int* visible = nullptr) {
+    int count = 0;
+    cudaError_t e = cudaGetDeviceCount(&count);
+    if (e != cudaSuccess) return e;
+    if (device < 0 || device >= count) return cudaErrorInvalidDevice;
+    if (visible != nullptr) *visible = count;
+    int current = 0;
+    e = cudaGetDevice(&current);
+    if (e != cudaSuccess || current == device) return e;
+    e = cudaSetDevice(device);
+    if (e == cudaSuccess) restore_ = current;
+    return e;
+  }
+
+ private:
+  int restore_ = -1;  // the caller's device, when it was another one
+};
 
 template <typename T>
 T* at(uint64_t p) {
@@ -75,7 +97,7 @@ struct NonfiniteFlag {
   int* flag = nullptr;
 };
 
-// The flag of `device`, a valid ordinal (use() checked it against `count`, which a process
+// The flag of `device`, a valid ordinal (on.use() checked it against `count`, which a process
 // never sees change). Never freed: the process's exit tears the context down with it.
 NonfiniteFlag& nonfiniteFlag(int device, int count) {
   static NonfiniteFlag* const flags = new NonfiniteFlag[count];
@@ -113,7 +135,8 @@ SHMGRAD_API int shmgrad_cuda_device_count(int* count) {
 
 SHMGRAD_API int shmgrad_cuda_device_info(int device, char* name, size_t len, int* major,
                                          int* minor) {
-  cudaError_t e = use(device);
+  OnDevice on;
+  cudaError_t e = on.use(device);
   if (e != cudaSuccess) return e;
   cudaDeviceProp prop;
   e = cudaGetDeviceProperties(&prop, device);
@@ -127,9 +150,55 @@ SHMGRAD_API int shmgrad_cuda_device_info(int device, char* name, size_t len, int
   return cudaSuccess;
 }
 
+SHMGRAD_API int shmgrad_cuda_device_uuid(int device, uint8_t uuid[SHMGRAD_DEVICE_UUID_BYTES]) {
+  static_assert(sizeof(cudaUUID_t) == SHMGRAD_DEVICE_UUID_BYTES, "device UUID size");
+  if (uuid == nullptr) return cudaErrorInvalidValue;
+  int count = 0;
+  cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess) return e;
+  if (device < 0 || device >= count) return cudaErrorInvalidDevice;
+  cudaDeviceProp prop;  // no context needed: properties are the driver's
+  e = cudaGetDeviceProperties(&prop, device);
+  if (e != cudaSuccess) return e;
+  std::memcpy(uuid, &prop.uuid, SHMGRAD_DEVICE_UUID_BYTES);
+  return cudaSuccess;
+}
+
+SHMGRAD_API int shmgrad_cuda_error_is_sticky(int code) {
+  // The errors after which CUDA documents the context as unusable (every later call
+  // returns the same error until the process exits).
+  switch (static_cast<cudaError_t>(code)) {
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorHardwareStackError:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorLaunchFailure:
+    case cudaErrorAssert:
+    case cudaErrorECCUncorrectable:
+    case cudaErrorContextIsDestroyed:
+      return 1;
+    default:
+      return 0;
+  }
+}
+
+SHMGRAD_API int shmgrad_cuda_host_register(void* ptr, uint64_t bytes) {
+  if (ptr == nullptr || bytes == 0) return cudaErrorInvalidValue;
+  return cudaHostRegister(ptr, bytes, cudaHostRegisterPortable);
+}
+
+SHMGRAD_API int shmgrad_cuda_host_unregister(void* ptr) {
+  if (ptr == nullptr) return cudaErrorInvalidValue;
+  return cudaHostUnregister(ptr);
+}
+
 SHMGRAD_API int shmgrad_cuda_alloc(int device, uint64_t bytes, uint64_t* ptr) {
   *ptr = 0;
-  cudaError_t e = use(device);
+  OnDevice on;
+  cudaError_t e = on.use(device);
   if (e != cudaSuccess) return e;
   void* p = nullptr;
   e = cudaMalloc(&p, bytes);
@@ -145,7 +214,8 @@ SHMGRAD_API int shmgrad_cuda_alloc(int device, uint64_t bytes, uint64_t* ptr) {
 }
 
 SHMGRAD_API int shmgrad_cuda_free(int device, uint64_t ptr) {
-  cudaError_t e = use(device);
+  OnDevice on;
+  cudaError_t e = on.use(device);
   if (e != cudaSuccess) return e;
   return cudaFree(at<void>(ptr));
 }
@@ -153,7 +223,8 @@ SHMGRAD_API int shmgrad_cuda_free(int device, uint64_t ptr) {
 SHMGRAD_API int shmgrad_cuda_ipc_handle(int device, uint64_t ptr,
                                         uint8_t handle[SHMGRAD_IPC_HANDLE_BYTES]) {
   static_assert(sizeof(cudaIpcMemHandle_t) == SHMGRAD_IPC_HANDLE_BYTES, "IPC handle size");
-  cudaError_t e = use(device);
+  OnDevice on;
+  cudaError_t e = on.use(device);
   if (e != cudaSuccess) return e;
   cudaIpcMemHandle_t h;
   e = cudaIpcGetMemHandle(&h, at<void>(ptr));
@@ -165,7 +236,8 @@ SHMGRAD_API int shmgrad_cuda_ipc_handle(int device, uint64_t ptr,
 SHMGRAD_API int shmgrad_cuda_ipc_open(int device, const uint8_t handle[SHMGRAD_IPC_HANDLE_BYTES],
                                       uint64_t* ptr) {
   *ptr = 0;
-  cudaError_t e = use(device);
+  OnDevice on;
+  cudaError_t e = on.use(device);
   if (e != cudaSuccess) return e;
   cudaIpcMemHandle_t h;
   std::memcpy(&h, handle, sizeof h);
@@ -177,7 +249,8 @@ SHMGRAD_API int shmgrad_cuda_ipc_open(int device, const uint8_t handle[SHMGRAD_I
 }
 
 SHMGRAD_API int shmgrad_cuda_ipc_close(int device, uint64_t ptr) {
-  cudaError_t e = use(device);
+  OnDevice on;
+  cudaError_t e = on.use(device);
   if (e != cudaSuccess) return e;
   return cudaIpcCloseMemHandle(at<void>(ptr));
 }
@@ -186,7 +259,8 @@ SHMGRAD_API int shmgrad_cuda_can_access_peer(int device, int peer, int* can) {
   if (can == nullptr) return cudaErrorInvalidValue;
   *can = 0;
   int count = 0;
-  cudaError_t e = use(device, &count);
+  OnDevice on;
+  cudaError_t e = on.use(device, &count);
   if (e != cudaSuccess) return e;
   if (peer < 0 || peer >= count) return cudaErrorInvalidDevice;
   if (peer == device) {
@@ -198,13 +272,15 @@ SHMGRAD_API int shmgrad_cuda_can_access_peer(int device, int peer, int* can) {
 
 SHMGRAD_API int shmgrad_cuda_copy_to_device(int device, uint64_t dst, const void* src,
                                             uint64_t bytes) {
-  cudaError_t e = use(device);
+  OnDevice on;
+  cudaError_t e = on.use(device);
   if (e != cudaSuccess) return e;
   return cudaMemcpy(at<void>(dst), src, bytes, cudaMemcpyHostToDevice);
 }
 
 SHMGRAD_API int shmgrad_cuda_copy_to_host(int device, void* dst, uint64_t src, uint64_t bytes) {
-  cudaError_t e = use(device);
+  OnDevice on;
+  cudaError_t e = on.use(device);
   if (e != cudaSuccess) return e;
   return cudaMemcpy(dst, at<void>(src), bytes, cudaMemcpyDeviceToHost);
 }
@@ -213,7 +289,8 @@ SHMGRAD_API int shmgrad_cuda_memory_kind(void) { return 0; }
 
 SHMGRAD_API int shmgrad_cuda_zero(int device, uint64_t ptr, uint64_t bytes) {
   if (ptr == 0) return cudaErrorInvalidValue;
-  cudaError_t e = use(device);
+  OnDevice on;
+  cudaError_t e = on.use(device);
   if (e != cudaSuccess) return e;
   e = cudaMemsetAsync(at<void>(ptr), 0, bytes, 0);
   if (e != cudaSuccess) return e;
@@ -221,14 +298,16 @@ SHMGRAD_API int shmgrad_cuda_zero(int device, uint64_t ptr, uint64_t bytes) {
 }
 
 SHMGRAD_API int shmgrad_cuda_synchronize(int device) {
-  cudaError_t e = use(device);
+  OnDevice on;
+  cudaError_t e = on.use(device);
   if (e != cudaSuccess) return e;
   return cudaDeviceSynchronize();
 }
 
 SHMGRAD_API int shmgrad_cuda_copy(int device, uint64_t dst, uint64_t src, uint64_t bytes) {
   if (dst == 0 || src == 0) return cudaErrorInvalidValue;
-  cudaError_t e = use(device);
+  OnDevice on;
+  cudaError_t e = on.use(device);
   if (e != cudaSuccess) return e;
   // Unified addressing: the driver finds each address's device (a peer copy over NVLink or
   // PCIe when they differ); on the legacy stream, after the work issued before it.
@@ -248,7 +327,8 @@ SHMGRAD_API int shmgrad_cuda_reduce(int device, uint64_t out, uint64_t prev, con
     if (ins[k] == 0) return cudaErrorInvalidValue;
     inputs.ptr[k] = ins[k];
   }
-  cudaError_t e = use(device);
+  OnDevice on;
+  cudaError_t e = on.use(device);
   if (e != cudaSuccess || end == begin) return e;
   reduceKernel<<<blocksFor(end - begin), kThreads>>>(at<float>(out), at<const float>(prev), inputs,
                                                      nins, begin, end, a, b);
@@ -263,7 +343,8 @@ SHMGRAD_API int shmgrad_cuda_any_nonfinite(int device, uint64_t ptr, uint64_t be
   *found = 0;
   if (end < begin || ptr == 0) return cudaErrorInvalidValue;
   int count = 0;
-  cudaError_t e = use(device, &count);
+  OnDevice on;
+  cudaError_t e = on.use(device, &count);
   if (e != cudaSuccess || end == begin) return e;
   NonfiniteFlag& f = nonfiniteFlag(device, count);
   std::lock_guard<std::mutex> lock(f.mu);

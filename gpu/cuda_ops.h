@@ -17,8 +17,9 @@
 extern "C" {
 #endif
 
-#define SHMGRAD_CUDA_API_VERSION 3
+#define SHMGRAD_CUDA_API_VERSION 4
 #define SHMGRAD_IPC_HANDLE_BYTES 64
+#define SHMGRAD_DEVICE_UUID_BYTES 16
 #define SHMGRAD_MAX_REDUCE_INPUTS 64  // ipc::kMaxWorkers
 
 // The library's interface version (SHMGRAD_CUDA_API_VERSION): a loader refuses another.
@@ -34,6 +35,18 @@ const char* shmgrad_cuda_error_string(int code);
 int shmgrad_cuda_device_count(int* count);
 // The device's name (NUL-terminated, at most `len` bytes with the NUL) and capability.
 int shmgrad_cuda_device_info(int device, char* name, size_t len, int* major, int* minor);
+
+// The device's UUID (cudaDeviceProp::uuid): what names a GPU the same way in every process,
+// whatever its CUDA_VISIBLE_DEVICES or CUDA_DEVICE_ORDER make its ordinal there.
+int shmgrad_cuda_device_uuid(int device, uint8_t uuid[SHMGRAD_DEVICE_UUID_BYTES]);
+// 1 when `code` is a sticky error (a kernel fault: an illegal address, a launch failure, an
+// assert...): the process's CUDA context is unusable from then on, and every later call
+// fails with it; 0 otherwise.
+int shmgrad_cuda_error_is_sticky(int code);
+
+// Every function below that takes a `device` runs on it and leaves the calling thread's
+// current device as it found it (cudaGetDevice before, cudaSetDevice back after): a
+// caller whose current device is another one is not switched.
 
 // cudaMalloc on `device`, zero-filled; the pointer as an integer.
 int shmgrad_cuda_alloc(int device, uint64_t bytes, uint64_t* ptr);
@@ -54,6 +67,11 @@ int shmgrad_cuda_can_access_peer(int device, int peer, int* can);
 // Synchronous copies between host and device memory (set-up and tests; not the step).
 int shmgrad_cuda_copy_to_device(int device, uint64_t dst, const void* src, uint64_t bytes);
 int shmgrad_cuda_copy_to_host(int device, void* dst, uint64_t src, uint64_t bytes);
+
+// Page-locks host memory (cudaHostRegister, portable: for every device) so that copies
+// from it to a device are asynchronous DMA; unregister it before it is unmapped.
+int shmgrad_cuda_host_register(void* ptr, uint64_t bytes);
+int shmgrad_cuda_host_unregister(void* ptr);
 
 // Where this library's allocations live: 0, device memory (a tensor over one is a CUDA
 // tensor on its device); 1, host memory the process can address (a test double's, for

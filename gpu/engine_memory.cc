@@ -23,10 +23,13 @@ EngineMemory::EngineMemory(const ipc::Segment& segment, const std::string& cuda_
   SHMGRAD_CHECK(mine >= 0 && static_cast<uint32_t>(mine) < table->count, ErrorKind::kCorrupt,
                 "device table: slot ", slot, " is placed on device index ", mine, " of ",
                 table->count);
-  context_ = table->devices[mine].ordinal;
   std::string path = cuda_library;
   if (const char* env = config::tunable("SHMGRAD_CUDA_LIBRARY")) path = env;
   cuda_ = CudaLibrary::load(path.empty() ? CudaLibrary::defaultPath() : path);
+  // This process's ordinal of its device: the same GPU (its UUID) as the coordinator's.
+  DeviceUuid uuid;
+  std::memcpy(uuid.data(), table->devices[mine].uuid, uuid.size());
+  context_ = cuda_->localOrdinal(uuid, "cuda:" + std::to_string(table->devices[mine].ordinal));
   for (uint32_t d = 0; d < table->count; ++d) {
     devices_.push_back(std::make_unique<DeviceMapping>(cuda_, segment, d, context_));
   }

@@ -25,10 +25,11 @@
 
 namespace shmgrad::ipc {
 
-constexpr uint32_t kMaxDevices = 16;      // devices one engine serves, at most
-constexpr uint32_t kIpcHandleBytes = 64;  // cudaIpcMemHandle_t
-constexpr uint64_t kDeviceAlign = 256;    // cudaMalloc's alignment; every region's too
-constexpr int8_t kNoDevice = -1;          // a slot placed on no device
+constexpr uint32_t kMaxDevices = 16;       // devices one engine serves, at most
+constexpr uint32_t kIpcHandleBytes = 64;   // cudaIpcMemHandle_t
+constexpr uint32_t kDeviceUuidBytes = 16;  // cudaUUID_t
+constexpr uint64_t kDeviceAlign = 256;     // cudaMalloc's alignment; every region's too
+constexpr int8_t kNoDevice = -1;           // a slot placed on no device
 
 // Byte offsets of one device's regions within its allocation; `bytes` is its size.
 // `reduced` and `accum` are 0 (none) on every device but the first.
@@ -51,6 +52,10 @@ struct DeviceEntry {
   uint32_t reserved;
   DeviceLayout layout;
   uint8_t ipc_handle[kIpcHandleBytes];
+  // The GPU's UUID: what names it in every process. An ordinal depends on each process's
+  // CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER; a worker or trainer finds its own ordinal
+  // for this UUID (gpu::CudaLibrary::localOrdinal), and refuses when it does not see it.
+  uint8_t uuid[kDeviceUuidBytes];
 };
 
 struct DeviceTable {
@@ -79,7 +84,7 @@ struct Placement {
 Placement placeRoundRobin(uint32_t slots, uint32_t devices);
 
 // Fills `table` for `ordinals` (distinct), placing `num_slots` slots round-robin; the
-// handles stay empty and every state kEmpty until the coordinator publishes them.
+// handles and UUIDs stay empty and every state kEmpty until the coordinator publishes them.
 void initDeviceTable(DeviceTable* table, const std::vector<int>& ordinals, uint32_t num_slots,
                      uint64_t param_floats, uint64_t buffer_bytes);
 

@@ -32,7 +32,7 @@
 namespace shmgrad::ipc {
 
 constexpr uint64_t kMagic = 0x31444152474d4853ull;  // "SHMGRAD1", little endian
-constexpr uint32_t kLayoutVersion = 14;
+constexpr uint32_t kLayoutVersion = 15;
 constexpr uint64_t kAlign = 64;  // every region and tensor starts on a cache line
 constexpr uint32_t kAlignFloats = kAlign / sizeof(float);
 constexpr uint32_t kMaxWorkers = 64;            // gradient slots in one segment, at most
@@ -374,6 +374,11 @@ struct alignas(64) ControlBlock {
   // compare-and-swap from kUnknown, so the first answer stays).
   std::atomic<uint32_t> loss_reduction;
   alignas(64) std::atomic<int32_t> trainer_pid;  // the lease: 0 free, else holder
+  // An engine with devices: the trainer process that maps their memory (0: none). Set when
+  // a trainer opens it, cleared when its last view of it is gone; the coordinator frees
+  // that memory only once this is 0 or names a dead process (a cudaFree before the
+  // importer's cudaIpcCloseMemHandle is undefined). Never trusted as more than a pid.
+  std::atomic<int32_t> device_trainer_pid;
   std::atomic<uint64_t> steps_served;
   std::atomic<uint64_t> steps_aborted;
   std::atomic<uint64_t> worker_restarts;

@@ -47,7 +47,9 @@ void reduceBlock(float* __restrict out, const float* const* in, uint32_t n, uint
     const float* __restrict x = in[k];
     const float* __restrict y = in[k + 1];
     const float* __restrict z = in[k + 2];
-    for (uint64_t i = b; i < e; ++i) out[i] += x[i] + y[i] + z[i];
+    // Strictly in list order, ((out + x) + y) + z: the device's reduction adds in the same
+    // order, so a CPU engine and a GPU engine give the same bits (as many loads either way).
+    for (uint64_t i = b; i < e; ++i) out[i] = out[i] + x[i] + y[i] + z[i];
     k += 3;
   }
   const uint32_t left = n - k;  // 1..3

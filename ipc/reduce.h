@@ -26,7 +26,10 @@ inline void shardBounds(int64_t total, uint32_t parts, uint32_t rank, int64_t* b
 // examples, or a weight that need not be a whole number (tokens in a mean over tokens).
 inline float meanScale(double count) { return static_cast<float>(1.0 / count); }
 
-// out[i] = scale * (in[0][i] + ... + in[n-1][i]) for i in [begin, end). n >= 1.
+// out[i] = scale * (in[0][i] + ... + in[n-1][i]) for i in [begin, end). n >= 1. The
+// inputs are added in list order, one rounding each, then scaled; accumulateSlice then adds
+// a * prev[i] (one rounding for the product, one for the sum): libshmgrad_cuda.so's kernel
+// (built with --fmad=false) rounds the same way, so the bits agree (tests/gpu_test.cc).
 // Allocates nothing; vectorised (AVX2 where the CPU has it, chosen at load time).
 void reduceSlice(float* out, const float* const* in, uint32_t n, uint64_t begin, uint64_t end,
                  float scale);

@@ -212,6 +212,9 @@ PYBIND11_MODULE(_C, m) {
           py::arg("cuda_library") = "")
       .def_property_readonly("device", &shmgrad::Trainer::device,
                              "the CUDA device its views are on, or -1 (a CPU engine)")
+      .def_property_readonly("on_device", &shmgrad::Trainer::onDevice,
+                             "whether its views are of the engine's device memory (an "
+                             "engine with devices, also on a test double's host memory)")
       .def("parameters",
            [](const shmgrad::Trainer& t) {
              py::list out;

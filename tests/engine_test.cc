@@ -366,6 +366,50 @@ TEST(DeviceBuffersTest, EachDeviceGetsItsBuffersAndHandleAndLosesThemAtStop) {
   unsetenv("SHMGRAD_CUDA_LIBRARY");
 }
 
+// Each process finds the engine's GPUs by their UUIDs, whatever its own ordinals for them
+// (CUDA_VISIBLE_DEVICES, CUDA_DEVICE_ORDER; FAKE_CUDA_VISIBLE for the fake device), and a
+// process that does not see one of them is refused, naming it and the fix.
+TEST(DeviceBuffersTest, DevicesAreMatchedByUuidInEveryProcess) {
+  setenv("SHMGRAD_CUDA_LIBRARY", kFakeCuda, 1);
+  setenv("FAKE_CUDA_DEVICES", "2", 1);
+  unsetenv("FAKE_CUDA_VISIBLE");
+  Fixture f = makeFixture("mlp", 7);
+  const std::string name = uniqueName("uuids");
+  // The engine computes on its cuda:1 (physical device 1) first, then cuda:0.
+  EngineProcess engine(name, {"--model", f.model, "--workers", "2", "--devices", "1,0", "--dataset",
+                              "npy:" + f.inputs_npy + "," + f.targets_npy});
+  {
+    // This process numbers them the other way round: its cuda:0 is physical device 1.
+    setenv("FAKE_CUDA_VISIBLE", "1,0", 1);
+    auto t = Trainer::attach(name);
+    std::shared_ptr<const gpu::CudaLibrary> cuda = gpu::CudaLibrary::load(kFakeCuda);
+    gpu::DeviceMapping first(cuda, t->segment(), 0);
+    EXPECT_EQ(first.ordinal(), 0);  // physical 1, which the engine calls cuda:1
+    EXPECT_EQ(first.context(), 0);  // where the trainer computes: the engine's first GPU
+    gpu::DeviceMapping second(cuda, t->segment(), 1, first.context());
+    EXPECT_EQ(second.ordinal(), 1);  // physical 0, the engine's cuda:0
+    torch::Tensor idx = torch::arange(0, 12, torch::kInt64);
+    auto ref = referenceGradient(f.model, "cross_entropy", f.x.index_select(0, idx),
+                                 f.y.index_select(0, idx));
+    t->gradient(idx);
+    EXPECT_LT(relativeError(t->gradientViews(), ref), 1e-5);
+  }
+  {
+    // This process sees physical device 0 only: the engine's first GPU is not there.
+    setenv("FAKE_CUDA_VISIBLE", "0", 1);
+    std::string message;
+    EXPECT_TRUE(throwsKind(
+        ErrorKind::kInvalidArgument, [&] { Trainer::attach(name); }, &message));
+    EXPECT_NE(message.find("does not see"), std::string::npos) << message;
+    EXPECT_NE(message.find("CUDA_VISIBLE_DEVICES"), std::string::npos) << message;
+    EXPECT_NE(message.find("GPU-f0f1f2f3-"), std::string::npos) << message;
+  }
+  unsetenv("FAKE_CUDA_VISIBLE");
+  engine.stop();
+  EXPECT_FALSE(ipc::Segment::exists(name));
+  unsetenv("SHMGRAD_CUDA_LIBRARY");
+}
+
 TEST(DeviceBuffersTest, WhatAMachineLacksFailsTheStartAndLeavesNothing) {
   Fixture f = makeFixture("mlp", 6);
   const std::string base = "--model " + f.model + " --workers 2 ";

@@ -6,11 +6,17 @@
 // FAKE_CUDA_DEVICES (default 2) devices are visible; 0 acts as "no device".
 // FAKE_CUDA_HANG_FILE names a file: a shmgrad_cuda_synchronize that finds it there does
 // not return for ten minutes, whatever happens to the file (a kernel that hangs).
+// FAKE_CUDA_VISIBLE lists the devices this process sees, as CUDA_VISIBLE_DEVICES does
+// ("1,0": its cuda:0 is device 1); each device's UUID is the same in every process.
+// A free of an allocation that another live process still maps (CUDA leaves it undefined)
+// fails with fakeErrorFreedWhileMapped, is said on stderr and appended to the file that
+// FAKE_CUDA_VIOLATIONS names: the tests hold the engine to freeing after every detach.
 // Contexts as CUDA has them: an allocation is mapped in its device's context, an opened
 // handle in the context of the device it was opened on (another device's allocation
 // opened there through peer access; FAKE_CUDA_NO_PEER=1: devices that are no peers, whose
 // opening fails as CUDA's does), and the operations on `device` refuse an address not
 // mapped in its context (cudaErrorIllegalAddress, where a GPU would fault).
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -21,9 +27,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <map>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "gpu/cuda_ops.h"
 
@@ -33,7 +41,7 @@ namespace {
 
 constexpr int kSuccess = 0, kInvalidValue = 1, kMemoryAllocation = 2, kNoDevice = 100,
               kInvalidDevice = 101, kAlreadyMapped = 208, kPeerAccessUnsupported = 217,
-              kInvalidHandle = 400, kIllegalAddress = 700;
+              kInvalidHandle = 400, kIllegalAddress = 700, kFreedWhileMapped = 9001;
 
 struct Mapping {
   std::string name;    // the object this process allocated; empty for an opened handle
@@ -45,14 +53,71 @@ std::mutex g_mu;
 std::map<uint64_t, Mapping> g_maps;
 std::atomic<int> g_counter{0};
 
-int devices() {
+int physicalDevices() {
   const char* env = std::getenv("FAKE_CUDA_DEVICES");
   return env ? std::atoi(env) : 2;
 }
 
+// The physical devices this process sees, in its ordinal order (FAKE_CUDA_VISIBLE).
+std::vector<int> visible() {
+  std::vector<int> out;
+  const char* env = std::getenv("FAKE_CUDA_VISIBLE");
+  if (env == nullptr) {
+    for (int d = 0; d < physicalDevices(); ++d) out.push_back(d);
+    return out;
+  }
+  for (const char* p = env; *p != '\0';) {
+    char* end = nullptr;
+    const long d = std::strtol(p, &end, 10);
+    if (end == p) break;
+    if (d >= 0 && d < physicalDevices()) out.push_back(static_cast<int>(d));
+    p = *end == ',' ? end + 1 : end;
+  }
+  return out;
+}
+
+int devices() { return static_cast<int>(visible().size()); }
+
+// This process's ordinal `device` as a physical device (-1 for -1).
+int physical(int device) { return device < 0 ? -1 : visible().at(device); }
+
 int use(int device) {
   if (devices() == 0) return kNoDevice;
   return device >= 0 && device < devices() ? kSuccess : kInvalidDevice;
+}
+
+// Another live process that maps the shared-memory object `name` (its /proc/PID/maps).
+int otherMapper(const std::string& name) {
+  const std::string path = "/dev/shm" + name;
+  DIR* proc = opendir("/proc");
+  if (proc == nullptr) return 0;
+  int found = 0;
+  while (dirent* ent = readdir(proc)) {
+    const int pid = std::atoi(ent->d_name);
+    if (pid <= 0 || pid == getpid()) continue;
+    std::ifstream maps("/proc/" + std::string(ent->d_name) + "/maps");
+    std::string line;
+    while (std::getline(maps, line)) {
+      if (line.size() >= path.size() &&
+          line.compare(line.size() - path.size(), path.size(), path) == 0) {
+        found = pid;
+        break;
+      }
+    }
+    if (found != 0) break;
+  }
+  closedir(proc);
+  return found;
+}
+
+void violation(const std::string& text) {
+  std::fprintf(stderr, "fake cuda: %s\n", text.c_str());
+  if (const char* file = std::getenv("FAKE_CUDA_VIOLATIONS")) {
+    if (FILE* f = std::fopen(file, "a")) {
+      std::fprintf(f, "%s\n", text.c_str());
+      std::fclose(f);
+    }
+  }
 }
 
 bool peers() {
@@ -67,7 +132,7 @@ bool mappedIn(int device, uint64_t ptr, uint64_t bytes) {
   auto it = g_maps.upper_bound(ptr);
   if (it == g_maps.begin()) return false;
   --it;
-  return (device < 0 || it->second.context == device) &&
+  return (device < 0 || it->second.context == physical(device)) &&
          ptr + bytes <= it->first + it->second.bytes;
 }
 
@@ -131,6 +196,8 @@ FAKE_API const char* shmgrad_cuda_error_name(int code) {
       return "cudaErrorIllegalAddress";
     case kInvalidHandle:
       return "cudaErrorInvalidResourceHandle";
+    case kFreedWhileMapped:
+      return "fakeErrorFreedWhileMapped";
     default:
       return "cudaErrorUnknown";
   }
@@ -147,17 +214,43 @@ FAKE_API int shmgrad_cuda_device_info(int device, char* name, size_t len, int* m
   *minor = 0;
   return kSuccess;
 }
+FAKE_API int shmgrad_cuda_device_uuid(int device, uint8_t uuid[SHMGRAD_DEVICE_UUID_BYTES]) {
+  if (uuid == nullptr) return kInvalidValue;
+  if (int e = use(device)) return e;
+  // The same bytes for a physical device in every process, whatever its ordinal there.
+  for (int i = 0; i < SHMGRAD_DEVICE_UUID_BYTES; ++i) uuid[i] = static_cast<uint8_t>(0xf0 + i);
+  uuid[SHMGRAD_DEVICE_UUID_BYTES - 1] = static_cast<uint8_t>(physical(device));
+  return kSuccess;
+}
+FAKE_API int shmgrad_cuda_error_is_sticky(int code) { return code == kIllegalAddress ? 1 : 0; }
+FAKE_API int shmgrad_cuda_host_register(void* ptr, uint64_t bytes) {
+  return ptr == nullptr || bytes == 0 ? kInvalidValue : kSuccess;  // host memory already
+}
+FAKE_API int shmgrad_cuda_host_unregister(void* ptr) {
+  return ptr == nullptr ? kInvalidValue : kSuccess;
+}
 FAKE_API int shmgrad_cuda_alloc(int device, uint64_t bytes, uint64_t* ptr) {
   *ptr = 0;
   if (int e = use(device)) return e;
   // The name ends with the device: an opening knows the allocation's device, as CUDA's does.
   const std::string name = "/shmgrad-fakecuda-" + std::to_string(getpid()) + "-" +
-                           std::to_string(g_counter++) + "-" + std::to_string(device);
-  return mapObject(name.c_str(), O_CREAT | O_EXCL | O_RDWR, bytes, device, ptr);
+                           std::to_string(g_counter++) + "-" + std::to_string(physical(device));
+  return mapObject(name.c_str(), O_CREAT | O_EXCL | O_RDWR, bytes, physical(device), ptr);
 }
 FAKE_API int shmgrad_cuda_free(int device, uint64_t ptr) {
   if (int e = use(device)) return e;
-  return unmap(ptr, true);
+  std::string name;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    auto it = g_maps.find(ptr);
+    if (it != g_maps.end()) name = it->second.name;
+  }
+  const int mapper = name.empty() ? 0 : otherMapper(name);
+  const int freed = unmap(ptr, true);
+  if (freed != kSuccess || mapper == 0) return freed;
+  violation("cudaFree of " + name + " (cuda:" + std::to_string(device) + ") while pid " +
+            std::to_string(mapper) + " still maps it: CUDA leaves this undefined");
+  return kFreedWhileMapped;
 }
 FAKE_API int shmgrad_cuda_ipc_handle(int device, uint64_t ptr,
                                      uint8_t handle[SHMGRAD_IPC_HANDLE_BYTES]) {
@@ -178,7 +271,7 @@ FAKE_API int shmgrad_cuda_ipc_open(int device, const uint8_t handle[SHMGRAD_IPC_
   std::memcpy(name, handle, SHMGRAD_IPC_HANDLE_BYTES);
   if (std::strncmp(name, "/shmgrad-fakecuda-", 18) != 0) return kInvalidHandle;
   const char* dash = std::strrchr(name, '-');
-  if (std::atoi(dash + 1) != device && !peers()) return kPeerAccessUnsupported;
+  if (std::atoi(dash + 1) != physical(device) && !peers()) return kPeerAccessUnsupported;
   {
     // As CUDA: a process cannot open its own allocation's handle, nor open a handle that
     // it has open already (one mapping per handle per context).
@@ -188,7 +281,7 @@ FAKE_API int shmgrad_cuda_ipc_open(int device, const uint8_t handle[SHMGRAD_IPC_
       if (m.opened == name) return kAlreadyMapped;
     }
   }
-  return mapObject(name, O_RDWR, 0, device, ptr);
+  return mapObject(name, O_RDWR, 0, physical(device), ptr);
 }
 FAKE_API int shmgrad_cuda_ipc_close(int device, uint64_t ptr) {
   if (int e = use(device)) return e;

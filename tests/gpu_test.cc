@@ -14,11 +14,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "gpu/cuda_ops.h"
+#include "ipc/reduce.h"
 
 namespace {
 
@@ -49,6 +51,10 @@ struct Cuda {
   decltype(&shmgrad_cuda_copy) copy;
   decltype(&shmgrad_cuda_reduce) reduce;
   decltype(&shmgrad_cuda_any_nonfinite) any_nonfinite;
+  decltype(&shmgrad_cuda_device_uuid) device_uuid;
+  decltype(&shmgrad_cuda_error_is_sticky) error_is_sticky;
+  decltype(&shmgrad_cuda_host_register) host_register;
+  decltype(&shmgrad_cuda_host_unregister) host_unregister;
 };
 
 template <typename F>
@@ -82,6 +88,10 @@ void load(Cuda* c) {
   bind(c->handle, "shmgrad_cuda_copy", &c->copy);
   bind(c->handle, "shmgrad_cuda_reduce", &c->reduce);
   bind(c->handle, "shmgrad_cuda_any_nonfinite", &c->any_nonfinite);
+  bind(c->handle, "shmgrad_cuda_device_uuid", &c->device_uuid);
+  bind(c->handle, "shmgrad_cuda_error_is_sticky", &c->error_is_sticky);
+  bind(c->handle, "shmgrad_cuda_host_register", &c->host_register);
+  bind(c->handle, "shmgrad_cuda_host_unregister", &c->host_unregister);
 }
 
 constexpr int kCudaErrorInvalidValue = 1;
@@ -303,6 +313,82 @@ TEST(CudaLibraryTest, ReduceSumsSliceBySliceInListOrder) {
   for (uint64_t i = 0; i < n; ++i) {
     ASSERT_EQ(got[i], (h0[i] + h1[i]) + h2[i]) << "element " << i;
   }
+}
+
+// The CPU engine's reduction (ipc::reduceSlice, ipc::accumulateSlice) and the library's give
+// the same bits, for every number of inputs and for factors that are not powers of two (a
+// fused multiply-add would round a * prev + b * sum once where the host rounds twice:
+// nvcc --fmad=false keeps them apart), so an engine on a GPU accumulates as one on the CPU.
+TEST(CudaLibraryTest, ReduceGivesTheCpuEnginesBits) {
+  Cuda c;
+  ASSERT_NO_FATAL_FAILURE(load(&c));
+  REQUIRE_DEVICE(c);
+  const uint64_t n = 4099;  // past one of the CPU's blocks, not a multiple of anything
+  const float a = 0.3f, b = 1.0f / 7.0f;
+  for (uint32_t inputs : {1u, 2u, 3u, 5u, 6u, 7u, 8u, 13u}) {
+    SCOPED_TRACE(std::to_string(inputs) + " inputs");
+    std::vector<std::vector<float>> host;
+    std::vector<std::unique_ptr<DeviceFloats>> dev;
+    std::vector<const float*> host_ptrs;
+    std::vector<uint64_t> dev_ptrs;
+    for (uint32_t k = 0; k < inputs; ++k) {
+      host.push_back(normals(n, 100 + k));
+      dev.push_back(std::make_unique<DeviceFloats>(c, 0, host.back()));
+      host_ptrs.push_back(host.back().data());
+      dev_ptrs.push_back(dev.back()->ptr());
+    }
+    const std::vector<float> hprev = normals(n, 99);
+    DeviceFloats prev(c, 0, hprev), out(c, 0, std::vector<float>(n, 0.0f));
+    std::vector<float> want(n);
+    shmgrad::ipc::reduceSlice(want.data(), host_ptrs.data(), inputs, 0, n, b);
+    ASSERT_EQ(c.reduce(0, out.ptr(), 0, dev_ptrs.data(), inputs, 0, n, 0.0f, b), 0);
+    std::vector<float> got = out.read();
+    for (uint64_t i = 0; i < n; ++i) ASSERT_EQ(got[i], want[i]) << "sum, element " << i;
+    shmgrad::ipc::accumulateSlice(want.data(), hprev.data(), a, host_ptrs.data(), inputs, 0, n, b);
+    ASSERT_EQ(c.reduce(0, out.ptr(), prev.ptr(), dev_ptrs.data(), inputs, 0, n, a, b), 0);
+    got = out.read();
+    uint64_t fused_differs = 0;  // elements where one rounding would give another float
+    for (uint64_t i = 0; i < n; ++i) {
+      ASSERT_EQ(got[i], want[i]) << "accumulated, element " << i;
+      float sum = host[0][i];
+      for (uint32_t k = 1; k < inputs; ++k) sum += host[k][i];
+      fused_differs += std::fma(a, hprev[i], b * sum) != want[i];
+    }
+    EXPECT_GT(fused_differs, 0u) << "the values do not tell a fused multiply-add apart";
+  }
+}
+
+// Every GPU has one UUID, the same however a process numbers its devices; sticky errors are
+// told apart from the others; host memory registers and unregisters.
+TEST(CudaLibraryTest, UuidsStickyErrorsAndPinnedHostMemory) {
+  Cuda c;
+  ASSERT_NO_FATAL_FAILURE(load(&c));
+  constexpr int kIllegalAddress = 700;  // cudaErrorIllegalAddress: a kernel fault
+  EXPECT_EQ(c.error_is_sticky(kIllegalAddress), 1);
+  EXPECT_EQ(c.error_is_sticky(kCudaErrorInvalidValue), 0);
+  EXPECT_EQ(c.error_is_sticky(0), 0);
+  EXPECT_EQ(c.device_uuid(0, nullptr), kCudaErrorInvalidValue);
+  EXPECT_EQ(c.host_register(nullptr, 16), kCudaErrorInvalidValue);
+  REQUIRE_DEVICE(c);
+  int n = 0;
+  ASSERT_EQ(c.device_count(&n), 0);
+  std::vector<std::vector<uint8_t>> uuids;
+  for (int d = 0; d < n; ++d) {
+    std::vector<uint8_t> u(SHMGRAD_DEVICE_UUID_BYTES), again(SHMGRAD_DEVICE_UUID_BYTES);
+    ASSERT_EQ(c.device_uuid(d, u.data()), 0);
+    ASSERT_EQ(c.device_uuid(d, again.data()), 0);
+    EXPECT_EQ(u, again) << "cuda:" << d;
+    for (const auto& other : uuids) EXPECT_NE(u, other) << "cuda:" << d << " shares a UUID";
+    uuids.push_back(u);
+  }
+  std::vector<uint8_t> u(SHMGRAD_DEVICE_UUID_BYTES);
+  EXPECT_EQ(c.device_uuid(n, u.data()), kCudaErrorInvalidDevice);
+  // Pinned host memory copies to the device as before.
+  std::vector<float> host = normals(1024, 7);
+  ASSERT_EQ(c.host_register(host.data(), host.size() * 4), 0);
+  DeviceFloats dev(c, 0, host);
+  EXPECT_EQ(dev.read(), host);
+  EXPECT_EQ(c.host_unregister(host.data()), 0);
 }
 
 // As many inputs as the interface allows (one worker per slot: ipc::kMaxWorkers), and none.

@@ -89,6 +89,19 @@ int StepParticipant::serve(ShardComputer& computer) {
     const uint32_t e = waitForStep();
     if (e == 0) return exit_code_;
     runStep(e, computer);
+    if (deviceFaulted()) return exit_code_ = kExitDeviceFault;
+  }
+}
+
+// After a step that failed on a device: whether the failure left the context unusable (a
+// sticky error, this library's or torch's: they share the device's primary context). Only
+// then is the device asked (a wait for it), so a step that went well costs nothing here.
+bool StepParticipant::deviceFaulted() const {
+  if (me_.error == 0 || !mem_->onDevice()) return false;
+  try {
+    return mem_->cuda()->deviceFaulted(mem_->ordinal(slot_));
+  } catch (const std::exception&) {
+    return true;  // the device cannot even be asked
   }
 }
 

@@ -26,6 +26,9 @@ namespace shmgrad::worker {
 inline constexpr int kExitStopped = 0;          // stop request, retired slot, engine stopping
 inline constexpr int kExitCoordinatorGone = 2;  // the parent (coordinator) died
 inline constexpr int kExitStartupFailed = 3;    // could not map the segment or build the model
+// A sticky CUDA error (a kernel fault): the process's context is unusable, so every later
+// step would fail; the worker exits after reporting the step's error, and is replaced.
+inline constexpr int kExitDeviceFault = 4;
 
 // How often an idle worker (no step for this long) checks that its coordinator lives:
 // getppid() is a system call, so it never runs between steps that follow each other.
@@ -159,6 +162,8 @@ class StepParticipant {
   // Runs step e: validate, compute, compute barrier, reduce my slice, reduce barrier,
   // record (the last reducer completes the step and wakes the trainer).
   void runStep(uint32_t e, ShardComputer& computer);
+  // A failed step's device context is unusable (a sticky CUDA error): exit, be replaced.
+  bool deviceFaulted() const;
   int exitCode() const { return exit_code_; }
   // The step memory this participant computes in: for its compute phase's parameter and
   // gradient views.

@@ -80,11 +80,20 @@ class ScriptShardComputer : public ShardComputer {
 
 // libtorch's CUDA half. Workers link torch_cpu only, so that a CPU engine's workers load
 // no CUDA library; a worker on a device loads it, which registers torch's CUDA kernels.
-void loadTorchCuda() {
-  if (dlopen("libtorch_cuda.so", RTLD_NOW | RTLD_GLOBAL) != nullptr) return;
-  raise(ErrorKind::kNotFound,
-        "a worker on a GPU needs libtorch_cuda.so, from a CUDA build of torch (", dlerror(),
-        "); install torch with CUDA, or serve without devices");
+void loadTorchCuda(int device) {
+  if (dlopen("libtorch_cuda.so", RTLD_NOW | RTLD_GLOBAL) == nullptr) {
+    raise(ErrorKind::kNotFound,
+          "a worker on a GPU needs libtorch_cuda.so, from a CUDA build of torch (", dlerror(),
+          "); install torch with CUDA, or serve without devices");
+  }
+  // Loaded, but torch must see it: a CUDA stub cached before the load would leave the
+  // model's tensors on the CPU, silently.
+  const int64_t seen = static_cast<int64_t>(torch::cuda::device_count());
+  SHMGRAD_CHECK(torch::cuda::is_available() && device < seen, ErrorKind::kInvalidArgument,
+                "libtorch_cuda.so is loaded, but torch sees ", seen,
+                " CUDA device(s) and this worker computes on cuda:", device,
+                ": torch's CUDA state was set up before the load; reinstall shmgrad against a "
+                "CUDA build of torch");
 }
 
 void configureTorch(uint32_t threads) {

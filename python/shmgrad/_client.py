@@ -231,6 +231,9 @@ class Client:
         # A GPU engine: the bound module's parameters are on this device, and its buffers
         # are device copies of the shared (host) ones, exchanged around each step.
         self._device = None if trainer.device < 0 else torch.device("cuda", trainer.device)
+        # Whether the views are of the engine's device memory (a GPU's, or a test double's
+        # host memory): close() then lets go of every one of them before the engine stops.
+        self._on_device = trainer.on_device
         self._buffer_mirrors = []
         if process_group is not None:
             try:
@@ -928,21 +931,28 @@ class Client:
         self._closed = True
         if self._discard_watch is not None:
             self._discard_watch.close()
-        if getattr(self, "_device", None) is not None:
+        if getattr(self, "_on_device", False):
             self._detach_from_device_memory()
         if self._trainer is not None:
             self._trainer.close()
 
     def _detach_from_device_memory(self):
-        # The engine's device buffers are freed when it stops (and this process's IPC
-        # mapping of them closes with the last view): the module keeps copies.
+        """The engine frees its device memory when it stops, and CUDA leaves freeing memory
+        that another process still maps undefined: the bound module keeps copies (made,
+        and waited for, before anything of the engine's is dropped), and every view this
+        client holds is let go, so that the trainer's mapping closes with the last of them
+        and the segment says so (engine/trainer.cc, openMemory). Views handed out by
+        gradient_tensors() and parameter_tensors() keep it open while they live."""
         with torch.no_grad():
             for p in self._all_bound:
                 p.data = p.data.clone()
                 if p.grad is not None:
                     p.grad = p.grad.clone()
+        if self._device is not None:
+            torch.cuda.synchronize(self._device)  # the copies have read the engine's memory
         self._param_views = []
-        self._grad_sets = ([], [])
+        self._grad_sets = self._grad_aliases = self._bound_grad_sets = ([], [])
+        self._nodes = None  # its flat views and buckets
 
     def _check_open(self):
         if self._closed or self._trainer is None:

@@ -35,9 +35,14 @@ def _free_device_bytes():
 def backend(request, monkeypatch):
     """Sets the engines' environment for the backend; after the test, nothing is left in
     /dev/shm, and on a GPU its free memory is back to what it was."""
+    violations = None
     if request.param == "fake":
         monkeypatch.setenv("SHMGRAD_CUDA_LIBRARY", request.getfixturevalue("fake_cuda_library"))
         monkeypatch.setenv("FAKE_CUDA_DEVICES", "2")
+        # Where the fake device writes what CUDA leaves undefined (a free of memory that
+        # another process still maps): nothing, after any test that does not ask for it.
+        violations = request.getfixturevalue("tmp_path") / "fake-cuda-violations"
+        monkeypatch.setenv("FAKE_CUDA_VIOLATIONS", str(violations))
         count, free = 2, None
     else:
         monkeypatch.delenv("SHMGRAD_CUDA_LIBRARY", raising=False)
@@ -54,6 +59,8 @@ def backend(request, monkeypatch):
     yield request.param, count
     left = fake_allocations() - before
     assert not left, f"device allocations left behind: {sorted(left)}"
+    if violations is not None and violations.exists():
+        assert not violations.read_text(), violations.read_text()
     if free is not None:
         # The coordinator frees its allocations at stop: free memory comes back (within
         # 64 MiB of what this process's own CUDA context may have taken meanwhile).
@@ -426,3 +433,46 @@ def test_a_hung_kernel_ends_in_timeout_and_its_worker_is_replaced(backend, tmp_p
         assert st.worker(0).restarts == 1 and st.worker(0).pid != pid, st.text
         ref = reference_gradient(twin, "cross_entropy", x, y)
         assert relative_error(_cpu(p.grad for p in model.parameters()), ref) < 1e-5
+
+
+# -- device memory freed only after every process that maps it has let go ----------------
+def test_device_memory_outlives_every_view_of_it(backend):
+    """CUDA leaves freeing memory that another process still maps undefined: the trainer
+    lets go of every view at close (the bound module keeps copies of its values), and the
+    coordinator frees its devices' memory only then. Views kept past close make it wait,
+    say so in its log, and the fake device records the free it then makes."""
+    if backend[0] != "fake":
+        pytest.skip("the fake device is what tells which process maps an allocation")
+    x, y = torch.randn(6, 1, 12, 12), torch.randint(0, 5, (6,))
+    torch.manual_seed(0)
+    model = Cnn()
+    with shmgrad.Engine(
+        model=model, workers=1, loss="cross_entropy", mode="eager", devices=["cuda:0"]
+    ) as engine:
+        engine.bind(model)
+        engine.gradient(inputs=x, targets=y)
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+        trained = [p.detach().clone() for p in model.parameters()]
+        grads = [p.grad.clone() for p in model.parameters()]
+    # Closed at once (no wait), nothing undefined, and the module kept what it had.
+    assert all(torch.equal(a, b) for a, b in zip(trained, model.parameters()))
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, model.parameters()))
+    violations = os.environ["FAKE_CUDA_VIOLATIONS"]
+    assert not os.path.exists(violations) or not open(violations).read()
+
+    engine = shmgrad.Engine(
+        model=model, workers=1, loss="cross_entropy", mode="eager", devices=["cuda:0"]
+    )
+    engine.bind(model)
+    engine.gradient(inputs=x, targets=y)
+    kept = engine.gradient_tensors()  # views of the device memory, held past close
+    start = time.monotonic()
+    engine.close()
+    waited = time.monotonic() - start
+    del kept
+    assert waited >= 4.0, waited  # the coordinator waited for this process to let go
+    assert "still maps the engine's device memory" in engine.log(), engine.log()
+    with open(violations) as f:
+        text = f.read()
+    assert f"while pid {os.getpid()} still maps it" in text, text
+    os.remove(violations)  # what this test asked for: the fixture checks for no others
