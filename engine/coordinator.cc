@@ -132,6 +132,7 @@ class Coordinator {
       spec.data_target_shape = data.target_shape;
       spec.data_description = data.description;
     }
+    spec.numerics = ipc::parseNumerics(opt_.numerics);
     if (eager()) {
       SHMGRAD_CHECK(!opt_.python.empty(), ErrorKind::kInvalidArgument,
                     "--eager-job needs --python (the interpreter the eager workers run)");

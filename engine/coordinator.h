@@ -34,6 +34,9 @@ struct ServeOptions {
   // What the job's loss returns for a batch, as the launcher found it ("sum", "mean",
   // "weighted"); empty: the workers find out (ipc::LossReduction). Named losses are sums.
   std::string loss_reduction;
+  // The trainer's torch numerics for every worker (ipc::parseNumerics); empty: torch's
+  // defaults.
+  std::string numerics;
   std::string python;
   int64_t eager_dataset_size = 0;
   std::string owned_dir;  // removed (its plain files, then itself) when the engine stops

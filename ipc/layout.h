@@ -28,6 +28,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <iterator>
 
 namespace shmgrad::ipc {
 
@@ -73,6 +74,29 @@ constexpr uint32_t kNumLossKinds = 3;
 // worker that computes (ControlBlock::loss_reduction); kUnknown until then.
 enum class LossReduction : uint32_t { kUnknown = 0, kSum = 1, kMean = 2, kWeighted = 3 };
 constexpr const char* kLossReductionNames[] = {"unknown", "sum", "mean", "weighted"};
+
+// The numerics every worker computes with: the trainer's torch settings when the engine
+// started (python/shmgrad/_numerics.py: "matmul_precision=high,cudnn_tf32=1,..."),
+// applied by each worker at start, so that its float32 matmuls and convolutions round as
+// the trainer's would. Without kNumericsSet (an engine served without --numerics) the
+// workers keep torch's defaults. Read from shared memory: numericsValid checks it.
+enum NumericsFlag : uint32_t {
+  kNumericsSet = 1u << 0,
+  kCudnnTf32 = 1u << 1,           // torch.backends.cudnn.allow_tf32
+  kCudnnBenchmark = 1u << 2,      // torch.backends.cudnn.benchmark
+  kCudnnDeterministic = 1u << 3,  // torch.backends.cudnn.deterministic
+  kNumericsFlags = (1u << 4) - 1,
+};
+// torch.set_float32_matmul_precision (its "high" is matmul.allow_tf32 = True).
+constexpr const char* kMatmulPrecisionNames[] = {"highest", "high", "medium"};
+struct Numerics {
+  uint32_t flags = 0;             // NumericsFlag bits
+  uint32_t matmul_precision = 0;  // index into kMatmulPrecisionNames
+};
+inline bool numericsValid(const Numerics& n) {
+  return (n.flags & ~static_cast<uint32_t>(kNumericsFlags)) == 0 &&
+         n.matmul_precision < std::size(kMatmulPrecisionNames);
+}
 
 enum class DType : uint32_t { kNone = 0, kFloat32 = 1, kInt64 = 2 };
 
@@ -373,6 +397,7 @@ struct alignas(64) ControlBlock {
   // LossReduction: set at creation, or by the first eager worker that finds it out (a
   // compare-and-swap from kUnknown, so the first answer stays).
   std::atomic<uint32_t> loss_reduction;
+  Numerics numerics;  // set at creation, never changed; checked by each worker that reads it
   alignas(64) std::atomic<int32_t> trainer_pid;  // the lease: 0 free, else holder
   // An engine with devices: the trainer process that maps their memory (0: none). Set when
   // a trainer opens it, cleared when its last view of it is gone; the coordinator frees

@@ -119,6 +119,66 @@ LossReduction parseLossReduction(const std::string& name) {
         "': use sum, mean or weighted (a forward's (loss_sum, count))");
 }
 
+namespace {
+// The boolean keys of --numerics and their flags.
+struct NumericsKey {
+  const char* name;
+  uint32_t flag;
+};
+constexpr NumericsKey kNumericsKeys[] = {
+    {"cudnn_tf32", kCudnnTf32},
+    {"cudnn_benchmark", kCudnnBenchmark},
+    {"cudnn_deterministic", kCudnnDeterministic},
+};
+// torch's defaults: cuDNN may use TF32; no benchmark, no determinism; "highest".
+constexpr uint32_t kTorchDefaultFlags = kCudnnTf32;
+}  // namespace
+
+Numerics parseNumerics(const std::string& spec) {
+  Numerics n;
+  if (spec.empty()) return n;
+  n.flags = kNumericsSet | kTorchDefaultFlags;
+  size_t at = 0;
+  while (at <= spec.size()) {
+    const size_t comma = std::min(spec.find(',', at), spec.size());
+    const std::string item = spec.substr(at, comma - at);
+    const size_t eq = item.find('=');
+    const std::string key = item.substr(0, eq),
+                      value = eq == std::string::npos ? "" : item.substr(eq + 1);
+    bool known = false;
+    if (key == "matmul_precision") {
+      for (uint32_t k = 0; k < std::size(kMatmulPrecisionNames); ++k) {
+        if (value == kMatmulPrecisionNames[k]) {
+          n.matmul_precision = k;
+          known = true;
+        }
+      }
+      SHMGRAD_CHECK(known, ErrorKind::kInvalidArgument, "--numerics: matmul_precision='", value,
+                    "' is not highest, high or medium");
+    }
+    for (const NumericsKey& b : kNumericsKeys) {
+      if (key != b.name) continue;
+      SHMGRAD_CHECK(value == "0" || value == "1", ErrorKind::kInvalidArgument, "--numerics: ", key,
+                    "='", value, "' must be 0 or 1");
+      n.flags = value == "1" ? (n.flags | b.flag) : (n.flags & ~b.flag);
+      known = true;
+    }
+    SHMGRAD_CHECK(known, ErrorKind::kInvalidArgument, "--numerics: unknown key '", key,
+                  "' (matmul_precision, cudnn_tf32, cudnn_benchmark, cudnn_deterministic)");
+    at = comma + 1;
+  }
+  return n;
+}
+
+std::string numericsText(const Numerics& n) {
+  if ((n.flags & kNumericsSet) == 0 || !numericsValid(n)) return "";
+  std::string out = std::string("matmul_precision=") + kMatmulPrecisionNames[n.matmul_precision];
+  for (const NumericsKey& b : kNumericsKeys) {
+    out += std::string(",") + b.name + ((n.flags & b.flag) ? "=1" : "=0");
+  }
+  return out;
+}
+
 std::string segmentName(const std::string& engine_name) { return "/" + bipName(engine_name); }
 std::string segmentPath(const std::string& engine_name) {
   return "/dev/shm/" + bipName(engine_name);
@@ -473,6 +533,7 @@ void Segment::writeHeader(const SegmentSpec& spec, const Layout& l, uint8_t* bas
   h->control.engine_state.store(static_cast<uint32_t>(EngineState::kStarting));
   h->control.target_workers.store(spec.num_slots);
   h->control.loss_reduction.store(static_cast<uint32_t>(spec.loss_reduction));
+  h->control.numerics = spec.numerics;
   auto* table = reinterpret_cast<ParamEntry*>(base + l.params_table.offset);
   for (size_t i = 0; i < spec.params.size(); ++i) {
     fillEntry(&table[i], spec.params[i].name, spec.params[i].shape, l.param_offsets[i]);

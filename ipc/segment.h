@@ -35,6 +35,7 @@ struct SegmentSpec {
   LossKind loss = LossKind::kCrossEntropy;
   // Named losses are sums; an eager job's may be kUnknown (its workers find out).
   LossReduction loss_reduction = LossReduction::kSum;
+  Numerics numerics;       // the workers' torch numerics (none set: torch's defaults)
   uint32_t num_slots = 1;  // gradient slots (most workers at once)
   uint32_t threads_per_worker = 1;
   std::vector<ParamSpec> params;
@@ -64,6 +65,12 @@ uint64_t checkedNumel(ErrorKind kind, const char* what, const int64_t* dims, uin
 LossKind parseLoss(const std::string& name);
 // Parses "sum", "mean" or "weighted" (kLossReductionNames); throws InvalidArgument.
 LossReduction parseLossReduction(const std::string& name);
+// Parses serve's --numerics, "matmul_precision=high,cudnn_tf32=1,cudnn_benchmark=0,
+// cudnn_deterministic=0" (any of the keys; the others keep torch's defaults); throws
+// InvalidArgument naming a key or value it does not know. The empty string: none set.
+Numerics parseNumerics(const std::string& spec);
+// The same text back, every key; "" when none is set.
+std::string numericsText(const Numerics& numerics);
 // "/shmgrad-<uid>-<name>": the uid keeps two users' engines of the same name apart.
 std::string segmentName(const std::string& engine_name);
 // The file backing the segment, "/dev/shm/shmgrad-<uid>-<name>".

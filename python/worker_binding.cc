@@ -219,6 +219,16 @@ void bindEagerWorker(py::module_& m) {
           [](const EagerParticipant& p) { return p.seg_->header()->threads_per_worker; })
       .def_property_readonly("dataset_size",
                              [](const EagerParticipant& p) { return p.seg_->header()->data_count; })
+      .def_property_readonly(
+          "numerics",
+          [](const EagerParticipant& p) {
+            const ipc::Numerics n = p.seg_->header()->control.numerics;  // one read, checked
+            SHMGRAD_CHECK(ipc::numericsValid(n), ErrorKind::kCorrupt, "segment: numerics ", n.flags,
+                          "/", n.matmul_precision, " are not valid");
+            return ipc::numericsText(n);
+          },
+          "the trainer's torch numerics to compute with (ipc::parseNumerics's text), or '' "
+          "for torch's defaults")
       .def("parameter_names", &EagerParticipant::parameterNames)
       .def_property_readonly("device", &EagerParticipant::device,
                              "the CUDA device index this worker computes on, or -1 for the CPU")

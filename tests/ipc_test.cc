@@ -356,6 +356,38 @@ TEST(SegmentTest, LayoutIsAlignedAndDisjoint) {
   EXPECT_FALSE(Segment::remove(name));
 }
 
+// The workers' numerics (serve --numerics): parsed, stored, written back; hostile values.
+TEST(SegmentTest, NumericsAreParsedStoredAndChecked) {
+  EXPECT_EQ(parseNumerics("").flags, 0u);  // none set: torch's defaults
+  EXPECT_EQ(numericsText(parseNumerics("")), "");
+  const Numerics defaults = parseNumerics("matmul_precision=highest");
+  EXPECT_EQ(numericsText(defaults),
+            "matmul_precision=highest,cudnn_tf32=1,cudnn_benchmark=0,cudnn_deterministic=0");
+  const std::string all =
+      "matmul_precision=medium,cudnn_tf32=0,cudnn_benchmark=1,cudnn_deterministic=1";
+  const Numerics n = parseNumerics(all);
+  EXPECT_EQ(numericsText(n), all);
+  EXPECT_EQ(n.flags, kNumericsSet | kCudnnBenchmark | kCudnnDeterministic);
+  EXPECT_EQ(n.matmul_precision, 2u);
+  std::string message;
+  for (const char* bad : {"matmul_precision=low", "cudnn_tf32=yes", "tf32=1", "cudnn_tf32"}) {
+    SCOPED_TRACE(bad);
+    EXPECT_TRUE(throwsKind(
+        ErrorKind::kInvalidArgument, [&] { parseNumerics(bad); }, &message));
+    EXPECT_NE(message.find("--numerics"), std::string::npos) << message;
+  }
+  EXPECT_FALSE(numericsValid(Numerics{kNumericsSet | (1u << 7), 0}));
+  EXPECT_FALSE(numericsValid(Numerics{kNumericsSet, 3}));
+  EXPECT_EQ(numericsText(Numerics{kNumericsSet, 99}), "");  // never a name past the table
+
+  const std::string name = uniqueEngineName();
+  SegmentGuard guard(name);
+  SegmentSpec spec = smallSpec(name);
+  spec.numerics = n;
+  auto seg = Segment::create(spec);
+  EXPECT_EQ(numericsText(seg->header()->control.numerics), all);
+}
+
 // The loss reduction: names, the value stored, and hostile values read back.
 TEST(SegmentTest, LossReductionIsStoredParsedAndReadSafely) {
   for (auto r : {LossReduction::kSum, LossReduction::kMean, LossReduction::kWeighted}) {

@@ -357,5 +357,31 @@ TEST(ReplicaErrorsTest, ParseLoss) {
   EXPECT_TRUE(throwsKind(ErrorKind::kInvalidArgument, [&] { ipc::parseLoss(""); }));
 }
 
+// The numerics a worker computes with: the engine's record applied to torch (the trainer's
+// settings), none set leaves torch as it is, and a hostile record is refused.
+TEST(ReplicaNumericsTest, TheEnginesNumericsAreApplied) {
+  at::Context& ctx = at::globalContext();
+  const auto precision = ctx.float32MatmulPrecision();
+  const bool tf32 = ctx.allowTF32CuDNN(), bench = ctx.benchmarkCuDNN(),
+             determ = ctx.deterministicCuDNN();
+  worker::applyNumerics(ipc::parseNumerics(""));  // none set: nothing changes
+  EXPECT_EQ(ctx.float32MatmulPrecision(), precision);
+  worker::applyNumerics(ipc::parseNumerics(
+      "matmul_precision=medium,cudnn_tf32=0,cudnn_benchmark=1,cudnn_deterministic=1"));
+  EXPECT_EQ(ctx.float32MatmulPrecision(), at::Float32MatmulPrecision::MEDIUM);
+  EXPECT_FALSE(ctx.allowTF32CuDNN());
+  EXPECT_TRUE(ctx.benchmarkCuDNN());
+  EXPECT_TRUE(ctx.deterministicCuDNN());
+  EXPECT_TRUE(throwsKind(ErrorKind::kCorrupt, [] {
+    worker::applyNumerics(ipc::Numerics{ipc::kNumericsSet, 7});
+  }));
+  ctx.setFloat32MatmulPrecision(precision == at::Float32MatmulPrecision::HIGHEST ? "highest"
+                                : precision == at::Float32MatmulPrecision::HIGH  ? "high"
+                                                                                 : "medium");
+  ctx.setAllowTF32CuDNN(tf32);
+  ctx.setBenchmarkCuDNN(bench);
+  ctx.setDeterministicCuDNN(determ);
+}
+
 }  // namespace
 }  // namespace shmgrad::testing

@@ -151,6 +151,11 @@ Command addServe(CLI::App& app, engine::ServeOptions* o) {
   // Set by the eager launcher (shmgrad._serve_eager or shmgrad.Engine); not for users.
   cmd->add_option("--eager-job", o->eager_job, "pickled eager job")->group("");
   cmd->add_option("--loss-reduction", o->loss_reduction, "sum, mean or weighted")->group("");
+  cmd->add_option("--numerics", o->numerics,
+                  "the workers' torch numerics, e.g. matmul_precision=high,cudnn_tf32=1,\n"
+                  "cudnn_benchmark=0,cudnn_deterministic=0 (default: torch's; Engine and\n"
+                  "shmgrad.serve give the trainer's own)")
+      ->type_name("SPEC");
   cmd->add_option("--python", o->python, "interpreter of the eager workers")->group("");
   cmd->add_option("--eager-dataset-size", o->eager_dataset_size, "examples the workers hold")
       ->group("")

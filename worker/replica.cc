@@ -12,6 +12,18 @@
 
 namespace shmgrad::worker {
 
+void applyNumerics(const ipc::Numerics& shared) {
+  const ipc::Numerics n = shared;  // one read of shared memory, then checked
+  SHMGRAD_CHECK(ipc::numericsValid(n), ErrorKind::kCorrupt, "segment: numerics ", n.flags, "/",
+                n.matmul_precision, " are not valid");
+  if ((n.flags & ipc::kNumericsSet) == 0) return;
+  at::Context& ctx = at::globalContext();
+  ctx.setFloat32MatmulPrecision(ipc::kMatmulPrecisionNames[n.matmul_precision]);
+  ctx.setAllowTF32CuDNN((n.flags & ipc::kCudnnTf32) != 0);
+  ctx.setBenchmarkCuDNN((n.flags & ipc::kCudnnBenchmark) != 0);
+  ctx.setDeterministicCuDNN((n.flags & ipc::kCudnnDeterministic) != 0);
+}
+
 namespace F = torch::nn::functional;
 
 torch::jit::Module loadModel(const std::string& path) {

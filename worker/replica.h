@@ -33,6 +33,12 @@ ModelParams describeModel(const std::string& path);
 // Sum of the loss over a batch (reduction "sum"), for the engine's loss kinds.
 torch::Tensor lossSum(ipc::LossKind loss, const torch::Tensor& output, const torch::Tensor& target);
 
+// Makes this process compute with the numerics the engine was started with (the trainer's
+// torch settings: float32 matmul precision, cuDNN's TF32, benchmark and determinism); a
+// record without ipc::kNumericsSet leaves torch's defaults. CorruptError for bits or a
+// precision it does not know (the record is read from shared memory).
+void applyNumerics(const ipc::Numerics& numerics);
+
 class Replica {
  public:
   // Loads the segment's model and binds its parameters to the shared parameters and its

@@ -123,8 +123,10 @@ int runWorker(const WorkerOptions& o) {
     participant = std::make_unique<StepParticipant>(*seg, o.slot, o.parent_pid);
     keepFreedMemory();
     configureTorch(seg->header()->threads_per_worker);
+    applyNumerics(seg->header()->control.numerics);  // the trainer's, where it said
     const gpu::EngineMemory& memory = participant->memory();
-    if (memory.tensorDevice(memory.ordinal(o.slot)) >= 0) loadTorchCuda();
+    const int device = memory.tensorDevice(memory.ordinal(o.slot));
+    if (device >= 0) loadTorchCuda(device);
     replica = std::make_unique<Replica>(*seg, o.slot, memory);
     computer = std::make_unique<ScriptShardComputer>(*seg, *replica);
   } catch (const std::exception& e) {

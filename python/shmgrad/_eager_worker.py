@@ -237,7 +237,10 @@ def main(argv) -> int:
         return _C.EXIT_STARTUP_FAILED
     try:
         _C.configure_threads(participant.threads_per_worker)
+        from . import _numerics
         from ._eager import load_job
+
+        _numerics.apply(participant.numerics)  # the trainer's, where it said
 
         runner = ShardRunner(participant, load_job(participant.job_path))
     except Exception as exc:

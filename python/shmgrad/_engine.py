@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from . import _eager as eager
-from . import _gpu
+from . import _gpu, _numerics
 from . import errors
 from ._native import _C, DEFAULTS
 from ._client import Client, _check_buffers
@@ -219,6 +219,7 @@ def serve(
         startup_timeout=startup_timeout,
         eager_job=eager_job,
         devices=tuple(ordinals) if ordinals is not None else None,
+        numerics=_numerics.spec(),  # the workers compute as this process would
     )
     loss_reduction = "sum" if eager_job is None else eager_job.loss_reduction  # names sum
     server = Server(Launcher(options), mode, mode_reason, files, loss_reduction)

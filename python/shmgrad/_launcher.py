@@ -71,6 +71,7 @@ class ServeOptions:
     startup_timeout: float = DEFAULTS["startup_timeout"]
     eager_job: Optional[object] = None  # shmgrad._eager.EagerJob: Python workers run it
     devices: Optional[tuple] = None  # CUDA ordinals (--devices); None: a CPU engine
+    numerics: Optional[str] = None  # the workers' torch numerics (_numerics.spec())
 
     def environment(self) -> Optional[dict]:
         """serve's environment: this process's, and for eager workers a PYTHONPATH that
@@ -110,6 +111,8 @@ class ServeOptions:
             args += self.eager_job.serve_arguments()
         if self.devices:
             args += ["--devices", ",".join(str(d) for d in self.devices)]
+        if self.numerics:
+            args += ["--numerics", self.numerics]
         return args
 
 

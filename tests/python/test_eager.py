@@ -602,3 +602,43 @@ def test_auto_modes_reason_is_a_sentence():
     )
     with pytest.raises(shmgrad.InvalidArgumentError, match=r"cannot take a callable loss: use"):
         eager.choose_mode("script", loss=lambda o, t: o.sum(), dataset=None, **common)
+
+
+def _numerics_seen():
+    """The settings a worker computes with (a module-level function: cloudpickle cannot
+    pickle torch.backends.cudnn, a module object torch replaces, by value)."""
+    cudnn = torch.backends.cudnn
+    return (
+        torch.get_float32_matmul_precision(),
+        cudnn.allow_tf32,
+        cudnn.benchmark,
+        cudnn.deterministic,
+    )
+
+
+def test_workers_compute_with_the_trainers_numerics():
+    """The trainer's float32 matmul precision and cuDNN settings when the engine starts are
+    every worker's (a worker that saw others would round differently)."""
+    cudnn = torch.backends.cudnn
+    saved = _numerics_seen()
+    want = ("medium", False, True, True)
+
+    def forward(model, batch):
+        seen = _numerics_seen()
+        if seen != want:
+            raise RuntimeError(f"the worker computes with {seen}, the trainer with {want}")
+        x, y = batch
+        return torch.nn.functional.cross_entropy(model(x), y, reduction="sum")
+
+    torch.set_float32_matmul_precision(want[0])
+    cudnn.allow_tf32, cudnn.benchmark, cudnn.deterministic = want[1:]
+    try:
+        model = nn.Linear(4, 3)
+        with shmgrad.Engine(
+            model=model, workers=2, forward=forward, loss_reduction="sum", mode="eager"
+        ) as engine:
+            stats = engine.gradient(inputs=torch.randn(6, 4), targets=torch.randint(0, 3, (6,)))
+            assert stats.num_examples == 6
+    finally:
+        torch.set_float32_matmul_precision(saved[0])
+        cudnn.allow_tf32, cudnn.benchmark, cudnn.deterministic = saved[1:]
