@@ -264,6 +264,21 @@ torch::Tensor Trainer::parameterBuffer() const {
   return flatView(usableMemory(mem_).trainerParams());
 }
 
+torch::Tensor Trainer::bufferBlock() const {
+  checkUsable();
+  auto keep = seg_;
+  return worker::bufferBlockView(*seg_, [keep](void*) {});
+}
+
+std::vector<torch::Tensor> Trainer::bufferViewsOf(const torch::Tensor& block) const {
+  checkUsable();
+  SHMGRAD_CHECK(block.scalar_type() == torch::kUInt8 && block.dim() == 1 &&
+                    block.numel() == static_cast<int64_t>(seg_->header()->buffers.size),
+                ErrorKind::kInvalidArgument, "a buffer block is ", seg_->header()->buffers.size,
+                " bytes (uint8, one dimension)");
+  return worker::bufferViewsOf(*seg_, block);
+}
+
 std::vector<std::pair<std::string, torch::Tensor>> Trainer::bufferViews() const {
   checkUsable();
   auto keep = seg_;

@@ -146,6 +146,10 @@ class Trainer {
   // model's order: after each step they hold the step's first participant's values. Bind
   // a module's buffers to them so that it evaluates with the workers' statistics.
   std::vector<std::pair<std::string, torch::Tensor>> bufferViews() const;
+  // The shared buffers' region as one byte tensor, and views of the buffers over `block`, a
+  // byte tensor laid out as that region (on a GPU trainer's device): one copy moves them.
+  torch::Tensor bufferBlock() const;
+  std::vector<torch::Tensor> bufferViewsOf(const torch::Tensor& block) const;
   torch::Tensor gradientBuffer() const;
   // The second reduced gradient, which accumulating steps alternate with the first
   // (GradientOptions::accumulate), as per-parameter views.

@@ -159,11 +159,13 @@ int CudaLibrary::localOrdinal(const DeviceUuid& uuid, const std::string& engine_
         "): start it with the engine's CUDA_VISIBLE_DEVICES, or serve GPUs it sees");
 }
 
-void CudaLibrary::hostRegister(void* ptr, uint64_t bytes) const {
-  check(host_register_(ptr, bytes), "cudaHostRegister", -1);
+void CudaLibrary::hostRegister(int device, void* ptr, uint64_t bytes) const {
+  check(host_register_(device, ptr, bytes), "cudaHostRegister", device);
 }
 
-int CudaLibrary::hostUnregister(void* ptr) const noexcept { return host_unregister_(ptr); }
+int CudaLibrary::hostUnregister(int device, void* ptr) const noexcept {
+  return host_unregister_(device, ptr);
+}
 
 bool CudaLibrary::deviceFaulted(int device) const {
   if (faulted()) return true;

@@ -66,9 +66,10 @@ class CudaLibrary {
   void reduce(int device, uint64_t out, uint64_t prev, const uint64_t* ins, uint32_t nins,
               uint64_t begin, uint64_t end, float a, float b) const;
   bool anyNonFinite(int device, uint64_t ptr, uint64_t begin, uint64_t end) const;
-  // Page-locks host memory (copies from it to a device become asynchronous DMA).
-  void hostRegister(void* ptr, uint64_t bytes) const;
-  int hostUnregister(void* ptr) const noexcept;
+  // Page-locks host memory, in `device`'s context (copies from it to a device become
+  // asynchronous DMA).
+  void hostRegister(int device, void* ptr, uint64_t bytes) const;
+  int hostUnregister(int device, void* ptr) const noexcept;
   // Whether a call of this process's has failed with a sticky error (a kernel fault): its
   // CUDA context is unusable, and a worker must exit to be replaced.
   bool faulted() const { return faulted_.load(std::memory_order_relaxed); }

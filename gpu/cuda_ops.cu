@@ -185,13 +185,19 @@ SHMGRAD_API int shmgrad_cuda_error_is_sticky(int code) {
   }
 }
 
-SHMGRAD_API int shmgrad_cuda_host_register(void* ptr, uint64_t bytes) {
+SHMGRAD_API int shmgrad_cuda_host_register(int device, void* ptr, uint64_t bytes) {
   if (ptr == nullptr || bytes == 0) return cudaErrorInvalidValue;
+  OnDevice on;  // a context on this device, not on device 0 by default
+  cudaError_t e = on.use(device);
+  if (e != cudaSuccess) return e;
   return cudaHostRegister(ptr, bytes, cudaHostRegisterPortable);
 }
 
-SHMGRAD_API int shmgrad_cuda_host_unregister(void* ptr) {
+SHMGRAD_API int shmgrad_cuda_host_unregister(int device, void* ptr) {
   if (ptr == nullptr) return cudaErrorInvalidValue;
+  OnDevice on;
+  cudaError_t e = on.use(device);
+  if (e != cudaSuccess) return e;
   return cudaHostUnregister(ptr);
 }
 

@@ -68,10 +68,11 @@ int shmgrad_cuda_can_access_peer(int device, int peer, int* can);
 int shmgrad_cuda_copy_to_device(int device, uint64_t dst, const void* src, uint64_t bytes);
 int shmgrad_cuda_copy_to_host(int device, void* dst, uint64_t src, uint64_t bytes);
 
-// Page-locks host memory (cudaHostRegister, portable: for every device) so that copies
-// from it to a device are asynchronous DMA; unregister it before it is unmapped.
-int shmgrad_cuda_host_register(void* ptr, uint64_t bytes);
-int shmgrad_cuda_host_unregister(void* ptr);
+// Page-locks host memory (cudaHostRegister, portable: for every device), in `device`'s
+// context, so that copies from it to a device are asynchronous DMA; unregister it before
+// it is unmapped.
+int shmgrad_cuda_host_register(int device, void* ptr, uint64_t bytes);
+int shmgrad_cuda_host_unregister(int device, void* ptr);
 
 // Where this library's allocations live: 0, device memory (a tensor over one is a CUDA
 // tensor on its device); 1, host memory the process can address (a test double's, for

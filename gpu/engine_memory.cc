@@ -35,7 +35,20 @@ EngineMemory::EngineMemory(const ipc::Segment& segment, const std::string& cuda_
   }
 }
 
-EngineMemory::~EngineMemory() = default;
+EngineMemory::~EngineMemory() {
+  for (const auto& [ordinal, p] : pinned_) cuda_->hostUnregister(ordinal, p);
+}
+
+bool EngineMemory::pinHost(int ordinal, void* p, uint64_t bytes) {
+  if (!onDevice() || bytes == 0) return false;
+  try {
+    cuda_->hostRegister(ordinal, p, bytes);
+  } catch (const std::exception&) {
+    return false;
+  }
+  pinned_.emplace_back(ordinal, p);
+  return true;
+}
 
 const DeviceMapping& EngineMemory::deviceOf(uint32_t slot) const {
   const ipc::SegmentHeader* h = segment_.header();

@@ -71,6 +71,12 @@ class EngineMemory {
 
   const CudaLibrary* cuda() const { return cuda_.get(); }
 
+  // Page-locks host memory that this process copies to device `ordinal` at every step (the
+  // request's regions), until this object goes, so that the copy is asynchronous DMA.
+  // False when the driver refuses (the copies then work as before); nothing to do for a
+  // CPU engine.
+  bool pinHost(int ordinal, void* p, uint64_t bytes);
+
  private:
   const DeviceMapping& deviceOf(uint32_t slot) const;
 
@@ -78,6 +84,7 @@ class EngineMemory {
   std::shared_ptr<const CudaLibrary> cuda_;
   std::vector<std::unique_ptr<DeviceMapping>> devices_;
   int context_ = -1;
+  std::vector<std::pair<int, void*>> pinned_;  // (ordinal, address) to unregister
 };
 
 }  // namespace shmgrad::gpu

@@ -228,6 +228,10 @@ PYBIND11_MODULE(_C, m) {
       .def("gradient_views", &shmgrad::Trainer::gradientViews)
       .def("parameter_buffer", &shmgrad::Trainer::parameterBuffer)
       .def("buffer_views", &shmgrad::Trainer::bufferViews)
+      .def("buffer_block", &shmgrad::Trainer::bufferBlock,
+           "the shared buffers' region as one uint8 tensor")
+      .def("buffer_views_of", &shmgrad::Trainer::bufferViewsOf, py::arg("block"),
+           "views of the buffers over a uint8 tensor laid out as that region")
       .def("gradient_buffer", &shmgrad::Trainer::gradientBuffer)
       .def("accumulator_views", &shmgrad::Trainer::accumulatorViews)
       .def("dataset_size", &shmgrad::Trainer::datasetSize)

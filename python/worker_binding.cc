@@ -273,6 +273,31 @@ void bindEagerWorker(py::module_& m) {
              return worker::sharedBufferViews(*p.seg_, [keep](void*) {});
            })
       .def(
+          "buffer_block",
+          [](const EagerParticipant& p) {
+            auto keep = p.seg_;
+            return worker::bufferBlockView(*p.seg_, [keep](void*) {});
+          },
+          "the shared buffers' region as one uint8 tensor")
+      .def(
+          "slot_buffer_block",
+          [](const EagerParticipant& p) {
+            auto keep = p.seg_;
+            return worker::bufferBlockView(
+                *p.seg_, [keep](void*) {}, p.seg_->slotBuffers(p.slot_));
+          },
+          "this slot's copy of the shared buffers as one uint8 tensor")
+      .def(
+          "buffer_views_of",
+          [](const EagerParticipant& p, const torch::Tensor& block) {
+            SHMGRAD_CHECK(block.scalar_type() == torch::kUInt8 && block.dim() == 1 &&
+                              block.numel() == static_cast<int64_t>(p.seg_->header()->buffers.size),
+                          ErrorKind::kInvalidArgument, "a buffer block is ",
+                          p.seg_->header()->buffers.size, " bytes (uint8, one dimension)");
+            return worker::bufferViewsOf(*p.seg_, block);
+          },
+          py::arg("block"), "views of the buffers over a uint8 tensor laid out as that region")
+      .def(
           "slot_buffer_views",
           [](const EagerParticipant& p) {
             auto keep = p.seg_;

@@ -223,11 +223,13 @@ FAKE_API int shmgrad_cuda_device_uuid(int device, uint8_t uuid[SHMGRAD_DEVICE_UU
   return kSuccess;
 }
 FAKE_API int shmgrad_cuda_error_is_sticky(int code) { return code == kIllegalAddress ? 1 : 0; }
-FAKE_API int shmgrad_cuda_host_register(void* ptr, uint64_t bytes) {
-  return ptr == nullptr || bytes == 0 ? kInvalidValue : kSuccess;  // host memory already
+FAKE_API int shmgrad_cuda_host_register(int device, void* ptr, uint64_t bytes) {
+  if (ptr == nullptr || bytes == 0) return kInvalidValue;
+  return use(device);  // host memory already
 }
-FAKE_API int shmgrad_cuda_host_unregister(void* ptr) {
-  return ptr == nullptr ? kInvalidValue : kSuccess;
+FAKE_API int shmgrad_cuda_host_unregister(int device, void* ptr) {
+  if (ptr == nullptr) return kInvalidValue;
+  return use(device);
 }
 FAKE_API int shmgrad_cuda_alloc(int device, uint64_t bytes, uint64_t* ptr) {
   *ptr = 0;

@@ -368,7 +368,7 @@ TEST(CudaLibraryTest, UuidsStickyErrorsAndPinnedHostMemory) {
   EXPECT_EQ(c.error_is_sticky(kCudaErrorInvalidValue), 0);
   EXPECT_EQ(c.error_is_sticky(0), 0);
   EXPECT_EQ(c.device_uuid(0, nullptr), kCudaErrorInvalidValue);
-  EXPECT_EQ(c.host_register(nullptr, 16), kCudaErrorInvalidValue);
+  EXPECT_EQ(c.host_register(0, nullptr, 16), kCudaErrorInvalidValue);
   REQUIRE_DEVICE(c);
   int n = 0;
   ASSERT_EQ(c.device_count(&n), 0);
@@ -385,10 +385,10 @@ TEST(CudaLibraryTest, UuidsStickyErrorsAndPinnedHostMemory) {
   EXPECT_EQ(c.device_uuid(n, u.data()), kCudaErrorInvalidDevice);
   // Pinned host memory copies to the device as before.
   std::vector<float> host = normals(1024, 7);
-  ASSERT_EQ(c.host_register(host.data(), host.size() * 4), 0);
+  ASSERT_EQ(c.host_register(0, host.data(), host.size() * 4), 0);
   DeviceFloats dev(c, 0, host);
   EXPECT_EQ(dev.read(), host);
-  EXPECT_EQ(c.host_unregister(host.data()), 0);
+  EXPECT_EQ(c.host_unregister(0, host.data()), 0);
 }
 
 // As many inputs as the interface allows (one worker per slot: ipc::kMaxWorkers), and none.

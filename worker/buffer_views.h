@@ -155,4 +155,33 @@ inline std::vector<std::pair<std::string, torch::Tensor>> sharedBufferViews(
   return out;
 }
 
+// The shared buffers' region as one byte tensor over `base` (the shared buffers, nullptr,
+// or a slot's copy): a copy to or from it moves every buffer at once. `keep` as above.
+inline torch::Tensor bufferBlockView(
+    const ipc::Segment& segment, std::function<void(void*)> keep = [](void*) {},
+    uint8_t* base = nullptr) {
+  if (base == nullptr) base = segment.buffers();
+  return torch::from_blob(base, {static_cast<int64_t>(segment.header()->buffers.size)},
+                          std::move(keep), torch::kUInt8);
+}
+
+// One tensor per entry of the buffer table, each a view of `block`, a byte tensor laid out
+// as the segment's buffer region (a worker's or trainer's own copy of it, on any device):
+// a model whose buffers are these views loads and publishes them in one copy of the block
+// (on a GPU, one transfer a step instead of one per buffer). Offsets and sizes were
+// validated on attach (kAlign-aligned, inside the region).
+inline std::vector<torch::Tensor> bufferViewsOf(const ipc::Segment& segment,
+                                                const torch::Tensor& block) {
+  std::vector<torch::Tensor> out;
+  const ipc::BufferEntry* table = segment.bufferTable();
+  for (uint32_t i = 0; i < segment.header()->num_buffers; ++i) {
+    const ipc::BufferEntry& b = table[i];
+    std::vector<int64_t> shape(b.shape.dims, b.shape.dims + b.shape.ndim);
+    out.push_back(block.narrow(0, static_cast<int64_t>(b.offset), static_cast<int64_t>(b.nbytes))
+                      .view(torchType(static_cast<ipc::DType>(b.dtype)))
+                      .view(shape));
+  }
+  return out;
+}
+
 }  // namespace shmgrad::worker

@@ -134,38 +134,44 @@ Replica::Replica(const ipc::Segment& segment, uint32_t slot, const gpu::EngineMe
                 i, " parameters but the engine's table has ", h->num_params);
   bindGradients(grads);
   grad_versions_.assign(params_.size(), 0);
-  // Buffers: this replica keeps its own; the shared ones are loaded before and published
-  // after a step. Matched by name and order against the engine's table.
-  for (auto& nv : sharedBufferViews(segment)) shared_buffers_.push_back(nv.second);
-  for (auto& nv : sharedBufferViews(
-           segment, [](void*) {}, segment.slotBuffers(slot_))) {
-    slot_buffers_.push_back(nv.second);
-  }
+  // Buffers: this replica keeps its own, as views of one block laid out as the segment's
+  // buffer region (on its device, for a GPU worker); the shared ones are loaded into it
+  // before a step and published from it after, each in one copy. Matched by name and
+  // order against the engine's table.
+  shared_block_ = bufferBlockView(segment);
+  slot_block_ = bufferBlockView(
+      segment, [](void*) {}, segment.slotBuffers(slot_));
+  buffer_block_ = torch::zeros({shared_block_.numel()},
+                               torch::TensorOptions(torch::kUInt8).device(options_.device()));
+  const std::vector<torch::Tensor> views = bufferViewsOf(segment, buffer_block_);
   const ipc::BufferEntry* btable = segment.bufferTable();
   size_t b = 0;
   for (const auto& nb : module_.named_buffers(/*recurse=*/true)) {
     if (!sharedBufferType(nb.value)) continue;
-    SHMGRAD_CHECK(b < shared_buffers_.size() && nb.name == btable[b].name &&
-                      nb.value.sizes() == shared_buffers_[b].sizes() &&
-                      nb.value.scalar_type() == shared_buffers_[b].scalar_type(),
+    SHMGRAD_CHECK(b < views.size() && nb.name == btable[b].name &&
+                      nb.value.sizes() == views[b].sizes() &&
+                      nb.value.scalar_type() == views[b].scalar_type(),
                   ErrorKind::kInvalidArgument, "model buffer ", nb.name,
                   " does not match the engine's; was the file replaced after the engine started?");
-    buffers_.push_back(nb.value);
+    views[b].copy_(nb.value);
+    torch::Tensor own = nb.value;
+    own.set_data(views[b]);  // the module's buffer is now its part of the block
     ++b;
   }
-  SHMGRAD_CHECK(b == shared_buffers_.size(), ErrorKind::kInvalidArgument, "model ", h->model_path,
-                " has ", b, " shared buffers but the engine has ", shared_buffers_.size());
+  SHMGRAD_CHECK(b == views.size(), ErrorKind::kInvalidArgument, "model ", h->model_path, " has ", b,
+                " shared buffers but the engine has ", views.size());
 }
 
 void Replica::loadBuffers() {
+  if (buffer_block_.numel() == 0) return;
   torch::NoGradGuard no_grad;
-  for (size_t i = 0; i < buffers_.size(); ++i) buffers_[i].copy_(shared_buffers_[i]);
+  buffer_block_.copy_(shared_block_);
 }
 
 void Replica::publishBuffers(uint8_t* dst) {
+  if (buffer_block_.numel() == 0) return;
   torch::NoGradGuard no_grad;
-  auto& out = dst == segment_.buffers() ? shared_buffers_ : slot_buffers_;
-  for (size_t i = 0; i < buffers_.size(); ++i) out[i].copy_(buffers_[i]);
+  (dst == segment_.buffers() ? shared_block_ : slot_block_).copy_(buffer_block_);
 }
 
 void Replica::bindGradients(float* base) {
@@ -202,13 +208,14 @@ double Replica::accumulate(const torch::Tensor& inputs, const torch::Tensor& tar
                 out.tagKind(), "; shmgrad needs a model whose forward returns one Tensor");
   torch::Tensor loss =
       lossSum(loss_, out.toTensor(), moved ? targets.to(options_.device()) : targets);
-  double value = loss.item<double>();
   if (grad_scale == 1.0f) {
     loss.backward();
   } else {
     (loss * grad_scale).backward();
   }
-  return value;
+  // Read after backward is queued: on a device, reading it first would wait for the
+  // forward before backward's kernels could be issued.
+  return loss.item<double>();
 }
 
 }  // namespace shmgrad::worker

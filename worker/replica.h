@@ -85,8 +85,9 @@ class Replica {
   std::vector<torch::Tensor> params_;
   float* grads_base_ = nullptr;
   std::vector<int64_t> grad_versions_;  // one per parameter, sized once
-  // Own, the segment's views, and views of this slot's copy (BufferRule::kMean).
-  std::vector<torch::Tensor> buffers_, shared_buffers_, slot_buffers_;
+  // The module's buffers' block (its own, on its device), and byte views of the segment's
+  // shared buffers and of this slot's copy of them (BufferRule::kMean).
+  torch::Tensor buffer_block_, shared_block_, slot_block_;
   ipc::LossKind loss_;
 };
 

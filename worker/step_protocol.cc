@@ -28,6 +28,20 @@ StepParticipant::StepParticipant(const ipc::Segment& segment, uint32_t slot, int
                 " is out of range: the engine has ", h_->num_slots, " slots");
   // The coordinator gives its workers the CUDA library it loaded ($SHMGRAD_CUDA_LIBRARY).
   mem_ = std::make_unique<gpu::EngineMemory>(segment, "", slot);
+  if (mem_->onDevice()) {
+    // The explicit batch's regions, copied to the device at every step: pinned, the copy
+    // is one asynchronous transfer each (refused by the driver: copied as before).
+    const int device = mem_->ordinal(slot);
+    for (const ipc::Region& r : {h_->req_inputs, h_->req_targets}) {
+      if (!mem_->pinHost(device, seg_.region<uint8_t>(r), r.size)) {
+        std::fprintf(stderr,
+                     "shmgrad worker %u: the request's memory could not be page-locked; "
+                     "batches are copied to cuda:%d from pageable memory\n",
+                     slot, device);
+        break;
+      }
+    }
+  }
 }
 
 bool StepParticipant::becomeReady() {

@@ -422,7 +422,15 @@ class Client:
                 f"the module's buffers {sorted(own)[:4]}... differ from the engine's "
                 f"{sorted(views)[:4]}...: bind the module the engine was started with"
             )
-        mirrors = []
+        mirror = None
+        if self._device is not None and views:
+            # Beside the parameters on the GPU: the module's buffers are views of one block
+            # there, laid out as the segment's buffer region, exchanged with it in one copy
+            # each way around a step (not one synchronised copy per buffer).
+            shared = self._trainer.buffer_block()
+            block = torch.zeros(shared.numel(), dtype=torch.uint8, device=self._device)
+            on_device = dict(zip(views, self._trainer.buffer_views_of(block)))
+            mirror = (block, shared)
         with torch.no_grad():
             for n, b in own.items():
                 if tuple(b.shape) != tuple(views[n].shape) or b.dtype != views[n].dtype:
@@ -431,21 +439,22 @@ class Client:
                         f"engine's {tuple(views[n].shape)} ({views[n].dtype})"
                     )
                 views[n].copy_(b)
-                if self._device is None:
+                if mirror is None:
                     b.data = views[n]
-                else:  # beside parameters on the GPU: a copy there, kept up to date
-                    b.data = views[n].to(self._device)
-                    mirrors.append((b, views[n]))
-        self._buffer_mirrors = mirrors
+                else:
+                    on_device[n].copy_(b)
+                    b.data = on_device[n]
+        self._buffer_mirrors = [mirror] if mirror is not None else []
 
     def _push_buffers(self):
-        """A GPU engine's bound module's buffers into the shared ones (before a step)."""
+        """A GPU engine's bound module's buffers into the shared ones (before a step): one
+        copy of their block."""
         with torch.no_grad():
             for own, shared in self._buffer_mirrors:
                 shared.copy_(own)
 
     def _pull_buffers(self):
-        """The shared buffers into a GPU engine's bound module's (after a step)."""
+        """The shared buffers into a GPU engine's bound module's (after a step): one copy."""
         with torch.no_grad():
             for own, shared in self._buffer_mirrors:
                 own.copy_(shared)

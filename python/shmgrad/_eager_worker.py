@@ -59,6 +59,9 @@ class ShardRunner:
                 f"has {names[:5]}...: the job file does not match this engine"
             )
         self.params = [p for _, p in named]
+        # The buffers the engine shares, by name, while the model is still on the CPU
+        # (eager.shared_buffers takes CPU float32/int64 buffers).
+        shared_names = [n for n, _ in eager.shared_buffers(self.model)]
         # An engine with devices: this worker's model, batches and gradient slot are on
         # its GPU (its buffers moved there; its parameters become views below).
         self.device = None if participant.device < 0 else torch.device("cuda", participant.device)
@@ -80,16 +83,26 @@ class ShardRunner:
         self.grads_in_reduced = None
         self._bind_grads(False)
         # Shared buffers (BatchNorm statistics): loaded before each step, published by the
-        # step's first participant after the compute barrier (DDP's rule).
-        own = dict(eager.shared_buffers(self.model))
-        shared = participant.buffer_views()
-        if [n for n, _ in shared] != list(own):
+        # step's first participant after the compute barrier (DDP's rule). The model's own
+        # are views of one block laid out as the segment's buffer region (on this worker's
+        # device), so that loading and publishing them is one copy each, on a GPU one
+        # transfer instead of one synchronised copy per buffer.
+        engine_names = [n for n, _ in participant.buffer_views()]
+        if engine_names != shared_names:
             raise RuntimeError(
-                f"the job's model has buffers {list(own)[:5]}... but the engine "
-                f"has {[n for n, _ in shared][:5]}..."
+                f"the job's model has buffers {shared_names[:5]}... but the engine "
+                f"has {engine_names[:5]}..."
             )
-        self.buffers = [(own[n], view) for n, view in shared]
-        self.slot_buffers = [view for _, view in participant.slot_buffer_views()]
+        self.shared_block = participant.buffer_block()
+        self.slot_block = participant.slot_buffer_block()
+        self.block = torch.zeros(
+            self.shared_block.numel(), dtype=torch.uint8, device=self.device or "cpu"
+        )
+        own = dict(self.model.named_buffers())
+        with torch.no_grad():
+            for name, view in zip(shared_names, participant.buffer_views_of(self.block)):
+                view.copy_(own[name])
+                own[name].data = view
         self.model.train()
         # torch.compile'd in this worker: the compiled module runs the same parameters
         # (their .data and .grad are the shared views set above).
@@ -115,8 +128,7 @@ class ShardRunner:
             # parameters whose counter has not moved after the passes were not reached.
             self._versions = [g._version for g in self.grads]
             with self._torch.no_grad():
-                for own, shared in self.buffers:
-                    own.copy_(shared)
+                self.block.copy_(self.shared_block)
             if self.model.training != shard.train:
                 self.model.train(shard.train)
             return None
@@ -141,12 +153,7 @@ class ShardRunner:
         """This worker's buffers into the shared ones, or into its slot's copy (averaged
         over the step's workers by the first)."""
         with self._torch.no_grad():
-            if to_slot:
-                for (own, _), mine in zip(self.buffers, self.slot_buffers):
-                    mine.copy_(own)
-            else:
-                for own, shared in self.buffers:
-                    shared.copy_(own)
+            (self.slot_block if to_slot else self.shared_block).copy_(self.block)
 
     def _compute_pass(self, shard, start, stop):
         """Forward and backward of the loss summed over the pass: the loss as it is (a

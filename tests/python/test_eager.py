@@ -642,3 +642,42 @@ def test_workers_compute_with_the_trainers_numerics():
     finally:
         torch.set_float32_matmul_precision(saved[0])
         cudnn.allow_tf32, cudnn.benchmark, cudnn.deterministic = saved[1:]
+
+
+def _buffer_storages(model):
+    return {b.untyped_storage().data_ptr() for b in model.buffers()}
+
+
+def test_a_workers_shared_buffers_are_one_block():
+    """A worker's BatchNorm statistics are views of one block laid out as the segment's
+    buffer region, so that loading and publishing them is one copy each (on a GPU, one
+    transfer a step, not one synchronised copy per buffer)."""
+
+    class TwoNorms(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 6)
+            self.bn1, self.bn2 = nn.BatchNorm1d(6), nn.BatchNorm1d(6)
+            self.out = nn.Linear(6, 3)
+
+        def forward(self, x):
+            return self.out(self.bn2(self.bn1(self.fc(x))))
+
+    def forward(model, batch):
+        storages = _buffer_storages(model)
+        if len(storages) != 1:
+            raise RuntimeError(f"the worker's buffers lie in {len(storages)} storages")
+        x, y = batch
+        return torch.nn.functional.cross_entropy(model(x), y, reduction="sum")
+
+    torch.manual_seed(0)
+    model = TwoNorms()
+    assert len(_buffer_storages(model)) == 6  # 2 x (mean, var, count) before
+    with shmgrad.Engine(
+        model=model, workers=2, forward=forward, loss_reduction="sum", mode="eager"
+    ) as engine:
+        engine.bind(model)
+        x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+        engine.gradient(inputs=x, targets=y)
+        assert int(model.bn1.num_batches_tracked) == 1  # published back, in one copy
+        assert not torch.equal(model.bn2.running_mean, torch.zeros(6))
