@@ -1,9 +1,20 @@
 """Shared fixtures: small models, a single-process PyTorch reference, and a check that
-no test leaves a shared-memory segment behind."""
+no test leaves a shared-memory segment behind.
+
+GPU tests carry the ``gpu`` marker (test_gpu_workers.py's ``cuda`` backend, the GPU cases
+of test_gpu.py) and skip with the reason where no GPU is. Under ``SHMGRAD_REQUIRE_GPU=1``
+(set by ``tools/device-check --run --gpu`` on the GPU machine, never by CI) such a skip is
+a failure naming its reason, so a run on a GPU cannot pass by skipping; only a case that
+needs more GPUs than the machine has (``skip_for_fewer_gpus``) may still skip.
+``--outcomes-log PATH`` writes one JSON line per test case as it finishes (and one when it
+starts), so that a run cut short still says what ran (tools/device-check reads it).
+"""
 
 import copy
 import glob
+import json
 import os
+import time
 import shutil
 import subprocess
 import sys
@@ -178,9 +189,110 @@ def npy_dataset(tmp_path):
     return f"npy:{tmp_path / 'x.npy'},{tmp_path / 'y.npy'}", x, y
 
 
+# -- GPU cases: skipped with the reason, or failed where a GPU is required ------------
+REQUIRE_GPU = os.environ.get("SHMGRAD_REQUIRE_GPU") == "1"
+# The one skip a GPU case may take under SHMGRAD_REQUIRE_GPU=1: the machine has a GPU,
+# but fewer than the case places workers on (the GPU machine has one).
+FEWER_GPUS = "needs more GPUs than this machine has"
+
+
+def skip_for_fewer_gpus(needed, here):
+    """Skips a GPU case that needs `needed` GPUs on a machine with `here` (at least one)."""
+    pytest.skip(f"{FEWER_GPUS}: {needed} needed, {here} here")
+
+
+def _skip_reason(report):
+    """The reason a skipped report gives (pytest keeps it as (path, line, reason))."""
+    if isinstance(report.longrepr, tuple) and len(report.longrepr) == 3:
+        return str(report.longrepr[2]).removeprefix("Skipped: ")
+    return str(report.longrepr)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if not (REQUIRE_GPU and report.skipped and item.get_closest_marker("gpu")):
+        return
+    reason = _skip_reason(report)
+    if not reason.startswith(FEWER_GPUS):
+        report.outcome = "failed"
+        report.longrepr = (
+            f"SHMGRAD_REQUIRE_GPU=1: a GPU case may not skip, and this one skipped: {reason}"
+        )
+
+
+# -- --outcomes-log: each case's outcome as it finishes --------------------------------
+OUTCOME_REASON_CHARS = 2000  # of a failure's text, its end (where the assertion is)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--outcomes-log",
+        default=None,
+        help="write a JSON line per test case to this file as each one starts and "
+        "finishes: nodeid, outcome, duration, skip or failure reason (tools/device-check)",
+    )
+
+
+class OutcomesLog:
+    """Appends JSON lines to a file, flushed at once: {"event": "collected", "nodeids"},
+    {"event": "start", "nodeid"}, then {"event": "case", "nodeid", "outcome" (passed,
+    failed, error: a failed setup or teardown, skipped), "duration" (s, every phase),
+    "reason"}."""
+
+    def __init__(self, path):
+        self._file = open(path, "a")
+        self._phases = {}
+
+    def _write(self, **record):
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def pytest_collection_finish(self, session):
+        self._write(event="collected", nodeids=[item.nodeid for item in session.items])
+
+    def pytest_runtest_logstart(self, nodeid, location):
+        self._write(event="start", nodeid=nodeid, time=time.time())
+
+    def pytest_runtest_logreport(self, report):
+        self._phases.setdefault(report.nodeid, []).append(report)
+        if report.when == "teardown":
+            self._write(event="case", **case_outcome(self._phases.pop(report.nodeid)))
+
+    def pytest_unconfigure(self, config):
+        self._file.close()
+
+
+def case_outcome(reports):
+    """One test case's outcome from its phases' reports (setup, call, teardown)."""
+    outcome, reason = "passed", ""
+    for r in reports:
+        if r.failed:
+            outcome = "failed" if r.when == "call" else "error"
+            reason = r.longreprtext[-OUTCOME_REASON_CHARS:]
+            break
+        if r.skipped:
+            outcome, reason = "skipped", _skip_reason(r)
+    return {
+        "nodeid": reports[0].nodeid,
+        "outcome": outcome,
+        "duration": round(sum(r.duration for r in reports), 3),
+        "reason": reason,
+    }
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers",
         "newest_torch_only: run against the newest torch only (tools/test.sh "
         "leaves these out for the oldest supported one: the wheel build, long benchmarks)",
     )
+    config.addinivalue_line(
+        "markers",
+        "gpu: needs a GPU; skips with the reason without one, fails so under "
+        "SHMGRAD_REQUIRE_GPU=1 (tools/device-check --run --gpu runs these: -m gpu)",
+    )
+    path = config.getoption("--outcomes-log")
+    if path:
+        config.pluginmanager.register(OutcomesLog(path), "shmgrad-outcomes-log")

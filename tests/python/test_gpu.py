@@ -1,8 +1,10 @@
 """shmgrad's CUDA path: built, loaded, checked; on a machine with no GPU every devices=
 engine fails at once naming what is missing and leaves nothing behind. Tests that need a
-GPU skip with the reason (run them on one: tools/device-check)."""
+GPU (marked ``gpu``) skip with the reason, or fail so under SHMGRAD_REQUIRE_GPU=1 (run
+them on one: tools/device-check --run --gpu)."""
 
 import ctypes
+import json
 import os
 import shutil
 import subprocess
@@ -128,6 +130,7 @@ def test_the_cuda_library_reports_no_driver_as_an_error_code():
     assert code in (35, 100) and count.value == 0
 
 
+@pytest.mark.gpu
 def test_inputs_are_reduced_on_the_device_in_list_order():
     _gpu_or_skip()
     lib = _gpu._load()
@@ -168,6 +171,7 @@ assert lib.shmgrad_cuda_ipc_close(0, ptr) == 0
 """
 
 
+@pytest.mark.gpu
 def test_an_ipc_handle_opens_in_another_process():
     _gpu_or_skip()
     lib = _gpu._load()
@@ -191,3 +195,96 @@ def test_an_ipc_handle_opens_in_another_process():
         assert back[0] == -1.0  # the child's write, through its mapping
     finally:
         assert lib.shmgrad_cuda_free(0, ptr) == 0
+
+
+# A GPU case and its neighbours as conftest.py judges them (run in a pytest of their own,
+# beside a copy of conftest.py): the `cuda` case skips here as it does without a GPU.
+_REQUIRED_CASES = """
+import pytest
+from conftest import skip_for_fewer_gpus
+
+
+@pytest.fixture(params=["fake", pytest.param("cuda", marks=pytest.mark.gpu)])
+def backend(request):
+    if request.param == "cuda":
+        pytest.skip("no GPU here: a stand-in for the driver's answer")
+    return request.param
+
+
+def test_on_a_backend(backend):
+    pass
+
+
+@pytest.mark.gpu
+def test_on_two_gpus():
+    skip_for_fewer_gpus(2, 1)
+
+
+@pytest.mark.gpu
+def test_skips_in_its_body():
+    pytest.skip("no GPU here: in the body")
+
+
+def test_not_a_gpu_case():
+    pytest.skip("skipped for a reason of its own")
+"""
+_REQUIRE_RUN_TIMEOUT_S = 120
+
+
+def _outcomes_where(tmp_path, require):
+    """Runs _REQUIRED_CASES with or without SHMGRAD_REQUIRE_GPU=1: pytest's exit code and
+    {test name: (outcome, reason)} from its --outcomes-log."""
+    folder = tmp_path / ("required" if require else "free")
+    folder.mkdir()
+    shutil.copy(os.path.join(os.path.dirname(__file__), "conftest.py"), folder)
+    (folder / "test_cases.py").write_text(_REQUIRED_CASES)
+    env = {k: v for k, v in os.environ.items() if k != "SHMGRAD_REQUIRE_GPU"}
+    if require:
+        env["SHMGRAD_REQUIRE_GPU"] = "1"
+    log = folder / "outcomes.jsonl"
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+        + ["--outcomes-log", str(log), "test_cases.py"],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=_REQUIRE_RUN_TIMEOUT_S,
+    )
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    cases = {
+        r["nodeid"].split("::")[1]: (r["outcome"], r["reason"])
+        for r in records
+        if r["event"] == "case"
+    }
+    collected = next(r["nodeids"] for r in records if r["event"] == "collected")
+    assert len(collected) == len(cases) == 5, res.stdout + res.stderr
+    return res.returncode, cases, res.stdout + res.stderr
+
+
+def test_a_gpu_case_that_skips_fails_where_a_gpu_is_required(tmp_path):
+    # Without SHMGRAD_REQUIRE_GPU (CI, here): the GPU cases skip with their reason.
+    code, cases, output = _outcomes_where(tmp_path, require=False)
+    assert code == 0, output
+    assert cases["test_on_a_backend[fake]"] == ("passed", "")
+    assert cases["test_on_a_backend[cuda]"] == (
+        "skipped",
+        "no GPU here: a stand-in for the driver's answer",
+    )
+    assert cases["test_skips_in_its_body"][0] == "skipped"
+    # With it (tools/device-check --run --gpu): each such skip fails the run, naming why it
+    # skipped; a case that needs more GPUs than the machine has, and a case that is no
+    # GPU case, still skip.
+    code, cases, output = _outcomes_where(tmp_path, require=True)
+    assert code == 1, output
+    assert cases["test_on_a_backend[fake]"] == ("passed", "")
+    outcome, reason = cases["test_on_a_backend[cuda]"]
+    assert outcome == "error", output  # in its fixture: pytest's "error at setup"
+    assert "SHMGRAD_REQUIRE_GPU=1" in reason and "a stand-in for the driver's answer" in reason
+    outcome, reason = cases["test_skips_in_its_body"]
+    assert outcome == "failed" and "no GPU here: in the body" in reason, output
+    assert cases["test_on_two_gpus"] == (
+        "skipped",
+        "needs more GPUs than this machine has: 2 needed, 1 here",
+    )
+    assert cases["test_not_a_gpu_case"] == ("skipped", "skipped for a reason of its own")

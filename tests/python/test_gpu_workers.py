@@ -8,8 +8,10 @@
   slots into the first device's reduced gradient, the trainer's parameters and .grad are
   that memory, and the other devices' parameters are brought up to date before each step.
 - ``cuda``, where a GPU is (tools/device-check --gpu): the same tests against the real
-  library and device, skipped with the reason elsewhere. TF32 is turned off in every
-  process (NVIDIA_TF32_OVERRIDE=0), so results are float32 up to summation order.
+  library and device, marked ``gpu``: skipped with the reason elsewhere, failed instead
+  under SHMGRAD_REQUIRE_GPU=1 (conftest.py), except a case that needs more GPUs than the
+  machine has. TF32 is turned off in every process (NVIDIA_TF32_OVERRIDE=0), so results
+  are float32 up to summation order.
 """
 
 import contextlib
@@ -23,7 +25,13 @@ import torch
 import shmgrad
 from shmgrad import _gpu, errors
 
-from conftest import Cnn, fake_allocations, reference_gradient, relative_error
+from conftest import (
+    Cnn,
+    fake_allocations,
+    reference_gradient,
+    relative_error,
+    skip_for_fewer_gpus,
+)
 from test_faults import STEP_TIMEOUT_S, GradientCall, wait_for, wait_until_busy
 
 
@@ -31,7 +39,7 @@ def _free_device_bytes():
     return [torch.cuda.mem_get_info(d)[0] for d in range(torch.cuda.device_count())]
 
 
-@pytest.fixture(params=["fake", "cuda"])
+@pytest.fixture(params=["fake", pytest.param("cuda", marks=pytest.mark.gpu)])
 def backend(request, monkeypatch):
     """Sets the engines' environment for the backend; after the test, nothing is left in
     /dev/shm, and on a GPU its free memory is back to what it was."""
@@ -72,7 +80,7 @@ def backend(request, monkeypatch):
 
 def _needs(backend, devices):
     if backend[1] < len(devices):
-        pytest.skip(f"{len(devices)} GPUs needed, {backend[1]} here")
+        skip_for_fewer_gpus(len(devices), backend[1])
 
 
 def _cpu(tensors):
