@@ -16,6 +16,7 @@
 
 import contextlib
 import datetime
+import gc
 import os
 import time
 
@@ -34,8 +35,34 @@ from conftest import (
 )
 from test_faults import STEP_TIMEOUT_S, GradientCall, wait_for, wait_until_busy
 
+# After a GPU case, the device's free memory is back to what it was before, within what
+# this process's own CUDA context may take meanwhile (an NCCL communicator's leftovers):
+# far less than a worker's context (hundreds of MiB) or the engine's buffers.
+DEVICE_MEMORY_SLACK_BYTES = 64 << 20
+DEVICE_MEMORY_RETURN_S = 10  # for the engine's processes to exit and the driver to free
+DEVICE_MEMORY_POLL_S = 0.1
+
+
+def _warm_up_device_libraries():
+    """cuBLAS and cuDNN create their handles and workspaces in this process on first use
+    (tens to hundreds of MiB, kept to its end): done before the first measurement, a
+    test's own reference, training or eval on the GPU cannot look like a leak."""
+    for d in range(torch.cuda.device_count()):
+        with torch.cuda.device(d):
+            x = torch.randn(8, 1, 12, 12, device="cuda", requires_grad=True)
+            for m in (Cnn(), BnCnn()):
+                out = m.cuda()(x)
+                (out @ out.T).sum().backward()
+            torch.cuda.synchronize()
+
 
 def _free_device_bytes():
+    """Each GPU's free memory, after torch's caching allocator gave back what it holds
+    unused (blocks of tensors this process freed count as free)."""
+    gc.collect()
+    for d in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(d)
+    torch.cuda.empty_cache()
     return [torch.cuda.mem_get_info(d)[0] for d in range(torch.cuda.device_count())]
 
 
@@ -62,6 +89,7 @@ def backend(request, monkeypatch):
         torch.backends.cudnn.allow_tf32 = False
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.cuda.init()
+        _warm_up_device_libraries()
         free = _free_device_bytes()
     before = fake_allocations()
     yield request.param, count
@@ -70,12 +98,12 @@ def backend(request, monkeypatch):
     if violations is not None and violations.exists():
         assert not violations.read_text(), violations.read_text()
     if free is not None:
-        # The coordinator frees its allocations at stop: free memory comes back (within
-        # 64 MiB of what this process's own CUDA context may have taken meanwhile).
-        deadline = time.monotonic() + 10
-        while any(a < b - (64 << 20) for a, b in zip(_free_device_bytes(), free)):
+        # The coordinator frees its allocations at stop and the workers' contexts go with
+        # them: free memory comes back.
+        deadline = time.monotonic() + DEVICE_MEMORY_RETURN_S
+        while any(a < b - DEVICE_MEMORY_SLACK_BYTES for a, b in zip(_free_device_bytes(), free)):
             assert time.monotonic() < deadline, (free, _free_device_bytes())
-            time.sleep(0.1)
+            time.sleep(DEVICE_MEMORY_POLL_S)
 
 
 def _needs(backend, devices):
