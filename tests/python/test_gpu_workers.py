@@ -422,10 +422,25 @@ def test_a_trainer_attaches_again_while_views_of_the_devices_live(backend):
         server.stop()
 
 
+# The hung kernel (on a GPU): torch.cuda._sleep spins for a number of SM clock cycles,
+# counted here at 2 GHz (the H100's and H200's highest clock is 1.98 GHz), so it lasts at
+# least HUNG_KERNEL_S. Long past the call's timeout and the coordinator's 2 s grace
+# (ipc::kAbandonGraceNs): the worker is killed mid-kernel. Short enough that if the kill
+# failed, the kernel ends by itself, the case fails (no restart) and still ends in about
+# 30 s, as tools/device-check's budget needs.
+HUNG_KERNEL_S = 20
+SM_CLOCK_HZ_AT_MOST = 2_000_000_000
+HUNG_CALL_TIMEOUT_S = 3  # the call that meets the hung worker
+HUNG_CALL_ENDS_WITHIN_S = 15
+# The call after: the abandoned worker killed (after the 2 s grace) and a replacement
+# started (an eager worker: Python, torch, a CUDA context), then one small step.
+REPLACED_STEP_TIMEOUT_S = 30
+
+
 class HangingNet(torch.nn.Module):
     """A linear model whose forward, while the file ``hang_file`` exists, launches a CUDA
-    kernel that spins for about ten minutes at H200 clocks (torch.cuda._sleep): a hung
-    kernel. On the fake device (CPU tensors) the fake library's device wait hangs instead
+    kernel that spins for HUNG_KERNEL_S at least (torch.cuda._sleep): a hung kernel. On
+    the fake device (CPU tensors) the fake library's device wait hangs instead
     (FAKE_CUDA_HANG_FILE)."""
 
     def __init__(self, hang_file):
@@ -435,12 +450,12 @@ class HangingNet(torch.nn.Module):
 
     def forward(self, x):
         if x.is_cuda and os.path.exists(self.hang_file):
-            torch.cuda._sleep(1 << 40)
+            torch.cuda._sleep(HUNG_KERNEL_S * SM_CLOCK_HZ_AT_MOST)
         return self.fc(x)
 
 
 def test_a_hung_kernel_ends_in_timeout_and_its_worker_is_replaced(backend, tmp_path, monkeypatch):
-    """A worker whose device work never finishes: the call ends in EngineTimeoutError at
+    """A worker whose device work does not finish: the call ends in EngineTimeoutError at
     its timeout, the coordinator kills the worker still busy with the abandoned step (its
     CUDA context, and the kernel, go with it), and the next call gets the exact gradient
     from the replacement, the engine's only worker."""
@@ -459,12 +474,14 @@ def test_a_hung_kernel_ends_in_timeout_and_its_worker_is_replaced(backend, tmp_p
         pid = engine.status().worker(0).pid
         hang.touch()
         t0 = time.monotonic()
-        with pytest.raises(shmgrad.EngineTimeoutError, match="did not finish within 3 s"):
-            engine.gradient(inputs=x, targets=y, timeout=3)
-        assert time.monotonic() - t0 < 15
+        with pytest.raises(
+            shmgrad.EngineTimeoutError, match=f"did not finish within {HUNG_CALL_TIMEOUT_S} s"
+        ):
+            engine.gradient(inputs=x, targets=y, timeout=HUNG_CALL_TIMEOUT_S)
+        assert time.monotonic() - t0 < HUNG_CALL_ENDS_WITHIN_S
         assert engine.status().worker(0).pid == pid  # hung, not dead: the timeout ended the call
         hang.unlink()
-        engine.gradient(inputs=x, targets=y, timeout=STEP_TIMEOUT_S)
+        engine.gradient(inputs=x, targets=y, timeout=REPLACED_STEP_TIMEOUT_S)
         st = engine.status()
         assert st.worker(0).restarts == 1 and st.worker(0).pid != pid, st.text
         ref = reference_gradient(twin, "cross_entropy", x, y)
