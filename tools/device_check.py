@@ -19,20 +19,65 @@ ignored folder .device/ (at most 64 MiB):
                                1, 2, 4, 8 and 16 workers against DDP-gloo with as many
                                ranks and one process, in one run), then, if time is left,
                                examples/adaptive_batch.py shortened (like for like, one
-                               worker per core); all within --deadline (470 s), skipping
-                               what does not fit; report.md and the results go into DIR.
-  --run --gpu --out DIR        the GPU workers' checks instead (issue 21): the build,
-                               tests/python/test_gpu.py and test_gpu_workers.py (their
-                               GPU cases: exactness against one process for 1, 2 and 4
-                               workers on the device, eager BatchNorm with a random
-                               dataset, 20 optimizer steps, a SIGKILLed worker retried,
-                               nothing left on the device or in /dev/shm), and the seed
-                               case (WRN-16-4, batch 128) as one process, with a deep copy
-                               per gradient, through Dask and through shmgrad with 1, 2
-                               and 4 workers on the GPU, in one run, with ratios.
-  --run --dry-run --out DIR    the same here, against .venv, scaled to this machine
-                               (with --gpu, one test of test_gpu_workers.py: the suite
-                               runs them all here on the fake device).
+                               worker per core); all within --deadline (470 s).
+  --run --gpu --out DIR        the GPU workers' checks instead (issue 21), in this order,
+                               within --deadline (450 s: the whole call in 8 minutes):
+                               build  as above;
+                               tests  the GPU cases only (pytest -m gpu) of
+                                      tests/python/test_gpu.py and test_gpu_workers.py
+                                      (exactness against one process for 1, 2 and 4
+                                      workers on the device, eager BatchNorm with a random
+                                      dataset, 20 optimizer steps, a SIGKILLed worker and a
+                                      hung kernel each replaced, nothing left on the device
+                                      or in /dev/shm; their fake-device half runs in CI)
+                                      with SHMGRAD_REQUIRE_GPU=1: a GPU case that skips
+                                      fails the run (only a case that needs more GPUs than
+                                      the machine has may skip, and is reported);
+                               sharing  the seed case (WRN-16-4, batch 128) as one process
+                                      and through shmgrad with 1, 2 and 4 workers sharing
+                                      the GPU (tools/gpu_probe.py --sharing);
+                               sharing-mps  the same under an MPS daemon
+                                      (nvidia-cuda-mps-control -d, its pipes and logs in a
+                                      temporary folder named to every process of the run,
+                                      quit after); a missing binary, or a daemon that does
+                                      not start or serve, is recorded and the half left out;
+                               gpu-probe  the machine's facts, CUDA IPC, and the seed
+                                      case's baselines: a deep copy per gradient, a pickle
+                                      round trip, Dask (its wheels installed first).
+  --run --dry-run --out DIR    the same here, against .venv, scaled to this machine (with
+                               --gpu: the GPU cases skip with their reason, unless the
+                               caller sets SHMGRAD_REQUIRE_GPU=1, which makes them fail;
+                               the sharing runs a small CNN on the fake device,
+                               tests/fake_cuda.cc, and its MPS half where the binary is).
+
+DIR/report.json holds every figure and every test case's outcome (nodeid, outcome,
+duration, skip or failure reason, from the tests' --outcomes-log, conftest.py), and is
+written after each step and, while the tests and the sharing run, every few seconds: a
+call cut short (600 s is the limit of one) still returns what ran. report.md says the
+same for a reader; each step's output is in DIR/<step>.log. A step the deadline leaves
+no time for is skipped and listed ("skipped for want of time"), and the run fails; one
+that cannot run (no GPU, no MPS) is listed with its reason under "not_run".
+
+Time of --run --gpu on the H200 machine (one lease: 15 minutes of device time, its start
+included; 600 s a call). Estimated per step from what was measured, and bounded by a
+timeout each, all within the 450 s deadline:
+
+  step         estimate  timeout  derived from
+  facts            5 s       -    one torch import in a subprocess (3 s here)
+  build           60 s    240 s   45 s there (2026-12-04, 16 cores) before the CUDA path;
+                                  nvcc adds one 2 s compile (measured here), in parallel
+  tests          120 s    240 s   the 12 test_gpu_workers.py cases that fit one GPU take
+                                  61 s here on the fake device (2 cores, 2026-12-06); on
+                                  the GPU about 16 worker starts add a CUDA context and
+                                  libtorch_cuda each (1-3 s), 3 s the memory checks, 25 s
+                                  the hung-kernel case; test_gpu.py's 2 cases 5 s
+  sharing         35 s    100 s   one process: a torch import and 23 gradients (6.44 ms
+                                  each there); per engine its start (about 5 s) and 23
+                                  gradients (tens of ms); the engine's stop
+  sharing-mps     40 s    100 s   the same, and the daemon's start and quit
+  gpu-probe       45 s     90 s   the wheels (10 s), then 35 s there on 2026-12-04
+  total          305 s            of 450 s: 145 s of margin before the deadline skips
+                                  the last steps (the baselines first)
 """
 
 import argparse
@@ -42,8 +87,11 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
@@ -66,6 +114,29 @@ WHEEL_TARGET = ["--python-version", "3.12", "--implementation", "cp", "--only-bi
 DEVICE_WHEELS = ["distributed"]  # what the machine lacks of tools/requirements.txt
 HEADERS = ("boost/interprocess/shared_memory_object.hpp", "CLI/CLI.hpp", "zlib.h")
 FASHION_MNIST = "/usr/share/datasets/fashion-mnist"
+GPU_TESTS = ["test_gpu.py", "test_gpu_workers.py"]
+# The variable that turns a GPU case's skip into a failure (tests/python/conftest.py).
+REQUIRE_GPU_VARIABLE = "SHMGRAD_REQUIRE_GPU"
+MPS_CONTROL = "nvidia-cuda-mps-control"
+
+# Timeouts of the run's own waits (each step's are in SCALES).
+WHEELS_TIMEOUT_S = 120
+FACTS_TIMEOUT_S = 60
+FAKE_DEVICE_BUILD_TIMEOUT_S = 120
+MPS_COMMAND_TIMEOUT_S = 10  # one command to the MPS control daemon
+MPS_READY_S = 15  # for the daemon to answer after -d, or to be gone after quit
+MPS_POLL_S = 0.5
+KILL_WAIT_S = 30  # for a killed step's output to end
+# SIGTERM to SIGKILL for a step's processes: serve stops its workers and frees what it
+# allocated in this time (a SIGKILLed engine leaves its /dev/shm segments behind).
+TERM_GRACE_S = 10
+GROUP_POLL_S = 0.1
+REFRESH_S = 5  # report.json rewritten this often while a step runs
+LEAST_STEP_S = 30  # a step is not started with less time than this before the deadline
+DEADLINE_MARGIN_S = 5  # the report's last write, after the last step
+TIMED_OUT = 124  # a step's exit code when its timeout killed it (as timeout(1) says)
+PR_SET_PDEATHSIG = 1  # prctl(2)
+TAIL_CHARS = 2000  # of an output quoted in the report
 
 # What --run does, at the machine's scale and at this one's (--dry-run).
 SCALES = {
@@ -80,8 +151,8 @@ SCALES = {
         "warmup": 1,
         # The build's own checks and the engine's; the rest of the suite runs in CI.
         "tests": ["test_gpu.py", "test_build.py", "test_engine.py"],
-        "gpu_tests": ["test_gpu.py", "test_gpu_workers.py"],  # with --gpu
-        "test_timeout": 120,
+        "build_timeout": 420,
+        "tests_timeout": 120,
         "bench_timeout": 270,
         # GeoDamp doubling every epoch from 128 to 1024; batch 128 keeps 8 of the 16
         # workers busy (min_examples_per_worker 16), batches of 256 on use all 16.
@@ -96,7 +167,7 @@ SCALES = {
             "1",
         ],
         "adaptive_timeout": 120,
-        "probe_timeout": 60,
+        "gpu-probe_timeout": 60,
         # Under 8 minutes: build ~45 s, probe ~35 s, tests, benchmark; the adaptive example
         # runs when time is left (or alone: --skip gpu-probe,tests,bench).
         "deadline": 470,
@@ -109,13 +180,8 @@ SCALES = {
         "budget": 2,
         "warmup": 3,
         "tests": ["test_gpu.py", "test_build.py::test_bazel_and_cmake_compile_the_same_sources"],
-        # The suite runs all of test_gpu_workers.py here (on the fake device): one of them
-        # shows that --gpu's step runs.
-        "gpu_tests": [
-            "test_gpu.py",
-            "test_gpu_workers.py::test_eager_batchnorm_and_a_random_dataset_match_one_process",
-        ],
-        "test_timeout": 120,
+        "build_timeout": 420,
+        "tests_timeout": 120,
         "bench_timeout": 300,
         "adaptive": [
             "--workers",
@@ -128,7 +194,37 @@ SCALES = {
             "4096",
         ],
         "adaptive_timeout": 150,
-        "probe_timeout": 90,
+        "gpu-probe_timeout": 90,
+        "deadline": 900,
+    },
+}
+# --gpu: the GPU workers' checks (the module's docstring has the estimates).
+GPU_SCALES = {
+    "device": {
+        "build_timeout": 240,
+        "tests_timeout": 240,
+        "sharing": {"workers": "1,2,4", "model": "wrn", "batch": 128, "steps": 20},
+        "sharing_timeout": 100,
+        "sharing-mps_timeout": 100,
+        "gpu-probe_timeout": 90,
+        "deadline": 450,
+        "estimates": {
+            "facts": 5,
+            "build": 60,
+            "tests": 120,
+            "sharing": 35,
+            "sharing-mps": 40,
+            "gpu-probe": 45,
+        },
+    },
+    "local": {
+        "build_timeout": 420,
+        "tests_timeout": 120,
+        # On the fake device (tests/fake_cuda.cc) and 2 cores: a small CNN, two engines.
+        "sharing": {"workers": "1,2", "model": "cnn", "batch": 32, "steps": 3},
+        "sharing_timeout": 120,
+        "sharing-mps_timeout": 120,
+        "gpu-probe_timeout": 90,
         "deadline": 900,
     },
 }
@@ -138,29 +234,100 @@ def log(msg):
     print(f"device-check [{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def run(cmd, *, timeout, cwd=ROOT, env=None, out=None):
-    """Runs cmd, its output to the terminal and to `out` (a path) if given; the exit code."""
+def run(cmd, *, timeout, cwd=ROOT, env=None, out=None, refresh=None):
+    """Runs cmd in a process group of its own, its output to the terminal and to `out` (a
+    path) if given, and `refresh()` every REFRESH_S while it runs. At `timeout` the whole
+    group is killed (an engine's processes with it) and TIMED_OUT returned; otherwise cmd's
+    exit code. Processes it left behind are killed too, so that no step inherits them."""
     log("$ " + " ".join(cmd))
-    with open(out, "w") if out else open(os.devnull, "w") as sink:
-        proc = subprocess.Popen(
-            cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        deadline = time.monotonic() + timeout
-        try:
-            for line in proc.stdout:
-                sys.stdout.write(line)
+    sink = open(out, "w") if out else None
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
+    )
+    _step_groups[proc.pid] = proc
+
+    def copy_output():
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            if sink:
                 sink.write(line)
-                if time.monotonic() > deadline:
-                    proc.kill()
-                    log(f"timed out after {timeout} s")
-                    break
-        finally:
-            try:
-                code = proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                code = proc.wait()
+                sink.flush()
+
+    reader = threading.Thread(target=copy_output, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            code = proc.wait(timeout=max(0.0, min(REFRESH_S, deadline - time.monotonic())))
+            break
+        except subprocess.TimeoutExpired:
+            if refresh:
+                refresh()
+            if time.monotonic() >= deadline:
+                log(f"timed out after {timeout} s: stopping its processes")
+                _stop_group(proc.pid, proc)
+                proc.wait()
+                code = TIMED_OUT
+                break
+    if _stop_group(proc.pid):
+        log("it left processes behind: stopped them")
+    del _step_groups[proc.pid]
+    reader.join(KILL_WAIT_S)
+    if sink and not reader.is_alive():
+        sink.close()
     return code
+
+
+# The process groups of the steps running now, by their leader's pid (each leader's Popen):
+# stopped if device-check is.
+_step_groups = {}
+
+
+def _die_with_parent():
+    """In a step's process, before exec: SIGKILL when device-check dies, even by SIGKILL
+    (an engine's processes follow their trainer, as they do everywhere)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _stop_on_signal(signum, frame):
+    """SIGTERM, SIGINT, SIGHUP: the running step's processes killed, then exit (the
+    report is written on the way out)."""
+    log(f"stopped by signal {signum}: stopping the running step's processes")
+    for pgid, leader in list(_step_groups.items()):
+        _stop_group(pgid, leader)
+    raise SystemExit(128 + signum)
+
+
+def _stop_group(pgid, leader=None):
+    """SIGTERM to process group `pgid`, SIGKILL to what is left of it TERM_GRACE_S later;
+    whether any process was in it. `leader`, a Popen, is reaped meanwhile."""
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        return False
+    deadline = time.monotonic() + TERM_GRACE_S
+    while time.monotonic() < deadline:
+        if leader is not None:
+            leader.poll()
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(GROUP_POLL_S)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return True
 
 
 # -- prepare (here) -------------------------------------------------------------------
@@ -219,6 +386,7 @@ def prepare(python):
     )
     print('carry: [".device"]')
     print('run there: tools/device-check --run --out "$OUT"')
+    print('or, the GPU workers: tools/device-check --run --gpu --out "$OUT"')
 
 
 # -- run (there, or here with --dry-run) ------------------------------------------------
@@ -237,6 +405,7 @@ def machine_facts(python):
         ],
         capture_output=True,
         text=True,
+        timeout=FACTS_TIMEOUT_S,
     )
     if res.returncode == 0:
         facts["torch"], facts["cuda_available"], facts["python"] = res.stdout.split()
@@ -249,7 +418,9 @@ def machine_facts(python):
         facts["build_env"] = flags
     cxx = shutil.which(os.environ.get("CXX", "c++"))
     if cxx:
-        res = subprocess.run([cxx, "--version"], capture_output=True, text=True)
+        res = subprocess.run(
+            [cxx, "--version"], capture_output=True, text=True, timeout=FACTS_TIMEOUT_S
+        )
         facts["cxx"] = res.stdout.splitlines()[0] if res.stdout else cxx
     smi = shutil.which("nvidia-smi")
     if smi:
@@ -257,45 +428,53 @@ def machine_facts(python):
             [smi, "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
             capture_output=True,
             text=True,
+            timeout=FACTS_TIMEOUT_S,
         )
         facts["gpus"] = out.stdout.strip()
+    # Whether the build can make the CUDA path (CMakeLists.txt looks there too), and MPS.
+    nvcc = shutil.which("nvcc") or shutil.which("nvcc", path="/usr/local/cuda/bin")
+    facts["nvcc"] = nvcc
+    facts["mps_control"] = shutil.which(MPS_CONTROL)
     return facts
 
 
-def build_env(base_python, dry_run):
-    """The machine's own interpreter, with the carried wheels installed into it.
+def install_wheels(python, dry_run):
+    """The carried wheels (Dask's) installed into the machine's own interpreter.
 
     A venv over /opt/torch/.venv would not see its torch (that is itself a venv, and
     --system-site-packages reaches only the base interpreter's packages); the machine
     starts bare for every lease, so installing into its environment changes nothing lasting.
     """
-    if dry_run:
-        return base_python  # .venv already has everything
     wheels = os.path.join(PREPARED, "wheels")
-    if os.path.isdir(wheels):
-        run(
-            [
-                base_python,
-                "-m",
-                "pip",
-                "install",
-                "-q",
-                "--no-index",
-                "--find-links",
-                wheels,
-                *DEVICE_WHEELS,
-            ],
-            timeout=300,
-        )
-    return base_python
+    if dry_run or not os.path.isdir(wheels):
+        return  # .venv already has everything
+    run(
+        [python, "-m", "pip", "install", "-q", "--no-index", "--find-links", wheels]
+        + DEVICE_WHEELS,
+        timeout=WHEELS_TIMEOUT_S,
+    )
 
 
-def build_shmgrad(python, out_dir, dry_run):
+def installed_build_info(python):
+    """shmgrad.build_info() of the installed package (whether the CUDA path was built)."""
+    res = subprocess.run(
+        [python, "-c", "import json, shmgrad; print(json.dumps(shmgrad.build_info()))"],
+        capture_output=True,
+        text=True,
+        timeout=FACTS_TIMEOUT_S,
+    )
+    if res.returncode != 0:
+        return {"error": res.stderr[-TAIL_CHARS:]}
+    return json.loads(res.stdout)
+
+
+def build_shmgrad(python, out_dir, dry_run, timeout):
     import_torch = subprocess.run(
         [python, "-c", "import torch;print(torch.__version__)"],
         capture_output=True,
         text=True,
         check=True,
+        timeout=FACTS_TIMEOUT_S,
     )
     torch_version = import_torch.stdout.strip()
     cmd = [
@@ -325,7 +504,7 @@ def build_shmgrad(python, out_dir, dry_run):
         # statically (seen 2026-12-04): the extension then crashes at its first stream read.
         env.update(CC="/usr/bin/gcc", CXX="/usr/bin/g++")
     # A compiler that links libstdc++ statically fails the build (check_extension_link.py).
-    return run(cmd + [ROOT], timeout=420, env=env, out=os.path.join(out_dir, "build.log"))
+    return run(cmd + [ROOT], timeout=timeout, env=env, out=os.path.join(out_dir, "build.log"))
 
 
 def _libz():
@@ -336,154 +515,447 @@ def _libz():
     return None
 
 
-def run_checks(args):
-    scale = dict(SCALES["local" if args.dry_run else "device"])
-    if args.gpu:
-        # The GPU workers' checks (issue 21): their tests on both backends, then the seed
-        # case through shmgrad on the GPU beside its baselines; the CPU benchmark and the
-        # adaptive example are the other runs'.
-        scale["tests"] = scale["gpu_tests"]
-        scale["test_timeout"] = 240
-        scale["probe_args"] = ["--shmgrad=1,2,4"]
-        scale["probe_timeout"] = 150
-        args.skip = ",".join(filter(None, [args.skip, "bench", "adaptive"]))
-    out_dir = os.path.abspath(args.out)
-    os.makedirs(out_dir, exist_ok=True)
-    base = args.python or (
-        os.path.join(ROOT, ".venv", "bin", "python") if args.dry_run else DEVICE_PYTHON
+def read_outcomes(path):
+    """The tests' --outcomes-log (conftest.py) as the report gives it: counts, and every
+    collected case in order with its outcome; a case that had not finished when the step
+    ended is "running" (the one it was in) or "not run"."""
+    collected, started, cases = [], None, {}
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue  # a line cut short by a kill
+                if rec["event"] == "collected":
+                    collected = rec["nodeids"]
+                elif rec["event"] == "start":
+                    started = rec["nodeid"]
+                elif rec["event"] == "case":
+                    cases[rec["nodeid"]] = {k: v for k, v in rec.items() if k != "event"}
+    listing = []
+    for nodeid in collected or list(cases):
+        if nodeid in cases:
+            listing.append(cases[nodeid])
+        else:
+            outcome = "running" if nodeid == started else "not run"
+            listing.append({"nodeid": nodeid, "outcome": outcome, "duration": None, "reason": ""})
+    counts = {}
+    for case in listing:
+        counts[case["outcome"]] = counts.get(case["outcome"], 0) + 1
+    return {"counts": counts, "cases": listing}
+
+
+def load_json(path):
+    """The JSON in `path`, or {} where it is not (yet) there."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def build_fake_device(out_dir):
+    """tests/fake_cuda.cc built into out_dir (as conftest.py builds it): the stand-in
+    device of a dry run's sharing step; None if it does not build."""
+    lib = os.path.join(out_dir, "libfake_cuda.so")
+    res = subprocess.run(
+        ["g++", "-std=c++17", "-O1", "-shared", "-fPIC", f"-I{ROOT}"]
+        + [os.path.join(ROOT, "tests", "fake_cuda.cc"), "-o", lib, "-lrt"],
+        capture_output=True,
+        text=True,
+        timeout=FAKE_DEVICE_BUILD_TIMEOUT_S,
     )
-    started = time.monotonic()
-    deadline = started + (args.deadline or scale["deadline"])
-    report = {
-        "facts": machine_facts(base),
-        "scale": "local dry run" if args.dry_run else "device",
-        "steps": {},
-    }
-    log(f"facts: {report['facts']}")
+    if res.returncode != 0:
+        log(f"the fake device did not build: {res.stderr[-TAIL_CHARS:]}")
+        return None
+    return lib
 
-    def budget(step_timeout):
-        """A step's timeout within the run's deadline; 0 when too little is left."""
-        left = int(deadline - time.monotonic()) - 5
-        return min(step_timeout, left) if left >= 30 else 0
 
-    def finish():
-        report["seconds"] = round(time.monotonic() - started, 1)
-        write_report(report, out_dir)
+class MpsDaemon:
+    """An MPS control daemon for the processes of one step: its pipes and logs in a
+    temporary folder that `environment` names (every process of the step gets it)."""
 
-    python = build_env(base, args.dry_run)
-    rc = build_shmgrad(python, out_dir, args.dry_run)
-    report["steps"]["build"] = rc
-    finish()
-    env = dict(os.environ)
-    data = os.path.join(PREPARED, "data", "fashion-mnist")
-    if os.path.isdir(data) and not os.path.isdir(FASHION_MNIST):
-        env["SHMGRAD_FASHION_MNIST_DIR"] = data
-    # In the order of what a short lease must not miss: the GPU's facts, the tests, the
-    # benchmark, the adaptive example (with --gpu the tests first: they are what the GPU
-    # path has never shown). A step the deadline leaves no time for is skipped.
-    skip = set(args.skip.split(",")) if args.skip else set()
+    def __init__(self, binary, env, out_dir):
+        self.binary, self.out_dir = binary, out_dir
+        self.folder = tempfile.mkdtemp(prefix="shmgrad-mps-")
+        self.environment = {
+            "CUDA_MPS_PIPE_DIRECTORY": os.path.join(self.folder, "pipe"),
+            "CUDA_MPS_LOG_DIRECTORY": os.path.join(self.folder, "log"),
+        }
+        for d in self.environment.values():
+            os.makedirs(d)
+        self.env = dict(env, **self.environment)
+        self.facts = {"binary": binary}
 
-    def probe_step():
-        if (
-            "gpu-probe" in skip
-            or report["facts"].get("cuda_available") != "True"
-            or not budget(scale["probe_timeout"])
-        ):
-            return
-        probe = os.path.join(out_dir, "gpu.json")
-        report["steps"]["gpu-probe"] = run(
-            [python, os.path.join(ROOT, "tools", "gpu_probe.py"), probe]
-            + scale.get("probe_args", []),
-            timeout=budget(scale["probe_timeout"]),
-            env=env,
-            out=os.path.join(out_dir, "gpu.log"),
+    def _command(self, *args, stdin=""):
+        """The control program's exit code and output. Its output goes to a file, not a
+        pipe: a daemon that kept a pipe open would leave us waiting for its end."""
+        with tempfile.TemporaryFile("w+") as output:
+            try:
+                code = subprocess.run(
+                    [self.binary, *args],
+                    input=stdin,
+                    env=self.env,
+                    stdout=output,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    timeout=MPS_COMMAND_TIMEOUT_S,
+                ).returncode
+            except subprocess.TimeoutExpired:
+                code = TIMED_OUT
+            output.seek(0)
+            text = output.read()[-TAIL_CHARS:]
+        return code, text
+
+    def _serving(self):
+        return self._command(stdin="get_server_list\n")[0] == 0
+
+    def start(self):
+        """Starts the daemon; None when it answers, else why it does not."""
+        code, output = self._command("-d")
+        self.facts.update(start_exit=code, start_output=output)
+        if code != 0:
+            return f"{MPS_CONTROL} -d exited {code}: {output}"
+        deadline = time.monotonic() + MPS_READY_S
+        while not self._serving():
+            if time.monotonic() > deadline:
+                return f"the MPS daemon did not answer within {MPS_READY_S} s: {self.logs()}"
+            time.sleep(MPS_POLL_S)
+        return None
+
+    def quit(self):
+        code, output = self._command(stdin="quit\n")
+        deadline = time.monotonic() + MPS_READY_S
+        while self._serving() and time.monotonic() < deadline:
+            time.sleep(MPS_POLL_S)
+        self.facts.update(quit_exit=code, quit_output=output, stopped=not self._serving())
+        self.facts["logs"] = self.logs()
+        shutil.copytree(
+            self.environment["CUDA_MPS_LOG_DIRECTORY"],
+            os.path.join(self.out_dir, "mps-logs"),
+            dirs_exist_ok=True,
         )
-        if os.path.exists(probe):
-            with open(probe) as f:
-                report["gpu"] = json.load(f)
-        finish()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
-    def tests_step():
-        if rc != 0 or "tests" in skip or not budget(scale["test_timeout"]):
+    def logs(self):
+        """The end of each of the daemon's logs (control.log, server.log)."""
+        folder = self.environment["CUDA_MPS_LOG_DIRECTORY"]
+        tails = {}
+        for name in sorted(os.listdir(folder)):
+            with open(os.path.join(folder, name), errors="replace") as f:
+                tails[name] = f.read()[-TAIL_CHARS:]
+        return tails
+
+
+class Checks:
+    """One --run: its report, deadline and environment, and the steps in order."""
+
+    def __init__(self, args):
+        self.args = args
+        local = "local" if args.dry_run else "device"
+        self.scale = dict(GPU_SCALES[local] if args.gpu else SCALES[local])
+        self.out_dir = os.path.abspath(args.out)
+        os.makedirs(self.out_dir, exist_ok=True)
+        base = args.python or (
+            os.path.join(ROOT, ".venv", "bin", "python") if args.dry_run else DEVICE_PYTHON
+        )
+        self.python = base
+        self.skip = set(filter(None, args.skip.split(",")))
+        self.started = time.monotonic()
+        deadline_s = args.deadline or self.scale["deadline"]
+        self.deadline = self.started + deadline_s
+        self.report = {
+            "facts": machine_facts(base),
+            "scale": "local dry run" if args.dry_run else "device",
+            "mode": "gpu" if args.gpu else "cpu",
+            "deadline_s": deadline_s,
+            "steps": {},
+            "step_seconds": {},
+            "skipped": [],
+            "not_run": {},
+        }
+        if args.gpu and not args.dry_run:
+            self.report["estimates_s"] = self.scale["estimates"]
+        log(f"facts: {self.report['facts']}")
+        self.env = dict(os.environ)
+        data = os.path.join(PREPARED, "data", "fashion-mnist")
+        if os.path.isdir(data) and not os.path.isdir(FASHION_MNIST):
+            self.env["SHMGRAD_FASHION_MNIST_DIR"] = data
+
+    # -- bookkeeping ---------------------------------------------------------------------
+    def budget(self, step_timeout):
+        """A step's timeout within the run's deadline; 0 when too little is left."""
+        left = int(self.deadline - time.monotonic()) - DEADLINE_MARGIN_S
+        return min(step_timeout, left) if left >= LEAST_STEP_S else 0
+
+    def save(self):
+        self.report["seconds"] = round(time.monotonic() - self.started, 1)
+        write_report(self.report, self.out_dir)
+
+    def step(self, name, body, unless=None, within_deadline=True):
+        """Runs body(timeout) as step `name`: left out when --skip names it, recorded under
+        not_run when `unless` gives a reason, skipped (and listed) when the deadline leaves
+        too little time (unless not `within_deadline`: the build, which every other step
+        needs, has its own timeout only). body returns the exit code, or None with
+        not_run recorded."""
+        if name in self.skip:
             return
-        tests = [os.path.join(ROOT, "tests", "python", t) for t in scale["tests"]]
-        report["steps"]["tests"] = run(
-            [python, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *tests],
-            timeout=budget(scale["test_timeout"]),
+        if unless:
+            log(f"{name}: not run: {unless}")
+            self.report["not_run"][name] = unless
+            self.save()
+            return
+        timeout = self.scale[f"{name}_timeout"]
+        if within_deadline:
+            timeout = self.budget(timeout)
+        if not timeout:
+            log(f"{name}: skipped, too little time is left")
+            self.report["skipped"].append(name)
+            self.save()
+            return
+        t0 = time.monotonic()
+        self.report["running"] = name  # what a run cut short was in
+        self.save()
+        code = body(timeout)
+        del self.report["running"]
+        if code is not None:
+            self.report["steps"][name] = code
+        self.report["step_seconds"][name] = round(time.monotonic() - t0, 1)
+        self.save()
+
+    def path(self, name):
+        return os.path.join(self.out_dir, name)
+
+    def refresher(self, into, key, path):
+        """What run() calls while a step runs: the JSON it writes as it goes, into the
+        report at into[key], and the report saved."""
+
+        def refresh():
+            into[key] = load_json(path)
+            self.save()
+
+        return refresh
+
+    @property
+    def built(self):
+        return self.report["steps"].get("build", 0) == 0
+
+    @property
+    def has_gpu(self):
+        return self.report["facts"].get("cuda_available") == "True"
+
+    def why_not_built(self):
+        return None if self.built else "the build failed (build.log)"
+
+    # -- the steps -------------------------------------------------------------------------
+    def build(self, timeout):
+        if not self.args.gpu:
+            install_wheels(self.python, self.args.dry_run)  # the CPU tests use Dask
+        code = build_shmgrad(self.python, self.out_dir, self.args.dry_run, timeout)
+        if code == 0:
+            self.report["build_info"] = installed_build_info(self.python)
+        return code
+
+    def tests(self, timeout):
+        outcomes = self.path("tests.jsonl")
+        if os.path.exists(outcomes):
+            os.remove(outcomes)
+        names = GPU_TESTS if self.args.gpu else self.scale["tests"]
+        cmd = [self.python, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider"]
+        cmd += ["--outcomes-log", outcomes]
+        cmd += [os.path.join(ROOT, "tests", "python", t) for t in names]
+        env = dict(self.env)
+        if self.args.gpu:
+            cmd += ["-m", "gpu"]  # the fake-device half runs in CI
+            if not self.args.dry_run:
+                env[REQUIRE_GPU_VARIABLE] = "1"
+        self.report["tests"] = {"require_gpu": env.get(REQUIRE_GPU_VARIABLE) == "1"}
+
+        def refresh():
+            self.report["tests"].update(read_outcomes(outcomes))
+            self.save()
+
+        code = run(
+            cmd,
+            timeout=timeout,
             cwd=os.path.join(ROOT, "tests", "python"),
             env=env,
-            out=os.path.join(out_dir, "tests.log"),
+            out=self.path("tests.log"),
+            refresh=refresh,
         )
-        finish()
+        self.report["tests"].update(read_outcomes(outcomes))
+        return code
 
-    for step in (tests_step, probe_step) if args.gpu else (probe_step, tests_step):
-        step()
-    if rc == 0 and "bench" not in skip and budget(scale["bench_timeout"]):
-        bench_out = os.path.join(out_dir, "bench")
-        report["steps"]["bench"] = run(
+    def sharing_environment(self):
+        """The sharing step's environment, and why it cannot run (or None). A dry run
+        without a GPU shares the fake device."""
+        if self.has_gpu:
+            return dict(self.env), None
+        if not self.args.dry_run:
+            return None, "no GPU here (torch.cuda.is_available() is False)"
+        lib = build_fake_device(self.out_dir)
+        if lib is None:
+            return None, "no GPU here, and the fake device did not build"
+        return dict(self.env, SHMGRAD_CUDA_LIBRARY=lib, FAKE_CUDA_DEVICES="1"), None
+
+    def sharing(self, name, key, env, timeout):
+        """tools/gpu_probe.py --sharing as step `name`: its figures in report["sharing"][key]."""
+        spec = self.scale["sharing"]
+        result = self.path(f"{name}.json")
+        sharing = self.report.setdefault("sharing", {})
+        code = run(
             [
-                python,
-                "-m",
-                "shmgrad_tools.bench",
-                "--models",
-                scale["models"],
-                "--batch-sizes",
-                scale["batch"],
-                "--workers",
-                scale["workers"],
-                "--systems",
-                "single,shmgrad,ddp",
-                "--repeats",
-                str(scale["repeats"]),
-                "--warmup",
-                str(scale["warmup"]),
-                "--budget",
-                str(scale["budget"]),
-                "--out",
-                bench_out,
+                self.python,
+                os.path.join(ROOT, "tools", "gpu_probe.py"),
+                result,
+                f"--sharing={spec['workers']}",
+                "--model",
+                spec["model"],
+                "--batch",
+                str(spec["batch"]),
+                "--steps",
+                str(spec["steps"]),
             ],
-            timeout=budget(scale["bench_timeout"]),
+            timeout=timeout,
             env=env,
-            out=os.path.join(out_dir, "bench.log"),
+            out=self.path(f"{name}.log"),
+            refresh=self.refresher(sharing, key, result),
         )
-        finish()
-    if rc == 0 and "adaptive" not in skip and budget(scale["adaptive_timeout"]):
-        report["adaptive"] = run_adaptive(
-            python, scale, budget(scale["adaptive_timeout"]), env, out_dir
+        sharing[key] = load_json(result)
+        return code
+
+    def sharing_with_mps(self, binary, env, timeout):
+        daemon = MpsDaemon(binary, env, self.out_dir)
+        self.report["mps"] = daemon.facts
+        try:
+            why = daemon.start()
+            if why:
+                self.report["not_run"]["sharing-mps"] = why
+                return None
+            code = self.sharing("sharing-mps", "with_mps", daemon.env, timeout)
+        finally:
+            daemon.quit()
+        error = self.report["sharing"]["with_mps"].get("one_process_error")
+        if error:  # not one CUDA process ran: the machine's MPS, not the engine
+            self.report["not_run"]["sharing-mps"] = f"the MPS daemon serves no client: {error}"
+            return None
+        return code
+
+    def gpu_probe(self, timeout):
+        if self.args.gpu:
+            install_wheels(self.python, self.args.dry_run)  # Dask, for its baseline
+        probe = self.path("gpu.json")
+        code = run(
+            [self.python, os.path.join(ROOT, "tools", "gpu_probe.py"), probe],
+            timeout=timeout,
+            env=self.env,
+            out=self.path("gpu.log"),
+            refresh=self.refresher(self.report, "gpu", probe),
+        )
+        self.report["gpu"] = load_json(probe)
+        return code
+
+    def bench(self, timeout):
+        s = self.scale
+        return run(
+            [self.python, "-m", "shmgrad_tools.bench"]
+            + ["--models", s["models"], "--batch-sizes", s["batch"], "--workers", s["workers"]]
+            + ["--systems", "single,shmgrad,ddp", "--repeats", str(s["repeats"])]
+            + ["--warmup", str(s["warmup"]), "--budget", str(s["budget"])]
+            + ["--out", self.path("bench")],
+            timeout=timeout,
+            env=self.env,
+            out=self.path("bench.log"),
+        )
+
+    def adaptive(self, timeout):
+        self.report["adaptive"] = run_adaptive(
+            self.python, self.scale, timeout, self.env, self.out_dir
         )
         # The example exits 1 when adaptive batches did not pay: a finding, not a failure.
-        report["steps"]["adaptive"] = 0 if report["adaptive"].get("exit") in (0, 1) else 1
-    skipped = [
-        s for s in ("bench", "tests", "adaptive") if s not in report["steps"] and s not in skip
-    ]
-    if skipped:
-        report["skipped"] = skipped
-    finish()
-    log(f"report: {os.path.join(out_dir, 'report.md')} ({report['seconds']} s)")
-    ok = report["steps"] and all(c == 0 for c in report["steps"].values()) and not skipped
-    return 0 if ok else 1
+        return 0 if self.report["adaptive"].get("exit") in (0, 1) else 1
+
+    # -- the runs ----------------------------------------------------------------------------
+    def run_cpu(self):
+        """The CPU checks: the GPU's facts, the tests, the benchmark, the adaptive example,
+        in the order of what a short lease must not miss."""
+        self.step("build", self.build, within_deadline=False)
+        no_gpu = None if self.has_gpu else "no GPU here (torch.cuda.is_available() is False)"
+        self.step("gpu-probe", self.gpu_probe, unless=self.why_not_built() or no_gpu)
+        self.step("tests", self.tests, unless=self.why_not_built())
+        self.step("bench", self.bench, unless=self.why_not_built())
+        self.step("adaptive", self.adaptive, unless=self.why_not_built())
+
+    def run_gpu(self):
+        """The GPU workers' checks: the tests first (what the GPU path has never shown),
+        then workers sharing the GPU without and with MPS, then the seed's baselines."""
+        self.step("build", self.build, within_deadline=False)
+        self.step("tests", self.tests, unless=self.why_not_built())
+        env, why = None, self.why_not_built()
+        if why is None and not {"sharing", "sharing-mps"} <= self.skip:
+            env, why = self.sharing_environment()
+        self.step("sharing", lambda t: self.sharing("sharing", "without_mps", env, t), unless=why)
+        binary = shutil.which(MPS_CONTROL, path=(env or self.env).get("PATH"))
+        no_mps = None if binary else f"{MPS_CONTROL} is not on the PATH"
+        self.step(
+            "sharing-mps", lambda t: self.sharing_with_mps(binary, env, t), unless=why or no_mps
+        )
+        no_gpu = None if self.has_gpu else "no GPU here (torch.cuda.is_available() is False)"
+        self.step("gpu-probe", self.gpu_probe, unless=self.why_not_built() or no_gpu)
+
+
+def run_checks(args):
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, _stop_on_signal)
+    checks = Checks(args)
+    try:
+        if args.gpu:
+            checks.run_gpu()
+        else:
+            checks.run_cpu()
+    finally:
+        checks.save()
+    report = checks.report
+    log(f"report: {checks.path('report.md')} ({report['seconds']} s)")
+    ok = report["steps"] and all(c == 0 for c in report["steps"].values())
+    return 0 if ok and not report["skipped"] else 1
 
 
 def write_report(report, out_dir):
-    with open(os.path.join(out_dir, "report.json"), "w") as f:
+    """report.json (replaced whole, so a reader never sees half of one) and report.md."""
+    tmp = os.path.join(out_dir, "report.json.tmp")
+    with open(tmp, "w") as f:
         json.dump(report, f, indent=2)
+    os.replace(tmp, os.path.join(out_dir, "report.json"))
     lines = [
-        f"# device-check ({report['scale']})",
+        f"# device-check ({report['scale']}, {report['mode']})",
         "",
         "```",
         json.dumps(report["facts"], indent=2),
         "```",
         "",
     ]
-    lines += [f"- {step}: exit {code}" for step, code in report["steps"].items()]
-    if report.get("skipped"):
+    lines += [
+        f"- {step}: exit {code} ({report['step_seconds'].get(step, '?')} s)"
+        for step, code in report["steps"].items()
+    ]
+    lines += [f"- {step}: not run: {why}" for step, why in report["not_run"].items()]
+    if report.get("running"):
+        lines.append(f"- cut short while running: {report['running']}")
+    if report["skipped"]:
         lines.append(f"- skipped for want of time: {', '.join(report['skipped'])}")
-    lines.append(f"- total: {report['seconds']} s")
+    lines.append(
+        f"- total: {report.get('seconds', '?')} s of the {report['deadline_s']} s deadline"
+    )
+    lines += tests_section(report.get("tests"))
+    lines += sharing_section(report.get("sharing"), report.get("not_run", {}))
     if report.get("gpu"):
         lines += ["", "## The GPU", "", "```", json.dumps(report["gpu"], indent=2), "```"]
     table = os.path.join(out_dir, "bench", "results.md")
     if os.path.exists(table):
-        lines += ["", open(table).read()]
+        with open(table) as f:
+            lines += ["", f.read()]
     if report.get("adaptive", {}).get("summary_text"):
         lines += [
             "",
@@ -495,6 +967,64 @@ def write_report(report, out_dir):
         ]
     with open(os.path.join(out_dir, "report.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def tests_section(tests):
+    if not tests or "counts" not in tests:
+        return []
+    counts = ", ".join(f"{n} {outcome}" for outcome, n in sorted(tests["counts"].items()))
+    required = " (SHMGRAD_REQUIRE_GPU=1: a GPU case's skip is a failure)"
+    lines = ["", "## Tests", "", counts + (required if tests.get("require_gpu") else "")]
+    others = [c for c in tests["cases"] if c["outcome"] != "passed"]
+    if others:
+        lines += ["", "| outcome | case | s | reason |", "|---|---|---:|---|"]
+        for c in others:
+            reason = " ".join(c["reason"].split())[-300:].replace("|", "/")
+            lines.append(f"| {c['outcome']} | `{c['nodeid']}` | {c['duration']} | {reason} |")
+    return lines
+
+
+def sharing_section(sharing, not_run):
+    """Workers sharing one GPU, without and with MPS, side by side."""
+    if not sharing:
+        return []
+    halves = [("without MPS", sharing.get("without_mps") or {})]
+    halves.append(("with MPS", sharing.get("with_mps") or {}))
+    first = halves[0][1] or halves[1][1]
+    lines = [
+        "",
+        "## Workers sharing one GPU",
+        "",
+        f"{first.get('model')} at batch {first.get('batch')} on {first.get('device')}, "
+        f"{first.get('steps')} timed gradients: ms per gradient (mean), against one "
+        "process in the same run, the slowest worker's compute (median ms) and the device "
+        "memory the engine's processes take (MiB).",
+        "",
+        "| | " + " | ".join(f"{h}: ms | x | compute | MiB" for h, _ in halves) + " |",
+        "|---|" + "---:|---:|---:|---:|" * len(halves),
+    ]
+    row = ["one process"]
+    for _, half in halves:
+        row += [str(half.get("one_process_ms", "-")), "1.00" if half else "-", "", ""]
+    lines.append("| " + " | ".join(row) + " |")
+    counts = list(dict.fromkeys(k for _, h in halves for k in h.get("workers", {})))
+    errors = []
+    for n in counts:
+        row = [f"{n} worker{'s' if n != '1' else ''}"]
+        for name, half in halves:
+            run_ = half.get("workers", {}).get(n, {})
+            if "error" in run_:
+                errors.append(f"- {n} workers {name}: {run_['error']}")
+            row += [
+                str(run_.get(k, "-"))
+                for k in ("ms", "vs_one_process", "slowest_worker_compute_ms", "engine_device_mib")
+            ]
+        lines.append("| " + " | ".join(row) + " |")
+    if errors:
+        lines += [""] + errors
+    if "sharing-mps" in not_run:
+        lines += ["", f"MPS: not run: {not_run['sharing-mps']}"]
+    return lines
 
 
 def run_adaptive(python, scale, timeout, env, out_dir):
@@ -539,8 +1069,9 @@ def main():
     ap.add_argument(
         "--gpu",
         action="store_true",
-        help="the GPU workers' checks instead of the CPU ones: the GPU tests "
-        "(test_gpu.py, test_gpu_workers.py) and the seed case through shmgrad on the GPU",
+        help="the GPU workers' checks instead of the CPU ones: the GPU cases of "
+        "test_gpu.py and test_gpu_workers.py (a skip fails them), workers sharing the GPU "
+        "without and with MPS, the seed case's baselines",
     )
     ap.add_argument("--out", default="device-check-out", help="the report's folder (--run)")
     ap.add_argument("--python", default=None, help="the interpreter to build against")
@@ -548,12 +1079,14 @@ def main():
         "--deadline",
         type=int,
         default=None,
-        help="seconds for the whole run (device 470, dry run 900); later steps are skipped",
+        help="seconds for the whole run (device 470, with --gpu 450, dry run 900); later "
+        "steps are skipped",
     )
     ap.add_argument(
         "--skip",
         default="",
-        help="steps to leave out, comma-separated: gpu-probe, bench, tests, adaptive",
+        help="steps to leave out, comma-separated: build (use the installed shmgrad), "
+        "gpu-probe, tests, bench, adaptive; with --gpu: sharing, sharing-mps",
     )
     args = ap.parse_args()
     if args.run:

@@ -330,7 +330,8 @@ def test_torch_compile_in_eager_workers_gives_exact_gradients():
 @pytest.mark.newest_torch_only
 def test_device_check_prepares_and_dry_runs(tmp_path):
     # Here: what must travel to the GPU machine, within its 64 MiB; then the same run as
-    # there, against this environment, scaled down (build, a test, the scaling bench).
+    # there, against this environment, scaled down (build, a test, the scaling bench),
+    # each test case's outcome in report.json.
     script = os.path.join(ROOT, "tools", "device-check")
     prep = subprocess.run([script], capture_output=True, text=True, timeout=300)
     assert prep.returncode == 0, prep.stdout + prep.stderr
@@ -365,20 +366,68 @@ def test_device_check_prepares_and_dry_runs(tmp_path):
     report_md = (out / "report.md").read_text()
     assert "Process settings: alike" in report_md
     assert "## Adaptive batches, like for like" in report_md
-    # --gpu: the GPU workers' tests instead of the CPU benchmark (here: their fake-device
-    # cases run, their GPU cases skip with the reason; no GPU, so no probe).
+    assert report["tests"]["counts"].get("passed", 0) > 0, report["tests"]
+    assert all(c["outcome"] in ("passed", "skipped") for c in report["tests"]["cases"])
+    # --gpu: the GPU cases only, each in report.json (here without a GPU: skipped, with the
+    # reason), and workers sharing a device: the fake one here, without and with MPS (a
+    # stand-in control program that records its calls). The build is the one above.
+    mps_bin = tmp_path / "mps-bin"
+    mps_bin.mkdir()
+    (mps_bin / "nvidia-cuda-mps-control").write_text(_MPS_STAND_IN)
+    os.chmod(mps_bin / "nvidia-cuda-mps-control", 0o755)
+    env = {k: v for k, v in os.environ.items() if k != "SHMGRAD_REQUIRE_GPU"}
+    env["PATH"] = f"{mps_bin}{os.pathsep}{env['PATH']}"
     gpu_out = tmp_path / "gpu"
     gpu = subprocess.run(
-        [script, "--run", "--dry-run", "--gpu", "--out", str(gpu_out)],
+        [script, "--run", "--dry-run", "--gpu", "--skip", "build", "--out", str(gpu_out)],
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=600,
+        env=env,
     )
     assert gpu.returncode == 0, gpu.stdout[-3000:] + gpu.stderr[-3000:]
     with open(gpu_out / "report.json") as f:
-        assert json.load(f)["steps"] == {"build": 0, "tests": 0}
-    tests_log = (gpu_out / "tests.log").read_text()
-    assert " passed" in tests_log and "failed" not in tests_log, tests_log[-2000:]
+        report = json.load(f)
+    assert report["steps"] == {"tests": 0, "sharing": 0, "sharing-mps": 0}
+    assert report["not_run"] == {"gpu-probe": "no GPU here (torch.cuda.is_available() is False)"}
+    cases = report["tests"]["cases"]
+    names = {c["nodeid"].split("::")[1].split("[")[0] for c in cases}
+    assert "test_a_hung_kernel_ends_in_timeout_and_its_worker_is_replaced" in names
+    assert "test_an_ipc_handle_opens_in_another_process" in names
+    assert not any("[fake" in c["nodeid"] for c in cases)  # CI's half
+    for c in cases:
+        assert c["outcome"] == "skipped" and c["reason"].startswith("no GPU here"), c
+        assert set(c) == {"nodeid", "outcome", "duration", "reason"}
+    assert report["tests"]["counts"] == {"skipped": len(cases)}
+    without, with_mps = report["sharing"]["without_mps"], report["sharing"]["with_mps"]
+    for half, mps in ((without, False), (with_mps, True)):
+        assert half["mps"] is mps and half["one_process_ms"] > 0, half
+        assert set(half["workers"]) == {"1", "2"}, half
+        assert all(run["ms"] > 0 and run["devices"] == "cuda:0" for run in half["workers"].values())
+    calls = (gpu_out / "mps-logs" / "calls").read_text().split("\n")
+    assert calls[0].startswith("-d pipe=") and "quit" in calls, calls
+    assert report["mps"]["start_exit"] == 0 and report["mps"]["stopped"], report["mps"]
+    report_md = (gpu_out / "report.md").read_text()
+    assert "## Workers sharing one GPU" in report_md and "| 2 workers |" in report_md
+    assert "gpu-probe: not run: no GPU here" in report_md
+    # Where a GPU is required (--gpu sets SHMGRAD_REQUIRE_GPU=1 on the GPU machine), the
+    # same cases' skips fail the run, each with its reason.
+    required = subprocess.run(
+        [script, "--run", "--dry-run", "--gpu", "--skip", "build,sharing,sharing-mps"]
+        + ["--out", str(tmp_path / "required")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(env, SHMGRAD_REQUIRE_GPU="1"),
+    )
+    assert required.returncode == 1, required.stdout[-3000:] + required.stderr[-3000:]
+    with open(tmp_path / "required" / "report.json") as f:
+        report = json.load(f)
+    assert report["steps"] == {"tests": 1} and report["tests"]["require_gpu"]
+    assert [c["nodeid"] for c in report["tests"]["cases"]] == [c["nodeid"] for c in cases]
+    for c in report["tests"]["cases"]:
+        assert c["outcome"] in ("failed", "error"), c
+        assert "SHMGRAD_REQUIRE_GPU=1" in c["reason"] and "no GPU here" in c["reason"], c
     # A lease too short for everything: what does not fit is skipped, said, and fails.
     short = subprocess.run(
         [script, "--run", "--dry-run", "--deadline", "1", "--skip", "adaptive"],
@@ -390,11 +439,27 @@ def test_device_check_prepares_and_dry_runs(tmp_path):
     assert short.returncode == 1, short.stdout[-3000:] + short.stderr[-3000:]
     with open(tmp_path / "device-check-out" / "report.json") as f:
         report = json.load(f)
-    assert report["steps"] == {"build": 0} and report["skipped"] == ["bench", "tests"]
+    assert report["steps"] == {"build": 0} and report["skipped"] == ["tests", "bench"]
     assert (
-        "skipped for want of time: bench, tests"
+        "skipped for want of time: tests, bench"
         in (tmp_path / "device-check-out" / "report.md").read_text()
     )
+
+
+# A stand-in for nvidia-cuda-mps-control: -d starts "the daemon" (a file in its pipe
+# folder), get_server_list answers while it runs, quit stops it; each call is recorded in
+# the daemon's log folder, which device-check keeps.
+_MPS_STAND_IN = """#!/bin/sh
+calls="$CUDA_MPS_LOG_DIRECTORY/calls"
+echo "$* pipe=$CUDA_MPS_PIPE_DIRECTORY log=$CUDA_MPS_LOG_DIRECTORY" >> "$calls"
+if [ "$1" = "-d" ]; then touch "$CUDA_MPS_PIPE_DIRECTORY/control"; exit 0; fi
+read -r command
+echo "$command" >> "$calls"
+case "$command" in
+  get_server_list) [ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ] ;;
+  quit) rm -f "$CUDA_MPS_PIPE_DIRECTORY/control" ;;
+esac
+"""
 
 
 def _shared_object(tmp_path, name, *flags):
