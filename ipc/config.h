@@ -59,6 +59,8 @@ inline constexpr Tunable kTunables[] = {
     {"SHMGRAD_STRESS_DEBUG", "unset", "`shmgrad stress` prints the engine's status at a hang"},
     {"SHMGRAD_CUDA_LIBRARY", "libshmgrad_cuda.so inside the package",
      "the CUDA path's library an engine with devices loads (docs/GPU.md)"},
+    {"SHMGRAD_REQUIRE_GPU", "unset",
+     "the test suite fails a GPU case that would skip (tools/device-check --run --gpu sets it)"},
 };
 
 // The value of a declared tunable from the environment, or nullptr when it is unset.
