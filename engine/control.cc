@@ -106,6 +106,7 @@ EngineStatus readStatus(const std::string& name) {
     s.devices += (d > 0 ? ",cuda:" : "cuda:") + std::to_string(table->devices[d].ordinal);
   }
   if (num_devices > 1) s.param_sync_bytes = h->param_floats * sizeof(float) * (num_devices - 1);
+  s.mps = num_devices > 0 && (table->flags & ipc::kDeviceTableMps) != 0;
   auto deviceOf = [&](uint32_t slot) -> std::string {
     const int d = table->slot_device[slot];
     if (d < 0 || static_cast<uint32_t>(d) >= num_devices) return "cpu";
@@ -162,8 +163,9 @@ std::string formatStatus(const EngineStatus& s) {
   if (!s.devices.empty()) {
     appendf(&out,
             "devices %s (the trainer's first): %" PRIu64
-            " bytes copied device to device per step to bring the others' parameters up to date\n",
-            s.devices.c_str(), s.param_sync_bytes);
+            " bytes copied device to device per step to bring the others' parameters up to "
+            "date; MPS %s\n",
+            s.devices.c_str(), s.param_sync_bytes, s.mps ? "on" : "off");
   }
   appendf(&out, "workers (target %u of %u slots):\n", s.target_workers, s.slots);
   for (const WorkerStatus& w : s.workers) {

@@ -73,6 +73,7 @@ struct StepSummary {
   X(std::string, devices, "the GPUs it serves, the trainer's first (cuda:1,cuda:0); empty: CPU") \
   X(uint64_t, param_sync_bytes,                                                                  \
     "device to device bytes a step costs to bring the other GPUs' parameters up to date")        \
+  X(bool, mps, "an MPS daemon serves the engine's GPU workers: several on one GPU run at once")  \
   X(std::vector<::shmgrad::engine::WorkerStatus>, workers, "every slot that has had a process")  \
   X(std::vector<::shmgrad::engine::StepSummary>, recent_steps,                                   \
     "oldest first, at most ipc::kStatsRing")

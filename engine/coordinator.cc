@@ -3,6 +3,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -11,6 +12,7 @@
 #include <cinttypes>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -222,6 +224,19 @@ class Coordinator {
     }
     auto* table = seg_->region<ipc::DeviceTable>(h()->device);
     ipc::initDeviceTable(table, opt_.devices, h()->num_slots, h()->param_floats, h()->buffers.size);
+    if (mpsServes()) table->flags |= ipc::kDeviceTableMps;
+    // Workers sharing a GPU without MPS time-slice it: each has its own context, and the
+    // kernels of different contexts do not run at once.
+    const ipc::Placement place = ipc::placeRoundRobin(opt_.workers, table->count);
+    for (uint32_t d = 0; d < table->count; ++d) {
+      if (place.slots_per_device[d] > 1 && !(table->flags & ipc::kDeviceTableMps) && !opt_.quiet) {
+        std::printf(
+            "shmgrad: %u workers share cuda:%d without MPS: their kernels take turns on it, so "
+            "they are no faster than one (start an MPS daemon, nvidia-cuda-mps-control -d, to "
+            "run them at once)\n",
+            place.slots_per_device[d], opt_.devices[d]);
+      }
+    }
     for (uint32_t d = 0; d < table->count; ++d) {
       ipc::DeviceEntry& e = table->devices[d];
       const uint64_t ptr = cuda_->alloc(e.ordinal, e.layout.bytes);
@@ -237,6 +252,16 @@ class Coordinator {
       std::memcpy(e.uuid, uuid.data(), uuid.size());
       e.state.store(static_cast<uint32_t>(ipc::DeviceState::kPublished), std::memory_order_release);
     }
+  }
+
+  // Whether an MPS daemon serves this process's CUDA contexts: its pipe directory
+  // ($CUDA_MPS_PIPE_DIRECTORY, else /tmp/nvidia-mps, as the CUDA runtime looks) holds its
+  // control socket.
+  static bool mpsServes() {
+    const char* env = std::getenv("CUDA_MPS_PIPE_DIRECTORY");
+    const std::string control = std::string(env && *env ? env : "/tmp/nvidia-mps") + "/control";
+    struct stat st;
+    return ::stat(control.c_str(), &st) == 0 && S_ISSOCK(st.st_mode);
   }
 
   // Waits, at most kDeviceDetachTimeout, until no live trainer maps the devices' memory:

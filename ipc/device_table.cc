@@ -75,7 +75,7 @@ void initDeviceTable(DeviceTable* table, const std::vector<int>& ordinals, uint3
     }
   }
   table->count = n;
-  table->reserved = 0;
+  table->flags = 0;
   for (uint32_t d = 0; d < kMaxDevices; ++d) {
     DeviceEntry& e = table->devices[d];
     e.ordinal = d < n ? ordinals[d] : -1;
@@ -97,6 +97,8 @@ void validateDeviceTable(const DeviceTable& t, uint32_t num_slots, uint64_t para
                 " devices, more than ", kMaxDevices);
   SHMGRAD_CHECK(num_slots <= kMaxWorkers, ErrorKind::kCorrupt, "device table: ", num_slots,
                 " slots, more than ", kMaxWorkers);
+  SHMGRAD_CHECK((t.flags & ~static_cast<uint32_t>(kDeviceTableFlags)) == 0, ErrorKind::kCorrupt,
+                "device table: unknown flags ", t.flags);
   if (t.count == 0) return;  // a CPU engine: nothing on a device
   SHMGRAD_CHECK(param_floats <= kMaxParamFloats && buffer_bytes <= kMaxParamFloats * 4,
                 ErrorKind::kCorrupt, "device table: sizes out of range (", param_floats,

@@ -58,9 +58,18 @@ struct DeviceEntry {
   uint8_t uuid[kDeviceUuidBytes];
 };
 
+// DeviceTable::flags.
+enum DeviceTableFlag : uint32_t {
+  // An MPS daemon served the coordinator when it started (its pipe directory had a control
+  // socket): several workers on one GPU then run their kernels at once, where without it
+  // their contexts time-slice the GPU.
+  kDeviceTableMps = 1u << 0,
+  kDeviceTableFlags = (1u << 1) - 1,
+};
+
 struct DeviceTable {
   uint32_t count;  // devices in use; 0 for a CPU engine
-  uint32_t reserved;
+  uint32_t flags;  // DeviceTableFlag bits
   DeviceEntry devices[kMaxDevices];
   int8_t slot_device[kMaxWorkers];  // each slot's index into devices, or kNoDevice
   uint8_t slot_local[kMaxWorkers];  // each slot's index among its device's slots

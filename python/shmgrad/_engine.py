@@ -111,7 +111,7 @@ class Server:
 def serve(
     *,
     model,
-    workers: int,
+    workers: Optional[int] = None,
     loss=None,
     dataset=None,
     mode: str = "auto",
@@ -135,6 +135,7 @@ def serve(
     ordinals = _gpu.parse_devices(devices, device, trainer_device)
     if ordinals is not None:
         _gpu.check_devices(ordinals)  # before anything starts: what the machine lacks
+    workers = _gpu.workers_for(workers, ordinals)
     loss_names = _C.loss_names()
     compile_opts = eager.compile_options(compile)
     if isinstance(model, torch.nn.Module):
@@ -265,7 +266,10 @@ class Engine(Client):
     Args (keyword-only):
         model: a ``torch.nn.Module`` (saved with :func:`save_model`) or the path of a
             TorchScript file.
-        workers: number of worker processes.
+        workers: number of worker processes. Required for a CPU engine; with
+            ``devices=``, one per GPU by default. Several on one GPU run their kernels at
+            once only under MPS (``status().mps``); without it they take turns, and a
+            warning says so.
         loss: ``"cross_entropy"``, ``"nll"`` or ``"mse"`` (summed over the batch), or, with
             eager workers, any callable ``loss(outputs, targets)`` that returns the batch's
             sum or mean (``F.cross_entropy(o, y)``, an ``nn`` loss module). Optional with
@@ -346,7 +350,7 @@ class Engine(Client):
         self,
         *,
         model,
-        workers: int,
+        workers: Optional[int] = None,
         loss=None,
         dataset=None,
         mode: str = "auto",

@@ -97,6 +97,45 @@ def _parse_ordinals(devices, device) -> Optional[List[int]]:
     return ordinals
 
 
+def mps_serves() -> bool:
+    """Whether an MPS daemon serves this machine's CUDA contexts: its pipe directory
+    ($CUDA_MPS_PIPE_DIRECTORY, else /tmp/nvidia-mps, where the CUDA runtime looks) holds
+    its control socket (the coordinator looks the same way: ``status().mps``)."""
+    import stat
+
+    directory = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps"
+    try:
+        return stat.S_ISSOCK(os.stat(os.path.join(directory, "control")).st_mode)
+    except OSError:
+        return False
+
+
+def workers_for(workers: Optional[int], ordinals: Optional[List[int]]):
+    """The engine's worker count: as given, or one per GPU. Several workers on one GPU are
+    allowed, but each has its own CUDA context, and without MPS the kernels of different
+    contexts take turns on the GPU: slower than one worker there, not wrong, so it is
+    warned about, not refused."""
+    if workers is None:
+        if ordinals is None:
+            raise errors.InvalidArgumentError(
+                "workers= is required for an engine on the CPU (one per core you give it); "
+                "with devices=, it defaults to one per GPU"
+            )
+        return len(ordinals)
+    if ordinals and isinstance(workers, int) and workers > len(ordinals) and not mps_serves():
+        import warnings
+
+        warnings.warn(
+            f"{workers} workers on {len(ordinals)} GPU(s): the workers sharing a GPU take "
+            "turns on it (each has its own CUDA context, and without MPS their kernels do "
+            "not run at once), so they are no faster than one worker per GPU. Start an MPS "
+            "daemon (nvidia-cuda-mps-control -d) to run them at once, or leave workers= out "
+            "for one per GPU",
+            stacklevel=4,
+        )
+    return workers
+
+
 def placement(workers: int, ordinals: List[int]) -> List[int]:
     """Each worker slot's CUDA ordinal: round-robin over ``ordinals``."""
     return [ordinals[d] for d in _C.place_round_robin(workers, len(ordinals))]

@@ -529,3 +529,43 @@ def test_device_memory_outlives_every_view_of_it(backend):
         text = f.read()
     assert f"while pid {os.getpid()} still maps it" in text, text
     os.remove(violations)  # what this test asked for: the fixture checks for no others
+
+
+# -- one worker per GPU unless asked; several on one GPU said to need MPS ----------------
+def test_one_worker_per_gpu_by_default_and_sharing_needs_mps(backend, tmp_path, monkeypatch):
+    """Workers on one GPU have a CUDA context each, whose kernels take turns without MPS:
+    devices= places one worker per GPU unless workers= asks for more, which is warned
+    about (and said in the engine's log) unless an MPS daemon serves the machine;
+    status().mps says whether one did when the engine started."""
+    if backend[0] != "fake":
+        pytest.skip("the MPS stand-in is a socket in a folder: the fake device's case")
+    x, y = torch.randn(6, 1, 12, 12), torch.randint(0, 5, (6,))
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "no-mps-here"))
+    model = Cnn()
+    with shmgrad.Engine(model=model, loss="cross_entropy", devices=["cuda:0", "cuda:1"]) as e:
+        status = e.status()
+        assert [w.device for w in status.workers] == ["cuda:0", "cuda:1"]
+        assert status.mps is False and "MPS off" in status.text
+        e.gradient(inputs=x, targets=y)
+    with pytest.raises(shmgrad.InvalidArgumentError, match="workers= is required"):
+        shmgrad.Engine(model=model, loss="cross_entropy")
+    with pytest.warns(UserWarning, match="take turns"):
+        engine = shmgrad.Engine(model=model, workers=2, loss="cross_entropy", devices=["cuda:0"])
+    with engine:
+        assert "2 workers share cuda:0 without MPS" in engine.log()
+    # An MPS daemon's control socket where the CUDA runtime looks for it.
+    import socket
+    import warnings
+
+    pipe = tmp_path / "mps"
+    pipe.mkdir()
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(pipe))
+    with socket.socket(socket.AF_UNIX) as control:
+        control.bind(str(pipe / "control"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no warning under MPS
+            with shmgrad.Engine(
+                model=model, workers=2, loss="cross_entropy", devices=["cuda:0"]
+            ) as engine:
+                assert engine.status().mps is True and "MPS on" in engine.status().text
+                assert "without MPS" not in engine.log()
