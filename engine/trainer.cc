@@ -272,10 +272,6 @@ torch::Tensor Trainer::bufferBlock() const {
 
 std::vector<torch::Tensor> Trainer::bufferViewsOf(const torch::Tensor& block) const {
   checkUsable();
-  SHMGRAD_CHECK(block.scalar_type() == torch::kUInt8 && block.dim() == 1 &&
-                    block.numel() == static_cast<int64_t>(seg_->header()->buffers.size),
-                ErrorKind::kInvalidArgument, "a buffer block is ", seg_->header()->buffers.size,
-                " bytes (uint8, one dimension)");
   return worker::bufferViewsOf(*seg_, block);
 }
 

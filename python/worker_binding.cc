@@ -290,21 +290,9 @@ void bindEagerWorker(py::module_& m) {
       .def(
           "buffer_views_of",
           [](const EagerParticipant& p, const torch::Tensor& block) {
-            SHMGRAD_CHECK(block.scalar_type() == torch::kUInt8 && block.dim() == 1 &&
-                              block.numel() == static_cast<int64_t>(p.seg_->header()->buffers.size),
-                          ErrorKind::kInvalidArgument, "a buffer block is ",
-                          p.seg_->header()->buffers.size, " bytes (uint8, one dimension)");
             return worker::bufferViewsOf(*p.seg_, block);
           },
           py::arg("block"), "views of the buffers over a uint8 tensor laid out as that region")
-      .def(
-          "slot_buffer_views",
-          [](const EagerParticipant& p) {
-            auto keep = p.seg_;
-            return worker::sharedBufferViews(
-                *p.seg_, [keep](void*) {}, p.seg_->slotBuffers(p.slot_));
-          },
-          "this slot's copy of the shared buffers (averaged over the participants by the first)")
       .def("serve", &EagerParticipant::serve, py::arg("begin"), py::arg("compute_pass"),
            py::arg("publish_buffers"), py::arg("unreached"),
            "Serves steps until the engine stops, the slot is retired or the coordinator dies; "

@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "ipc/error.h"
 #include "ipc/segment.h"
 
 namespace shmgrad::worker {
@@ -169,9 +170,15 @@ inline torch::Tensor bufferBlockView(
 // as the segment's buffer region (a worker's or trainer's own copy of it, on any device):
 // a model whose buffers are these views loads and publishes them in one copy of the block
 // (on a GPU, one transfer a step instead of one per buffer). Offsets and sizes were
-// validated on attach (kAlign-aligned, inside the region).
+// validated on attach (kAlign-aligned, inside the region); a block of another size or
+// type is kInvalidArgument.
 inline std::vector<torch::Tensor> bufferViewsOf(const ipc::Segment& segment,
                                                 const torch::Tensor& block) {
+  const uint64_t bytes = segment.header()->buffers.size;
+  SHMGRAD_CHECK(block.scalar_type() == torch::kUInt8 && block.dim() == 1 &&
+                    block.numel() == static_cast<int64_t>(bytes),
+                ErrorKind::kInvalidArgument, "a buffer block is ", bytes,
+                " bytes (uint8, one dimension)");
   std::vector<torch::Tensor> out;
   const ipc::BufferEntry* table = segment.bufferTable();
   for (uint32_t i = 0; i < segment.header()->num_buffers; ++i) {
