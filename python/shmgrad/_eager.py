@@ -8,6 +8,7 @@ The worker side is :mod:`shmgrad._eager_worker`. docs/DESIGN.md, "Eager workers"
 
 import copy
 import functools
+import importlib
 import io
 import math
 import os
@@ -15,6 +16,7 @@ import pickle
 import random
 import sys
 import tempfile
+import types
 from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -582,6 +584,15 @@ def _script_modules():
     return []
 
 
+def _module_replaced_in_sys_modules(obj) -> bool:
+    """A module object of a ModuleType subclass that sys.modules holds under its name."""
+    return (
+        isinstance(obj, types.ModuleType)
+        and type(obj) is not types.ModuleType
+        and sys.modules.get(getattr(obj, "__name__", None)) is obj
+    )
+
+
 def _dumps(obj, cloudpickle):
     """cloudpickle.dumps, which also takes modules with parametrizations, and the classes
     and functions of a spawned process's script (:func:`_script_modules`)."""
@@ -591,6 +602,11 @@ def _dumps(obj, cloudpickle):
         def reducer_override(self, obj):
             if isinstance(obj, torch.nn.Module) and parametrize.is_parametrized(obj):
                 return _reduce_parametrized(obj)
+            if _module_replaced_in_sys_modules(obj):
+                # torch.backends.cudnn and its like: a ModuleType subclass that torch puts
+                # in sys.modules, which cloudpickle (dispatching on the exact type) cannot
+                # pickle; a function that reads torch.backends.cudnn.benchmark takes it.
+                return importlib.import_module, (obj.__name__,)
             return super().reducer_override(obj)
 
     registered = set(cloudpickle.list_registry_pickle_by_value())

@@ -605,8 +605,7 @@ def test_auto_modes_reason_is_a_sentence():
 
 
 def _numerics_seen():
-    """The settings a worker computes with (a module-level function: cloudpickle cannot
-    pickle torch.backends.cudnn, a module object torch replaces, by value)."""
+    """The settings a process computes with."""
     cudnn = torch.backends.cudnn
     return (
         torch.get_float32_matmul_precision(),
@@ -624,7 +623,14 @@ def test_workers_compute_with_the_trainers_numerics():
     want = ("medium", False, True, True)
 
     def forward(model, batch):
-        seen = _numerics_seen()
+        # Read inline: the job's pickle then holds torch.backends.cudnn, a module object of
+        # torch's own class that cloudpickle alone cannot pickle.
+        seen = (
+            torch.get_float32_matmul_precision(),
+            torch.backends.cudnn.allow_tf32,
+            torch.backends.cudnn.benchmark,
+            torch.backends.cudnn.deterministic,
+        )
         if seen != want:
             raise RuntimeError(f"the worker computes with {seen}, the trainer with {want}")
         x, y = batch
