@@ -6,6 +6,9 @@
 // FAKE_CUDA_DEVICES (default 2) devices are visible; 0 acts as "no device".
 // FAKE_CUDA_HANG_FILE names a file: a shmgrad_cuda_synchronize that finds it there does
 // not return for ten minutes, whatever happens to the file (a kernel that hangs).
+// FAKE_CUDA_FAULT_FILE names a file: a shmgrad_cuda_zero that finds it there faults as a
+// kernel would (cudaErrorIllegalAddress), and like a real fault it is sticky: every later
+// call of that process fails with it.
 // FAKE_CUDA_VISIBLE lists the devices this process sees, as CUDA_VISIBLE_DEVICES does
 // ("1,0": its cuda:0 is device 1); each device's UUID is the same in every process.
 // A free of an allocation that another live process still maps (CUDA leaves it undefined)
@@ -51,6 +54,7 @@ struct Mapping {
 };
 std::mutex g_mu;
 std::map<uint64_t, Mapping> g_maps;
+std::atomic<bool> g_faulted{false};  // a "kernel" of this process faulted: sticky
 std::atomic<int> g_counter{0};
 
 int physicalDevices() {
@@ -83,7 +87,8 @@ int physical(int device) { return device < 0 ? -1 : visible().at(device); }
 
 int use(int device) {
   if (devices() == 0) return kNoDevice;
-  return device >= 0 && device < devices() ? kSuccess : kInvalidDevice;
+  if (device < 0 || device >= devices()) return kInvalidDevice;
+  return g_faulted.load() ? kIllegalAddress : kSuccess;
 }
 
 // Another live process that maps the shared-memory object `name` (its /proc/PID/maps).
@@ -311,6 +316,8 @@ FAKE_API int shmgrad_cuda_copy_to_host(int device, void* dst, uint64_t src, uint
 FAKE_API int shmgrad_cuda_memory_kind(void) { return 1; }
 FAKE_API int shmgrad_cuda_zero(int device, uint64_t ptr, uint64_t bytes) {
   if (ptr == 0) return kInvalidValue;
+  const char* fault = std::getenv("FAKE_CUDA_FAULT_FILE");
+  if (fault != nullptr && access(fault, F_OK) == 0) g_faulted = true;
   if (int e = use(device)) return e;
   if (!mappedIn(device, ptr, bytes)) return kIllegalAddress;
   std::memset(reinterpret_cast<void*>(ptr), 0, bytes);

@@ -3,10 +3,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <thread>
 
 #include "ipc/barrier.h"
 #include "ipc/error.h"
@@ -14,6 +16,12 @@
 #include "ipc/reduce.h"
 
 namespace shmgrad::worker {
+
+namespace {
+// A worker whose context faulted waits at most this long for its step to end before it
+// exits (awaitStepEnd): its other participants finish their slices in far less.
+constexpr auto kFaultExitWait = std::chrono::seconds(10);
+}  // namespace
 
 using ipc::WorkerState;
 
@@ -103,7 +111,23 @@ int StepParticipant::serve(ShardComputer& computer) {
     const uint32_t e = waitForStep();
     if (e == 0) return exit_code_;
     runStep(e, computer);
-    if (deviceFaulted()) return exit_code_ = kExitDeviceFault;
+    if (deviceFaulted()) {
+      awaitStepEnd(e);  // the step reports the fault, not this worker's death
+      return exit_code_ = kExitDeviceFault;
+    }
+  }
+}
+
+// Until step `e` is done or aborted (the other participants may still be in it), at most
+// kFaultExitWait: a worker about to exit would otherwise have the step aborted for a
+// lost worker, and the trainer would report that instead of the error this worker
+// recorded. Polls: the fault path, not the hot one.
+void StepParticipant::awaitStepEnd(uint32_t e) {
+  const auto deadline = std::chrono::steady_clock::now() + kFaultExitWait;
+  while (c_.done_epoch.load(std::memory_order_acquire) != e &&
+         c_.abort_epoch.load(std::memory_order_acquire) != e && !stopRequested() &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
 }
 

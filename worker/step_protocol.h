@@ -164,6 +164,7 @@ class StepParticipant {
   void runStep(uint32_t e, ShardComputer& computer);
   // A failed step's device context is unusable (a sticky CUDA error): exit, be replaced.
   bool deviceFaulted() const;
+  void awaitStepEnd(uint32_t e);
   int exitCode() const { return exit_code_; }
   // The step memory this participant computes in: for its compute phase's parameter and
   // gradient views.

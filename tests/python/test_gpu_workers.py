@@ -569,3 +569,33 @@ def test_one_worker_per_gpu_by_default_and_sharing_needs_mps(backend, tmp_path, 
             ) as engine:
                 assert engine.status().mps is True and "MPS on" in engine.status().text
                 assert "without MPS" not in engine.log()
+
+
+# -- a kernel fault ends the worker, which is replaced -----------------------------------
+def test_a_kernel_fault_ends_its_worker_and_a_replacement_serves(backend, tmp_path, monkeypatch):
+    """A sticky CUDA error (a kernel fault) leaves a process's context unusable: the step
+    reports it, the worker exits (code 4) instead of failing every later step, and the
+    coordinator's replacement serves the next call."""
+    if backend[0] != "fake":
+        pytest.skip("the fake device faults on demand (FAKE_CUDA_FAULT_FILE)")
+    fault = tmp_path / "fault"
+    monkeypatch.setenv("FAKE_CUDA_FAULT_FILE", str(fault))
+    x, y = torch.randn(6, 1, 12, 12), torch.randint(0, 5, (6,))
+    model = Cnn()
+    with shmgrad.Engine(
+        model=model, loss="cross_entropy", mode="eager", devices=["cuda:0", "cuda:1"]
+    ) as engine:
+        engine.bind(model)
+        engine.gradient(inputs=x, targets=y)
+        fault.touch()
+        with pytest.raises(shmgrad.WorkerError, match="cudaErrorIllegalAddress"):
+            engine.gradient(inputs=x, targets=y, max_retries=0)
+        fault.unlink()
+        restarts = lambda: sum(w.restarts for w in engine.status().workers)  # noqa: E731
+        wait_for(lambda: restarts() == 2, 30, "both faulted workers replaced")
+        wait_for(lambda: engine.workers == 2, 30, "the replacements ready")
+        stats = engine.gradient(inputs=x, targets=y)
+        assert stats.num_examples == 6
+        expected = reference_gradient(model, "cross_entropy", x, y)
+        assert relative_error(_cpu(p.grad for p in model.parameters()), expected) < 1e-5
+        assert "kernel fault left its context unusable" in engine.log(), engine.log()
