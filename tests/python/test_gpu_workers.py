@@ -489,13 +489,14 @@ def test_a_hung_kernel_ends_in_timeout_and_its_worker_is_replaced(backend, tmp_p
 
 
 # -- device memory freed only after every process that maps it has let go ----------------
+# The fake device alone (it tells who maps an allocation, faults on demand, and its
+# MPS stand-in is a socket): no `cuda` case, which SHMGRAD_REQUIRE_GPU would fail.
+@pytest.mark.parametrize("backend", ["fake"], indirect=True)
 def test_device_memory_outlives_every_view_of_it(backend):
     """CUDA leaves freeing memory that another process still maps undefined: the trainer
     lets go of every view at close (the bound module keeps copies of its values), and the
     coordinator frees its devices' memory only then. Views kept past close make it wait,
     say so in its log, and the fake device records the free it then makes."""
-    if backend[0] != "fake":
-        pytest.skip("the fake device is what tells which process maps an allocation")
     x, y = torch.randn(6, 1, 12, 12), torch.randint(0, 5, (6,))
     torch.manual_seed(0)
     model = Cnn()
@@ -532,13 +533,14 @@ def test_device_memory_outlives_every_view_of_it(backend):
 
 
 # -- one worker per GPU unless asked; several on one GPU said to need MPS ----------------
+# The fake device alone (it tells who maps an allocation, faults on demand, and its
+# MPS stand-in is a socket): no `cuda` case, which SHMGRAD_REQUIRE_GPU would fail.
+@pytest.mark.parametrize("backend", ["fake"], indirect=True)
 def test_one_worker_per_gpu_by_default_and_sharing_needs_mps(backend, tmp_path, monkeypatch):
     """Workers on one GPU have a CUDA context each, whose kernels take turns without MPS:
     devices= places one worker per GPU unless workers= asks for more, which is warned
     about (and said in the engine's log) unless an MPS daemon serves the machine;
     status().mps says whether one did when the engine started."""
-    if backend[0] != "fake":
-        pytest.skip("the MPS stand-in is a socket in a folder: the fake device's case")
     x, y = torch.randn(6, 1, 12, 12), torch.randint(0, 5, (6,))
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "no-mps-here"))
     model = Cnn()
@@ -572,12 +574,13 @@ def test_one_worker_per_gpu_by_default_and_sharing_needs_mps(backend, tmp_path, 
 
 
 # -- a kernel fault ends the worker, which is replaced -----------------------------------
+# The fake device alone (it tells who maps an allocation, faults on demand, and its
+# MPS stand-in is a socket): no `cuda` case, which SHMGRAD_REQUIRE_GPU would fail.
+@pytest.mark.parametrize("backend", ["fake"], indirect=True)
 def test_a_kernel_fault_ends_its_worker_and_a_replacement_serves(backend, tmp_path, monkeypatch):
     """A sticky CUDA error (a kernel fault) leaves a process's context unusable: the step
     reports it, the worker exits (code 4) instead of failing every later step, and the
     coordinator's replacement serves the next call."""
-    if backend[0] != "fake":
-        pytest.skip("the fake device faults on demand (FAKE_CUDA_FAULT_FILE)")
     fault = tmp_path / "fault"
     monkeypatch.setenv("FAKE_CUDA_FAULT_FILE", str(fault))
     x, y = torch.randn(6, 1, 12, 12), torch.randint(0, 5, (6,))
