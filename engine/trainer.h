@@ -143,7 +143,9 @@ class Trainer {
   // contiguous buffer for a collective (all-reduce, broadcast) or a checksum.
   torch::Tensor parameterBuffer() const;
   // The model's shared buffers (BatchNorm statistics: float32 and int64), by name in the
-  // model's order: after each step they hold the step's first participant's values. Bind
+  // model's order: after each step they hold the participants' values averaged by their
+  // examples (the float ones; the batch count the first's), or the first participant's
+  // (GradientOptions::average_buffers false, DDP's rule). Bind
   // a module's buffers to them so that it evaluates with the workers' statistics.
   std::vector<std::pair<std::string, torch::Tensor>> bufferViews() const;
   // The shared buffers' region as one byte tensor, and views of the buffers over `block`, a

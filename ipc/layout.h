@@ -7,8 +7,12 @@
 //   offset 0            SegmentHeader (this file): identity, region table, control
 //                       words, step request, per-worker records, step statistics
 //   header.params_table ParamEntry[num_params]: name, shape, offset of every tensor
+//   header.buffers_table BufferEntry[num_buffers]: name, shape, dtype, offset of every
+//                       shared buffer (BatchNorm statistics)
+//   header.buffers      the shared buffers' bytes, each kAlign-aligned
 //   header.params       float32 parameters, each tensor 64-byte aligned
-//   header.slots        num_slots gradient slots, each laid out like params
+//   header.slots        num_slots gradient slots, each laid out like params, then a copy
+//                       of the buffers region (the participant's, averaged by rank 0)
 //   header.reduced      the reduced gradient, laid out like params
 //   header.accum        a second reduced gradient, laid out like params: accumulating
 //                       steps read one and write the other (retry-safe)
@@ -17,7 +21,7 @@
 //   header.req_targets  targets of an explicit batch (int64 or float32)
 //   header.data_inputs  optional read-only dataset: float32 inputs
 //   header.data_targets optional read-only dataset: targets
-//   header.device       reserved for device (CUDA IPC) handles; empty on CPU
+//   header.device       the device table (ipc/device_table.h); all zeros on the CPU
 //
 // No pointer is ever stored in shared memory: only offsets from the segment start,
 // which every reader checks against the segment size before use (validateHeader).

@@ -307,9 +307,10 @@ class Client:
         ``.grad``, ``optimizer.step()`` updates the shared parameters in place, and every
         worker sees the update with no copy. The module must have the engine's parameters
         (same names, shapes, order). Its float32/int64 buffers (BatchNorm statistics) become
-        views of the engine's shared buffers: after each step they hold the statistics of
-        the step's first worker (DDP's rule; each worker normalises with its own shard's
-        batch statistics, as DDP without SyncBatchNorm does).
+        views of the engine's shared buffers: after each step they hold the workers'
+        statistics averaged by their examples (``buffers="first"``: the first worker's,
+        DDP's rule; each worker normalises with its own shard's batch statistics, as DDP
+        without SyncBatchNorm does).
         Across nodes, every node then takes rank 0's parameters (a broadcast, as DDP does).
         Returns ``module``.
         """
@@ -412,9 +413,9 @@ class Client:
 
     def _bind_buffers(self, module):
         # The engine's shared buffers (BatchNorm statistics) by name: the module's values
-        # are copied in once, then its buffers view them (on a GPU engine: copies on the
+        # are copied in once, then its buffers view them (on a GPU engine: one block on the
         # device, exchanged with them around each step), so after every step it holds the
-        # first participant's statistics and evaluates correctly with no extra pass.
+        # step's statistics (the buffers= rule's) and evaluates with no extra pass.
         views = dict(self._trainer.buffer_views())
         own = dict(shared_buffers(module))
         if set(views) != set(own):
