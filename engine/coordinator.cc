@@ -275,7 +275,7 @@ class Coordinator {
         std::chrono::duration_cast<std::chrono::nanoseconds>(kDeviceDetachTimeout).count();
     int32_t pid = 0;
     while ((pid = c().device_trainer_pid.load(std::memory_order_acquire)) > 0 &&
-           processAlive(pid)) {
+           ipc::processAlive(pid)) {
       if (ipc::monotonicNs() >= deadline) {
         std::fprintf(stderr,
                      "shmgrad: trainer pid %d still maps the engine's device memory %.0f s "
@@ -288,8 +288,6 @@ class Coordinator {
       std::this_thread::sleep_for(kReadyPoll);
     }
   }
-
-  static bool processAlive(int32_t pid) { return pid > 0 && (kill(pid, 0) == 0 || errno == EPERM); }
 
   void freeDevices() noexcept {
     for (const auto& [ordinal, ptr] : device_ptrs_) {

@@ -172,17 +172,19 @@ std::shared_ptr<gpu::EngineMemory> Trainer::openMemory(const std::string& cuda_l
   if (!devices) return std::make_shared<gpu::EngineMemory>(*seg_, cuda_library);
   const int32_t me = getpid();
   c.device_trainer_pid.store(me, std::memory_order_release);
-  auto detach = [seg = seg_, me](gpu::EngineMemory* memory) {
-    delete memory;  // closes this process's mappings of the devices' memory
+  auto release = [seg = seg_, me] {  // says this process maps them no more
     int32_t expected = me;
     seg->header()->control.device_trainer_pid.compare_exchange_strong(expected, 0,
                                                                       std::memory_order_acq_rel);
   };
   try {
-    return std::shared_ptr<gpu::EngineMemory>(new gpu::EngineMemory(*seg_, cuda_library), detach);
+    return std::shared_ptr<gpu::EngineMemory>(new gpu::EngineMemory(*seg_, cuda_library),
+                                              [release](gpu::EngineMemory* memory) {
+                                                delete memory;  // closes this process's mappings
+                                                release();
+                                              });
   } catch (...) {
-    int32_t expected = me;
-    c.device_trainer_pid.compare_exchange_strong(expected, 0);
+    release();
     throw;
   }
 }

@@ -147,13 +147,16 @@ DeviceUuid CudaLibrary::deviceUuid(int device) const {
   return uuid;
 }
 
-int CudaLibrary::localOrdinal(const DeviceUuid& uuid, const std::string& engine_name) const {
+int CudaLibrary::localOrdinal(const ipc::DeviceEntry& entry) const {
+  DeviceUuid uuid;
+  std::memcpy(uuid.data(), entry.uuid, uuid.size());
   const int count = deviceCount();
   for (int d = 0; d < count; ++d) {
     if (deviceUuid(d) == uuid) return d;
   }
   const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
-  raise(ErrorKind::kInvalidArgument, "the engine computes on ", uuidText(uuid), " (", engine_name,
+  raise(ErrorKind::kInvalidArgument, "the engine computes on ", uuidText(uuid),
+        " (cuda:", entry.ordinal,
         " where it was started), which this process does not see among its ", count,
         " GPU(s) (CUDA_VISIBLE_DEVICES=", visible ? visible : "(unset)",
         "): start it with the engine's CUDA_VISIBLE_DEVICES, or serve GPUs it sees");
@@ -266,9 +269,7 @@ DeviceMapping::DeviceMapping(std::shared_ptr<const CudaLibrary> cuda, const ipc:
                     static_cast<uint32_t>(ipc::DeviceState::kPublished),
                 ErrorKind::kNotFound, "cuda:", e.ordinal,
                 "'s buffers are not published yet: the coordinator is still starting");
-  DeviceUuid uuid;
-  std::memcpy(uuid.data(), e.uuid, uuid.size());
-  ordinal_ = cuda_->localOrdinal(uuid, "cuda:" + std::to_string(e.ordinal));
+  ordinal_ = cuda_->localOrdinal(e);
   slots_ = e.slots;
   layout_ = e.layout;
   std::memcpy(handle_.data(), e.ipc_handle, handle_.size());

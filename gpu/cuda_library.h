@@ -40,10 +40,11 @@ class CudaLibrary {
   int deviceCount() const;
   // The GPU's UUID, the same in every process.
   DeviceUuid deviceUuid(int device) const;
-  // This process's ordinal of the GPU with `uuid`; kInvalidArgument naming it, what the
-  // engine calls it (`engine_name`, e.g. "cuda:1") and the fix, when this process does
-  // not see it (another CUDA_VISIBLE_DEVICES than the engine's).
-  int localOrdinal(const DeviceUuid& uuid, const std::string& engine_name) const;
+  // This process's ordinal of the device table entry's GPU (found by its UUID: the
+  // coordinator's ordinal may differ); kInvalidArgument naming it, the coordinator's
+  // ordinal and the fix, when this process does not see it (another CUDA_VISIBLE_DEVICES
+  // than the engine's).
+  int localOrdinal(const ipc::DeviceEntry& entry) const;
   // cudaMalloc'd, zero-filled; kNoSpace when the device is full.
   uint64_t alloc(int device, uint64_t bytes) const;
   // Frees; returns the CUDA error code rather than throwing (used while stopping).

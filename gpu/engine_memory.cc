@@ -27,9 +27,7 @@ EngineMemory::EngineMemory(const ipc::Segment& segment, const std::string& cuda_
   if (const char* env = config::tunable("SHMGRAD_CUDA_LIBRARY")) path = env;
   cuda_ = CudaLibrary::load(path.empty() ? CudaLibrary::defaultPath() : path);
   // This process's ordinal of its device: the same GPU (its UUID) as the coordinator's.
-  DeviceUuid uuid;
-  std::memcpy(uuid.data(), table->devices[mine].uuid, uuid.size());
-  context_ = cuda_->localOrdinal(uuid, "cuda:" + std::to_string(table->devices[mine].ordinal));
+  context_ = cuda_->localOrdinal(table->devices[mine]);
   for (uint32_t d = 0; d < table->count; ++d) {
     devices_.push_back(std::make_unique<DeviceMapping>(cuda_, segment, d, context_));
   }

@@ -170,6 +170,13 @@ Numerics parseNumerics(const std::string& spec) {
   return n;
 }
 
+Numerics checkedNumerics(const Numerics& shared) {
+  const Numerics n = shared;  // one read of shared memory, then checked
+  SHMGRAD_CHECK(numericsValid(n), ErrorKind::kCorrupt, "segment: numerics ", n.flags, "/",
+                n.matmul_precision, " are not valid");
+  return n;
+}
+
 std::string numericsText(const Numerics& n) {
   if ((n.flags & kNumericsSet) == 0 || !numericsValid(n)) return "";
   std::string out = std::string("matmul_precision=") + kMatmulPrecisionNames[n.matmul_precision];

@@ -71,6 +71,9 @@ LossReduction parseLossReduction(const std::string& name);
 Numerics parseNumerics(const std::string& spec);
 // The same text back, every key; "" when none is set.
 std::string numericsText(const Numerics& numerics);
+// The record in shared memory, read once and checked: CorruptError for bits or a
+// precision it does not know.
+Numerics checkedNumerics(const Numerics& shared);
 // "/shmgrad-<uid>-<name>": the uid keeps two users' engines of the same name apart.
 std::string segmentName(const std::string& engine_name);
 // The file backing the segment, "/dev/shm/shmgrad-<uid>-<name>".

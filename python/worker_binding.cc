@@ -222,10 +222,7 @@ void bindEagerWorker(py::module_& m) {
       .def_property_readonly(
           "numerics",
           [](const EagerParticipant& p) {
-            const ipc::Numerics n = p.seg_->header()->control.numerics;  // one read, checked
-            SHMGRAD_CHECK(ipc::numericsValid(n), ErrorKind::kCorrupt, "segment: numerics ", n.flags,
-                          "/", n.matmul_precision, " are not valid");
-            return ipc::numericsText(n);
+            return ipc::numericsText(ipc::checkedNumerics(p.seg_->header()->control.numerics));
           },
           "the trainer's torch numerics to compute with (ipc::parseNumerics's text), or '' "
           "for torch's defaults")

@@ -13,9 +13,7 @@
 namespace shmgrad::worker {
 
 void applyNumerics(const ipc::Numerics& shared) {
-  const ipc::Numerics n = shared;  // one read of shared memory, then checked
-  SHMGRAD_CHECK(ipc::numericsValid(n), ErrorKind::kCorrupt, "segment: numerics ", n.flags, "/",
-                n.matmul_precision, " are not valid");
+  const ipc::Numerics n = ipc::checkedNumerics(shared);
   if ((n.flags & ipc::kNumericsSet) == 0) return;
   at::Context& ctx = at::globalContext();
   ctx.setFloat32MatmulPrecision(ipc::kMatmulPrecisionNames[n.matmul_precision]);
