@@ -82,8 +82,8 @@ class ShardRunner:
                 p.data = view  # the shared parameters: an optimizer step is seen at once
         self.grads_in_reduced = None
         self._bind_grads(False)
-        # Shared buffers (BatchNorm statistics): loaded before each step, published by the
-        # step's first participant after the compute barrier (DDP's rule). The model's own
+        # Shared buffers (BatchNorm statistics): loaded before each step, published after
+        # it by the step's buffers= rule (docs/DESIGN.md). The model's own
         # are views of one block laid out as the segment's buffer region (on this worker's
         # device), so that loading and publishing them is one copy each, on a GPU one
         # transfer instead of one synchronised copy per buffer.

@@ -17,6 +17,7 @@ from . import errors
 from ._native import _C, DEFAULTS
 from ._client import Client, _check_buffers
 from ._launcher import STOP_TIMEOUT_S, Launcher, ServeOptions
+from ._status import read_status
 
 ATTACH_TIMEOUT_S = 10.0  # attaching to an engine that has just reported it serves
 _names = itertools.count()
@@ -226,6 +227,8 @@ def serve(
     server = Server(Launcher(options), mode, mode_reason, files, loss_reduction)
     try:
         server._launcher.start()
+        if ordinals is not None:  # MPS as the coordinator found it: one place decides
+            _gpu.warn_sharing(workers, ordinals, read_status(name).mps)
     except BaseException:
         server.stop()
         raise

@@ -97,24 +97,8 @@ def _parse_ordinals(devices, device) -> Optional[List[int]]:
     return ordinals
 
 
-def mps_serves() -> bool:
-    """Whether an MPS daemon serves this machine's CUDA contexts: its pipe directory
-    ($CUDA_MPS_PIPE_DIRECTORY, else /tmp/nvidia-mps, where the CUDA runtime looks) holds
-    its control socket (the coordinator looks the same way: ``status().mps``)."""
-    import stat
-
-    directory = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps"
-    try:
-        return stat.S_ISSOCK(os.stat(os.path.join(directory, "control")).st_mode)
-    except OSError:
-        return False
-
-
-def workers_for(workers: Optional[int], ordinals: Optional[List[int]]):
-    """The engine's worker count: as given, or one per GPU. Several workers on one GPU are
-    allowed, but each has its own CUDA context, and without MPS the kernels of different
-    contexts take turns on the GPU: slower than one worker there, not wrong, so it is
-    warned about, not refused."""
+def workers_for(workers: Optional[int], ordinals: Optional[List[int]]) -> Optional[int]:
+    """The engine's worker count: as given, or one per GPU."""
     if workers is None:
         if ordinals is None:
             raise errors.InvalidArgumentError(
@@ -122,7 +106,15 @@ def workers_for(workers: Optional[int], ordinals: Optional[List[int]]):
                 "with devices=, it defaults to one per GPU"
             )
         return len(ordinals)
-    if ordinals and isinstance(workers, int) and workers > len(ordinals) and not mps_serves():
+    return workers
+
+
+def warn_sharing(workers: int, ordinals: List[int], mps: bool) -> None:
+    """Several workers on one GPU are allowed, but each has its own CUDA context, and
+    without MPS the kernels of different contexts take turns on the GPU: slower than one
+    worker there, not wrong, so it is warned about, not refused. ``mps``: what the
+    coordinator found when it started (``status().mps``)."""
+    if workers > len(ordinals) and not mps:
         import warnings
 
         warnings.warn(
@@ -133,7 +125,6 @@ def workers_for(workers: Optional[int], ordinals: Optional[List[int]]):
             "for one per GPU",
             stacklevel=4,
         )
-    return workers
 
 
 def placement(workers: int, ordinals: List[int]) -> List[int]:
