@@ -59,6 +59,8 @@ inline constexpr Tunable kTunables[] = {
     {"SHMGRAD_STRESS_DEBUG", "unset", "`shmgrad stress` prints the engine's status at a hang"},
     {"SHMGRAD_CUDA_LIBRARY", "libshmgrad_cuda.so inside the package",
      "the CUDA path's library an engine with devices loads (docs/GPU.md)"},
+    {"SHMGRAD_BACKEND_STAGING_MB", "64 MiB over the ranks, 0.25 to 8 MiB a buffer",
+     "the `shmgrad` torch.distributed backend's staging buffer per rank (two each)"},
     {"SHMGRAD_REQUIRE_GPU", "unset",
      "the test suite fails a GPU case that would skip (tools/device-check --run --gpu sets it)"},
 };

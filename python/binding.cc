@@ -1,6 +1,7 @@
 // pybind11 module shmgrad._C: the C++ trainer API for Python. Tensors cross the
 // boundary as torch.Tensor (the extension and Python's torch share one libtorch).
 // The public, documented surface is the pure-Python package (python/shmgrad).
+#include <pybind11/chrono.h>
 #include <torch/extension.h>
 
 #include <optional>
@@ -8,6 +9,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "backend/process_group.h"
 #include "engine/control.h"
 #include "engine/model_file.h"
 #include "engine/trainer.h"
@@ -367,6 +369,10 @@ PYBIND11_MODULE(_C, m) {
     m.attr("TUNABLES") = tunables;
   }
   shmgrad::bindEagerWorker(m);
+  // The `shmgrad` torch.distributed backend's creator (python/shmgrad/_backend.py
+  // registers it): (store, rank, size, timeout) -> c10d Backend.
+  m.def("create_process_group_backend", &shmgrad::backend::ProcessGroupShm::create,
+        py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"));
   m.def("segment_path", &shmgrad::ipc::segmentPath, py::arg("name"));
   m.def("segment_exists", &shmgrad::ipc::Segment::exists, py::arg("name"));
   m.def("check_engine_name", &shmgrad::ipc::checkEngineName, py::arg("name"));

@@ -28,7 +28,7 @@ the separate package ``shmgrad_tools``, which uses only this public API.
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-from . import errors, multinode, schedules, testing
+from . import _backend, errors, multinode, schedules, testing
 from ._client import Client, GradientStats, attach
 from ._eager import example_batch, example_seed, seed_everything, step_seed
 from ._engine import Engine, Server, save_model, serve
@@ -49,6 +49,9 @@ from .errors import (
     NoSpaceError,
     WorkerError,
 )
+
+
+_backend.register()
 
 
 def heap_environment() -> dict:

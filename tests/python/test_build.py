@@ -22,7 +22,7 @@ from conftest import Mlp, reference_gradient, relative_error
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 # The folders whose sources make the library, the extension and the programs (tests and
 # examples are Bazel's alone).
-PRODUCT_PACKAGES = ("ipc", "worker", "engine", "python", "tools", "gpu")
+PRODUCT_PACKAGES = ("ipc", "worker", "engine", "python", "tools", "gpu", "backend")
 
 
 def _bazel_sources():

@@ -1,0 +1,110 @@
+// The `shmgrad` torch.distributed backend: a c10d::Backend over ShmComm (one node's
+// shared memory), registered by `import shmgrad` (python/shmgrad/_backend.py), so that
+// `dist.init_process_group("shmgrad")` and DDP's reducer reach it without Python in
+// between. docs/BACKEND.md describes it.
+//
+// Collectives are checked in the caller's thread (device, dtype, sizes, op: an error at
+// once naming the fix) and run in issue order on one communication thread per group, so
+// DDP's bucket all-reduces overlap its backward. Each returns a Work whose wait() and
+// get_future() complete when the collective has, with a DistBackendError if it failed.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "backend/shm_comm.h"
+
+namespace shmgrad::backend {
+
+class ProcessGroupShm : public c10d::Backend {
+ public:
+  // What torch.distributed.Backend.register_backend calls for each new group: ranks find
+  // each other through `store` (rank 0 creates the segment and publishes its name).
+  static c10::intrusive_ptr<c10d::Backend> create(const c10::intrusive_ptr<c10d::Store>& store,
+                                                  int rank, int size,
+                                                  const std::chrono::duration<float>& timeout);
+
+  ProcessGroupShm(std::unique_ptr<ShmComm> comm, int rank, int size,
+                  std::chrono::milliseconds timeout);
+  ~ProcessGroupShm() override;
+
+  const std::string getBackendName() const override { return "shmgrad"; }
+  uint64_t getSequenceNumberForGroup() override { return issued_; }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_split_sizes,
+                                               std::vector<int64_t>& input_split_sizes,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
+                                          std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst_rank,
+                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src_rank,
+                                      int tag) override;
+
+ private:
+  // One collective, queued: `run` moves the data (in the communication thread) given its
+  // deadline; `outputs` are what the Work's future holds.
+  struct Pending;
+  c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, std::vector<at::Tensor> outputs,
+                                         std::chrono::milliseconds timeout,
+                                         std::function<void(uint64_t)> run);
+  uint64_t deadlineFor(std::chrono::milliseconds timeout) const;
+  void loop();
+
+  std::unique_ptr<ShmComm> comm_;
+  std::chrono::milliseconds timeout_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<Pending>> queue_;
+  bool stop_ = false;
+  uint64_t issued_ = 0;
+  std::thread thread_;
+};
+
+}  // namespace shmgrad::backend

@@ -1,0 +1,960 @@
+#include "backend/shm_comm.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <sstream>
+
+#include "ipc/config.h"
+#include "ipc/futex.h"
+#include "ipc/segment.h"
+
+namespace shmgrad::backend {
+
+// ----------------------------------------------------------------------------- elements
+
+const char* elemTypeName(ElemType t) {
+  static constexpr const char* kNames[] = {"float32", "float64", "float16", "bfloat16", "int8",
+                                           "uint8",   "int16",   "int32",   "int64",    "bool"};
+  const auto i = static_cast<uint32_t>(t);
+  return i < std::size(kNames) ? kNames[i] : "unknown";
+}
+
+const char* reduceKindName(ReduceKind r) {
+  static constexpr const char* kNames[] = {"SUM", "AVG",  "PRODUCT", "MIN",
+                                           "MAX", "BAND", "BOR",     "BXOR"};
+  const auto i = static_cast<uint32_t>(r);
+  return i < std::size(kNames) ? kNames[i] : "unknown";
+}
+
+uint32_t elemSize(ElemType t) {
+  switch (t) {
+    case ElemType::kFloat64:
+    case ElemType::kInt64:
+      return 8;
+    case ElemType::kFloat32:
+    case ElemType::kInt32:
+      return 4;
+    case ElemType::kFloat16:
+    case ElemType::kBFloat16:
+    case ElemType::kInt16:
+      return 2;
+    default:
+      return 1;
+  }
+}
+
+namespace {
+bool isFloating(ElemType t) {
+  return t == ElemType::kFloat32 || t == ElemType::kFloat64 || t == ElemType::kFloat16 ||
+         t == ElemType::kBFloat16;
+}
+bool isBitwise(ReduceKind r) {
+  return r == ReduceKind::kBand || r == ReduceKind::kBor || r == ReduceKind::kBxor;
+}
+}  // namespace
+
+void checkReduce(ElemType t, ReduceKind r) {
+  SHMGRAD_CHECK(static_cast<uint32_t>(r) <= static_cast<uint32_t>(ReduceKind::kBxor),
+                ErrorKind::kInvalidArgument, "shmgrad backend: reduce op ", static_cast<int>(r),
+                " is not supported: use SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR or BXOR");
+  SHMGRAD_CHECK(!(isFloating(t) && isBitwise(r)), ErrorKind::kInvalidArgument,
+                "shmgrad backend: ", reduceKindName(r), " is a bitwise operation and ",
+                elemTypeName(t), " is floating point: use it on integer or bool tensors");
+  SHMGRAD_CHECK(!(r == ReduceKind::kAvg && !isFloating(t)), ErrorKind::kInvalidArgument,
+                "shmgrad backend: AVG of ", elemTypeName(t),
+                " tensors is not defined (it would round): use SUM and divide, or a "
+                "floating-point tensor");
+}
+
+namespace {
+
+float halfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  const uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+  if (exp == 0) {
+    const float v = std::ldexp(static_cast<float>(mant), -24);  // zero or subnormal
+    return sign ? -v : v;
+  }
+  if (exp == 31) return std::bit_cast<float>(sign | 0x7f800000u | (mant << 13));
+  return std::bit_cast<float>(sign | ((exp + 112) << 23) | (mant << 13));
+}
+
+// Round to nearest, ties to even (as torch's c10::Half).
+uint16_t floatToHalf(float x) {
+  uint32_t f = std::bit_cast<uint32_t>(x);
+  const auto sign = static_cast<uint16_t>((f >> 16) & 0x8000);
+  f &= 0x7fffffffu;
+  if (f > 0x7f800000u) return sign | 0x7e00;                     // NaN
+  if (f >= 0x477ff000u) return sign | 0x7c00;                    // rounds to infinity
+  if (f < 0x38800000u) {                                         // below the smallest normal half
+    const float scaled = std::bit_cast<float>(f) * 16777216.0f;  // exact: a power of two
+    return sign | static_cast<uint16_t>(std::nearbyint(scaled));
+  }
+  f += 0xfffu + ((f >> 13) & 1u);
+  return sign | static_cast<uint16_t>((f >> 13) - (112u << 10));
+}
+
+float bf16ToFloat(uint16_t h) { return std::bit_cast<float>(static_cast<uint32_t>(h) << 16); }
+uint16_t floatToBf16(float x) {
+  const uint32_t f = std::bit_cast<uint32_t>(x);
+  if ((f & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
+  return static_cast<uint16_t>((f + 0x7fffu + ((f >> 16) & 1u)) >> 16);
+}
+
+// How each type is loaded into its accumulator and stored back.
+template <typename T, typename A>
+struct Plain {
+  using Stored = T;
+  using Acc = A;
+  static A load(T v) { return static_cast<A>(v); }
+  static T store(A v) { return static_cast<T>(v); }
+};
+struct Half {
+  using Stored = uint16_t;
+  using Acc = float;
+  static float load(uint16_t v) { return halfToFloat(v); }
+  static uint16_t store(float v) { return floatToHalf(v); }
+};
+struct BFloat {
+  using Stored = uint16_t;
+  using Acc = float;
+  static float load(uint16_t v) { return bf16ToFloat(v); }
+  static uint16_t store(float v) { return floatToBf16(v); }
+};
+
+constexpr uint64_t kBlock = 1024;
+
+// Blocks keep the accumulators in L1 while the inputs stream through, in list order.
+template <typename Codec, typename Op>
+void reduceBlocks(void* dst_v, const void* const* in_v, uint32_t n, uint64_t count, Op op,
+                  uint32_t divide_by) {
+  using T = typename Codec::Stored;
+  using A = typename Codec::Acc;
+  T* dst = static_cast<T*>(dst_v);
+  A acc[kBlock];
+  for (uint64_t b = 0; b < count; b += kBlock) {
+    const uint64_t m = std::min(kBlock, count - b);
+    const T* first = static_cast<const T*>(in_v[0]) + b;
+    for (uint64_t i = 0; i < m; ++i) acc[i] = Codec::load(first[i]);
+    for (uint32_t j = 1; j < n; ++j) {
+      const T* x = static_cast<const T*>(in_v[j]) + b;
+      for (uint64_t i = 0; i < m; ++i) acc[i] = op(acc[i], Codec::load(x[i]));
+    }
+    if (divide_by > 1) {
+      if constexpr (std::is_floating_point_v<A>) {
+        for (uint64_t i = 0; i < m; ++i) acc[i] = acc[i] / static_cast<A>(divide_by);
+      }
+    }
+    for (uint64_t i = 0; i < m; ++i) dst[b + i] = Codec::store(acc[i]);
+  }
+}
+
+template <typename Codec>
+void reduceFloating(void* dst, const void* const* in, uint32_t n, uint64_t count, ReduceKind r) {
+  using A = typename Codec::Acc;
+  switch (r) {
+    case ReduceKind::kSum:
+      return reduceBlocks<Codec>(
+          dst, in, n, count, [](A a, A b) { return a + b; }, 1);
+    case ReduceKind::kAvg:
+      return reduceBlocks<Codec>(
+          dst, in, n, count, [](A a, A b) { return a + b; }, n);
+    case ReduceKind::kProduct:
+      return reduceBlocks<Codec>(
+          dst, in, n, count, [](A a, A b) { return a * b; }, 1);
+    // NaN wins, as torch's minimum and maximum.
+    case ReduceKind::kMin:
+      return reduceBlocks<Codec>(
+          dst, in, n, count, [](A a, A b) { return (a != a || a < b) ? a : b; }, 1);
+    case ReduceKind::kMax:
+      return reduceBlocks<Codec>(
+          dst, in, n, count, [](A a, A b) { return (a != a || a > b) ? a : b; }, 1);
+    default:
+      raise(ErrorKind::kInvalidArgument, "bitwise reduction of floating point");
+  }
+}
+
+// Integers wrap on overflow (as torch's): sums and products run in uint64_t and are
+// truncated to the type.
+template <typename T>
+void reduceInteger(void* dst, const void* const* in, uint32_t n, uint64_t count, ReduceKind r) {
+  using Wide = Plain<T, uint64_t>;
+  using Same = Plain<T, T>;
+  switch (r) {
+    case ReduceKind::kSum:
+      return reduceBlocks<Wide>(
+          dst, in, n, count, [](uint64_t a, uint64_t b) { return a + b; }, 1);
+    case ReduceKind::kProduct:
+      return reduceBlocks<Wide>(
+          dst, in, n, count, [](uint64_t a, uint64_t b) { return a * b; }, 1);
+    case ReduceKind::kMin:
+      return reduceBlocks<Same>(
+          dst, in, n, count, [](T a, T b) { return b < a ? b : a; }, 1);
+    case ReduceKind::kMax:
+      return reduceBlocks<Same>(
+          dst, in, n, count, [](T a, T b) { return b > a ? b : a; }, 1);
+    case ReduceKind::kBand:
+      return reduceBlocks<Same>(
+          dst, in, n, count, [](T a, T b) { return T(a & b); }, 1);
+    case ReduceKind::kBor:
+      return reduceBlocks<Same>(
+          dst, in, n, count, [](T a, T b) { return T(a | b); }, 1);
+    case ReduceKind::kBxor:
+      return reduceBlocks<Same>(
+          dst, in, n, count, [](T a, T b) { return T(a ^ b); }, 1);
+    default:
+      raise(ErrorKind::kInvalidArgument, "AVG of integers");
+  }
+}
+
+// bool: SUM, MAX and BOR are "any", PRODUCT, MIN and BAND "all" (as ProcessGroupNCCL maps
+// them), BXOR parity; the result is always 0 or 1.
+void reduceBool(void* dst, const void* const* in, uint32_t n, uint64_t count, ReduceKind r) {
+  using B = Plain<uint8_t, uint8_t>;
+  switch (r) {
+    case ReduceKind::kSum:
+    case ReduceKind::kMax:
+    case ReduceKind::kBor:
+      return reduceBlocks<B>(
+          dst, in, n, count, [](uint8_t a, uint8_t b) { return uint8_t((a | b) != 0); }, 1);
+    case ReduceKind::kProduct:
+    case ReduceKind::kMin:
+    case ReduceKind::kBand:
+      return reduceBlocks<B>(
+          dst, in, n, count, [](uint8_t a, uint8_t b) { return uint8_t(a != 0 && b != 0); }, 1);
+    case ReduceKind::kBxor:
+      return reduceBlocks<B>(
+          dst, in, n, count, [](uint8_t a, uint8_t b) { return uint8_t((a != 0) != (b != 0)); }, 1);
+    default:
+      raise(ErrorKind::kInvalidArgument, "AVG of bool");
+  }
+}
+
+}  // namespace
+
+void reduceElements(void* dst, const void* const* in, uint32_t n, uint64_t count, ElemType t,
+                    ReduceKind r) {
+  if (count == 0 || n == 0) return;
+  switch (t) {
+    case ElemType::kFloat32:
+      return reduceFloating<Plain<float, float>>(dst, in, n, count, r);
+    case ElemType::kFloat64:
+      return reduceFloating<Plain<double, double>>(dst, in, n, count, r);
+    case ElemType::kFloat16:
+      return reduceFloating<Half>(dst, in, n, count, r);
+    case ElemType::kBFloat16:
+      return reduceFloating<BFloat>(dst, in, n, count, r);
+    case ElemType::kInt8:
+      return reduceInteger<int8_t>(dst, in, n, count, r);
+    case ElemType::kUInt8:
+      return reduceInteger<uint8_t>(dst, in, n, count, r);
+    case ElemType::kInt16:
+      return reduceInteger<int16_t>(dst, in, n, count, r);
+    case ElemType::kInt32:
+      return reduceInteger<int32_t>(dst, in, n, count, r);
+    case ElemType::kInt64:
+      return reduceInteger<int64_t>(dst, in, n, count, r);
+    case ElemType::kBool:
+      return reduceBool(dst, in, n, count, r);
+  }
+}
+
+// ------------------------------------------------------------------------------ segment
+
+namespace {
+
+constexpr uint64_t kMagic = 0x7367706731707368ull;  // "hsp1gpgs"
+constexpr uint32_t kVersion = 1;
+constexpr uint64_t kPage = 4096;
+constexpr uint64_t kLine = 64;
+constexpr uint64_t kMinStaging = 256 << 10;
+constexpr uint64_t kMaxStaging = 8 << 20;
+constexpr uint64_t kDefaultStagingTotal = 64 << 20;
+// A waiter checks its peers' liveness at least this often.
+constexpr auto kPollSlice = std::chrono::milliseconds(50);
+constexpr uint64_t kDefaultSpinNs = 50'000;
+// reduce() and gather() to every rank: all-reduce and all-gather.
+constexpr uint32_t kAllRanks = UINT32_MAX;
+
+enum RankState : uint32_t { kNotAttached = 0, kAttached = 1, kLeft = 2 };
+enum Op : uint32_t {
+  kOpBarrier = 1,
+  kOpAllreduce,
+  kOpReduce,
+  kOpBroadcast,
+  kOpAllgather,
+  kOpGather,
+  kOpScatter,
+  kOpReduceScatter,
+  kOpAlltoall,
+};
+const char* opName(uint32_t op) {
+  static constexpr const char* kNames[] = {
+      "?",         "barrier", "allreduce", "reduce",         "broadcast",
+      "allgather", "gather",  "scatter",   "reduce_scatter", "alltoall"};
+  return op < std::size(kNames) ? kNames[op] : "?";
+}
+
+uint64_t alignUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+
+}  // namespace
+
+namespace detail {
+
+// Field by field. Written by rank 0 before any other rank can open the segment; then
+// read-only but for the atomics.
+struct alignas(64) GroupHeader {
+  uint64_t magic;
+  uint32_t version;
+  uint32_t world;
+  uint32_t owner_uid;
+  uint32_t reserved;
+  uint64_t staging_bytes;  // per buffer; two buffers per rank
+  uint64_t total_size;
+  alignas(64) std::atomic<uint32_t> arrivals;  // barrier arrivals, all barriers, mod 2^32
+  alignas(64) std::atomic<uint32_t> sleepers;  // waiters asleep on `arrivals`
+  alignas(64) std::atomic<uint32_t> broken;    // 0; kClaimed while written; 1 + culprit rank
+  std::atomic<uint32_t> broken_kind;           // ErrorKind of the failure
+  char broken_reason[512];                     // NUL-terminated within the array
+};
+
+// What a rank is about to do, compared with the others' after the first barrier.
+struct Signature {
+  uint64_t seq;  // collectives this rank began before it
+  uint64_t bytes;
+  uint32_t op, type, reduce, root;
+};
+
+struct alignas(64) RankRecord {
+  std::atomic<int32_t> pid;
+  std::atomic<uint32_t> state;  // RankState
+  std::atomic<uint32_t> barrier_gen;
+  uint32_t reserved;
+  Signature sig[2];  // by the parity of seq: a rank is at most one collective ahead
+};
+
+}  // namespace detail
+
+using detail::GroupHeader;
+using detail::RankRecord;
+using detail::Signature;
+
+namespace {
+
+constexpr uint32_t kClaimed = 0x80000000u;
+
+// records | all-to-all tables | staging (2 buffers per rank), page-aligned regions.
+struct Layout {
+  uint64_t records, a2a, staging, total;
+};
+Layout layoutFor(uint32_t world, uint64_t staging) {
+  Layout l;
+  l.records = alignUp(sizeof(GroupHeader), kPage);
+  l.a2a = alignUp(l.records + world * sizeof(RankRecord), kPage);
+  // Two parities x (sent, expected) x world x world sizes.
+  l.staging = alignUp(l.a2a + 2ull * 2 * world * world * sizeof(uint64_t), kPage);
+  l.total = l.staging + 2ull * world * staging;
+  return l;
+}
+
+uint64_t stagingFor(uint64_t asked) {
+  return std::clamp(alignUp(asked, kPage), kMinStaging, uint64_t{1} << 30);
+}
+
+int pidfdOpen(int pid) { return static_cast<int>(syscall(SYS_pidfd_open, pid, 0)); }
+
+}  // namespace
+
+uint64_t ShmComm::defaultStagingBytes(uint32_t world) {
+  if (const char* mb = config::tunable("SHMGRAD_BACKEND_STAGING_MB")) {
+    char* end = nullptr;
+    const double v = std::strtod(mb, &end);
+    SHMGRAD_CHECK(end != mb && *end == '\0' && v > 0 && v <= 1024, ErrorKind::kInvalidArgument,
+                  "SHMGRAD_BACKEND_STAGING_MB='", mb,
+                  "' is not a size in MiB: use a number from 0.25 to 1024");
+    return stagingFor(static_cast<uint64_t>(v * (1 << 20)));
+  }
+  const uint64_t share = kDefaultStagingTotal / (2ull * std::max<uint32_t>(world, 1));
+  return alignUp(std::clamp(share, kMinStaging, kMaxStaging), kPage);
+}
+
+ShmComm::ShmComm(std::string name, uint8_t* base, uint64_t size, uint32_t world, uint32_t rank,
+                 uint64_t staging)
+    : name_(std::move(name)),
+      base_(base),
+      size_(size),
+      world_(world),
+      rank_(rank),
+      staging_(staging),
+      header_(reinterpret_cast<GroupHeader*>(base)),
+      pidfds_(world, -1) {
+  const Layout l = layoutFor(world, staging);
+  records_offset_ = l.records;
+  a2a_offset_ = l.a2a;
+  staging_offset_ = l.staging;
+}
+
+ShmComm::~ShmComm() {
+  leave();
+  for (int fd : pidfds_) {
+    if (fd >= 0) close(fd);
+  }
+  munmap(base_, size_);
+}
+
+std::unique_ptr<ShmComm> ShmComm::create(uint32_t world, uint64_t staging_bytes) {
+  SHMGRAD_CHECK(world >= 1 && world <= kMaxRanks, ErrorKind::kInvalidArgument,
+                "shmgrad backend: a group of ", world, " ranks on one node; at most ", kMaxRanks);
+  const uint64_t staging = stagingFor(staging_bytes);
+  const Layout l = layoutFor(world, staging);
+  std::random_device rd;
+  char name[96];
+  std::snprintf(name, sizeof(name), "/shmgrad-%u-pg-%d-%08x%08x", getuid(), getpid(), rd(), rd());
+  const int fd = static_cast<int>(
+      SHMGRAD_SYSCHECK(shm_open(name, O_RDWR | O_CREAT | O_EXCL, 0600), "shm_open"));
+  // From here on the name exists: any failure removes it.
+  auto undo = [&](void* map) {
+    if (map != nullptr && map != MAP_FAILED) munmap(map, l.total);
+    close(fd);
+    shm_unlink(name);
+  };
+  const int rc = posix_fallocate(fd, 0, static_cast<off_t>(l.total));
+  if (rc != 0) {
+    undo(nullptr);
+    SHMGRAD_CHECK(rc != ENOSPC, ErrorKind::kNoSpace, "shmgrad backend: /dev/shm cannot hold the ",
+                  l.total >> 20, " MiB of a group of ", world, " ranks (",
+                  ipc::shmFreeBytes() >> 20,
+                  " MiB free): free space there, or set SHMGRAD_BACKEND_STAGING_MB lower");
+    errno = rc;
+    raise(ErrorKind::kSystem, "posix_fallocate failed: ", ::shmgrad::detail::errnoText());
+  }
+  void* map = mmap(nullptr, l.total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (map == MAP_FAILED) {
+    const int err = errno;
+    undo(nullptr);
+    errno = err;
+    raise(ErrorKind::kSystem, "mmap failed: ", ::shmgrad::detail::errnoText());
+  }
+  close(fd);
+  auto* h = new (map) GroupHeader();
+  h->magic = kMagic;
+  h->version = kVersion;
+  h->world = world;
+  h->owner_uid = getuid();
+  h->staging_bytes = staging;
+  h->total_size = l.total;
+  auto comm = std::unique_ptr<ShmComm>(
+      new ShmComm(name, static_cast<uint8_t*>(map), l.total, world, 0, staging));
+  for (uint32_t r = 0; r < world; ++r) new (&comm->record(r)) RankRecord();
+  comm->record(0).pid.store(getpid());
+  comm->record(0).state.store(kAttached, std::memory_order_release);
+  return comm;
+}
+
+std::unique_ptr<ShmComm> ShmComm::attach(const std::string& name, uint32_t world, uint32_t rank) {
+  SHMGRAD_CHECK(rank < world && world <= kMaxRanks, ErrorKind::kInvalidArgument,
+                "shmgrad backend: rank ", rank, " of ", world);
+  // Only a name of the form create() makes: nothing else of /dev/shm is opened.
+  const std::string prefix = "/shmgrad-" + std::to_string(getuid()) + "-pg-";
+  SHMGRAD_CHECK(
+      name.rfind(prefix, 0) == 0 && name.size() < 96 && name.find('/', 1) == std::string::npos,
+      ErrorKind::kCorrupt, "shmgrad backend: the store names segment '", name,
+      "', not one of this user's groups (", prefix, "...)");
+  const int fd = static_cast<int>(shm_open(name.c_str(), O_RDWR, 0));
+  SHMGRAD_CHECK(fd >= 0, ErrorKind::kNotFound, "shmgrad backend: the group's segment ", name,
+                " is gone (rank 0 failed or timed out while the others attached); start the "
+                "group again");
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    close(fd);
+    raise(ErrorKind::kSystem, "fstat failed: ", ::shmgrad::detail::errnoText());
+  }
+  if (st.st_uid != getuid() || (st.st_mode & 077) != 0) {
+    close(fd);
+    raise(ErrorKind::kCorrupt, "shmgrad backend: segment ", name, " belongs to uid ", st.st_uid,
+          " with mode ", std::oct, (st.st_mode & 0777),
+          ": only the owner's own segments (mode 0600) are used");
+  }
+  const auto size = static_cast<uint64_t>(st.st_size);
+  if (size < sizeof(GroupHeader)) {
+    close(fd);
+    raise(ErrorKind::kCorrupt, "shmgrad backend: segment ", name, " is too small");
+  }
+  void* map = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  SHMGRAD_CHECK(map != MAP_FAILED, ErrorKind::kSystem,
+                "mmap failed: ", ::shmgrad::detail::errnoText());
+  const auto* h = static_cast<const GroupHeader*>(map);
+  const uint64_t staging = h->staging_bytes;
+  const bool ok = h->magic == kMagic && h->version == kVersion && h->world == world &&
+                  h->owner_uid == getuid() && staging >= kMinStaging && staging <= (1ull << 30) &&
+                  staging % kPage == 0 && h->total_size == size &&
+                  layoutFor(world, staging).total == size;
+  if (!ok) {
+    munmap(map, size);
+    raise(ErrorKind::kCorrupt, "shmgrad backend: segment ", name, " does not hold a group of ",
+          world,
+          " ranks of this shmgrad version (another version's rank 0?): start every rank with "
+          "the same shmgrad");
+  }
+  auto comm = std::unique_ptr<ShmComm>(
+      new ShmComm(name, static_cast<uint8_t*>(map), size, world, rank, staging));
+  RankRecord& me = comm->record(rank);
+  uint32_t expected = kNotAttached;
+  SHMGRAD_CHECK(me.state.compare_exchange_strong(expected, kAttached), ErrorKind::kInvalidArgument,
+                "shmgrad backend: rank ", rank,
+                " attached twice: every process needs its own rank");
+  me.pid.store(getpid(), std::memory_order_release);
+  return comm;
+}
+
+bool ShmComm::unlink(const std::string& name) { return shm_unlink(name.c_str()) == 0; }
+
+void ShmComm::watchPeers() {
+  for (uint32_t r = 0; r < world_; ++r) {
+    if (r == rank_ || pidfds_[r] >= 0) continue;
+    const int pid = record(r).pid.load(std::memory_order_acquire);
+    if (pid <= 0) continue;
+    pidfds_[r] = pidfdOpen(pid);  // -1 (gone already): found dead at the first wait
+    if (pidfds_[r] < 0 && errno == ESRCH) {
+      fail(ErrorKind::kWorkerFailed, r,
+           "rank " + std::to_string(r) + " (pid " + std::to_string(pid) +
+               ") died while the group started");
+    }
+  }
+}
+
+uint8_t* ShmComm::staging(uint32_t rank, uint32_t parity) const {
+  return base_ + staging_offset_ + (2ull * rank + parity) * staging_;
+}
+
+RankRecord& ShmComm::record(uint32_t rank) const {
+  return reinterpret_cast<RankRecord*>(base_ + records_offset_)[rank];
+}
+
+uint64_t* ShmComm::a2aTable(uint64_t seq) const {
+  return reinterpret_cast<uint64_t*>(base_ + a2a_offset_) + (seq & 1) * 2ull * world_ * world_;
+}
+
+std::string ShmComm::brokenReason() const {
+  const uint32_t b = header_->broken.load(std::memory_order_acquire);
+  if (b == 0 || b == kClaimed) return local_broken_;
+  char text[sizeof(header_->broken_reason)];
+  std::memcpy(text, header_->broken_reason, sizeof(text));
+  text[sizeof(text) - 1] = '\0';  // never trust the array to be terminated
+  return text;
+}
+
+void ShmComm::fail(ErrorKind kind, uint32_t culprit, const std::string& why) {
+  uint32_t expected = 0;
+  std::string message;
+  if (header_->broken.compare_exchange_strong(expected, kClaimed, std::memory_order_acq_rel)) {
+    std::ostringstream os;
+    os << "shmgrad backend: " << why << " (seen by rank " << rank_ << " in " << op_name_
+       << ", collective #" << op_seq_ << " of this group); the group cannot go on: destroy it "
+       << "(dist.destroy_process_group()) and start a new one, or let torchrun --max-restarts "
+          "restart every rank";
+    message = os.str();
+    std::snprintf(header_->broken_reason, sizeof(header_->broken_reason), "%s", message.c_str());
+    header_->broken_kind.store(static_cast<uint32_t>(kind), std::memory_order_relaxed);
+    header_->broken.store(1 + culprit, std::memory_order_release);
+    ipc::futexWake(&header_->arrivals);
+  } else {
+    // Someone else broke it first: theirs is the cause. Wait a moment for its text.
+    for (int i = 0; i < 1000 && header_->broken.load(std::memory_order_acquire) == kClaimed; ++i)
+      usleep(100);
+    message = brokenReason();
+    kind = static_cast<ErrorKind>(header_->broken_kind.load(std::memory_order_relaxed));
+    if (static_cast<uint32_t>(kind) > static_cast<uint32_t>(ErrorKind::kSystem))
+      kind = ErrorKind::kWorkerFailed;
+  }
+  local_broken_ = message;
+  throw Error(kind, message);
+}
+
+bool ShmComm::peersOk() {
+  const uint32_t b = header_->broken.load(std::memory_order_acquire);
+  if (b != 0) fail(ErrorKind::kWorkerFailed, 0, "");
+  pollfd fds[kMaxRanks];
+  uint32_t ranks[kMaxRanks];
+  nfds_t n = 0;
+  for (uint32_t r = 0; r < world_; ++r) {
+    if (r == rank_) continue;
+    if (record(r).state.load(std::memory_order_acquire) == kLeft) {
+      fail(ErrorKind::kWorkerFailed, r,
+           "rank " + std::to_string(r) +
+               " left the group (destroyed its process group or "
+               "exited) while this rank waited for it");
+    }
+    if (pidfds_[r] >= 0) {
+      fds[n] = pollfd{pidfds_[r], POLLIN, 0};
+      ranks[n++] = r;
+    }
+  }
+  if (n > 0 && poll(fds, n, 0) > 0) {
+    for (nfds_t i = 0; i < n; ++i) {
+      if (fds[i].revents != 0) {
+        const uint32_t r = ranks[i];
+        fail(ErrorKind::kWorkerFailed, r,
+             "rank " + std::to_string(r) + " (pid " + std::to_string(record(r).pid.load()) +
+                 ") died");
+      }
+    }
+  }
+  return true;
+}
+
+void ShmComm::leave() {
+  RankRecord& me = record(rank_);
+  if (me.state.load(std::memory_order_acquire) == kLeft) return;
+  me.state.store(kLeft, std::memory_order_release);
+  ipc::futexWake(&header_->arrivals);  // waiters look again and find this rank gone
+}
+
+void ShmComm::begin(uint32_t op, ElemType t, ReduceKind r, uint32_t root, uint64_t bytes) {
+  op_name_ = opName(op);
+  if (header_->broken.load(std::memory_order_acquire) != 0) {
+    fail(ErrorKind::kWorkerFailed, 0, "");
+  }
+  SHMGRAD_CHECK(root < world_, ErrorKind::kInvalidArgument, "shmgrad backend: ", op_name_,
+                " with root rank ", root, " in a group of ", world_, " ranks");
+  Signature& s = record(rank_).sig[op_seq_ & 1];
+  s.seq = op_seq_;
+  s.bytes = bytes;
+  s.op = op;
+  s.type = static_cast<uint32_t>(t);
+  s.reduce = static_cast<uint32_t>(r);
+  s.root = root;
+  ++op_seq_;
+  first_meet_ = true;
+}
+
+void ShmComm::checkSignatures() {
+  const uint64_t seq = op_seq_ - 1;
+  const Signature mine = record(rank_).sig[seq & 1];
+  auto describe = [&](const Signature& s) {
+    std::ostringstream os;
+    os << opName(s.op < 16 ? s.op : 0) << "(";
+    if (s.op == kOpAllreduce || s.op == kOpReduce || s.op == kOpReduceScatter)
+      os << elemTypeName(static_cast<ElemType>(s.type)) << " "
+         << reduceKindName(static_cast<ReduceKind>(s.reduce)) << ", ";
+    if (s.op == kOpReduce || s.op == kOpBroadcast || s.op == kOpGather || s.op == kOpScatter)
+      os << "root " << s.root << ", ";
+    os << s.bytes << " bytes) as its collective #" << s.seq;
+    return os.str();
+  };
+  // Every rank compares every record with rank 0's, so all reach the same verdict.
+  const Signature first = record(0).sig[seq & 1];
+  for (uint32_t r = 0; r < world_; ++r) {
+    const Signature other = record(r).sig[seq & 1];
+    if (other.seq != first.seq || other.op != first.op || other.bytes != first.bytes ||
+        other.type != first.type || other.reduce != first.reduce || other.root != first.root) {
+      raise(ErrorKind::kInvalidArgument, "shmgrad backend: rank 0 called ", describe(first),
+            " but rank ", r, " called ", describe(other),
+            ": every rank of a group must call the same collectives in the same order, with "
+            "the same sizes (this rank called ",
+            describe(mine), "; the group still works)");
+    }
+  }
+}
+
+void ShmComm::meet(uint64_t deadline_ns) {
+  const uint32_t gen = ++barrier_gen_;
+  const uint32_t target = gen * world_;
+  record(rank_).barrier_gen.store(gen, std::memory_order_relaxed);
+  std::atomic<uint32_t>& arrivals = header_->arrivals;
+  const uint32_t count = arrivals.fetch_add(1, std::memory_order_seq_cst) + 1;
+  auto done = [&] {
+    return static_cast<int32_t>(arrivals.load(std::memory_order_acquire) - target) >= 0;
+  };
+  if (count == target) {
+    if (header_->sleepers.load(std::memory_order_seq_cst) != 0) ipc::futexWake(&arrivals);
+  } else if (!ipc::adaptiveSpinUntil(done, kDefaultSpinNs, &spin_)) {
+    uint64_t next_poll = ipc::monotonicNs() + kPollSlice.count() * 1000000ull;
+    for (;;) {
+      header_->sleepers.fetch_add(1, std::memory_order_seq_cst);
+      const uint32_t seen = arrivals.load(std::memory_order_seq_cst);
+      if (done()) {
+        header_->sleepers.fetch_sub(1, std::memory_order_relaxed);
+        break;
+      }
+      const uint64_t now = ipc::monotonicNs();
+      if (now >= deadline_ns) {
+        header_->sleepers.fetch_sub(1, std::memory_order_relaxed);
+        std::string late;
+        for (uint32_t r = 0; r < world_; ++r) {
+          if (static_cast<int32_t>(record(r).barrier_gen.load() - gen) < 0)
+            late += (late.empty() ? "" : ", ") + std::to_string(r);
+        }
+        fail(ErrorKind::kTimeout, rank_,
+             "timed out: rank(s) " + (late.empty() ? std::string("?") : late) +
+                 " did not reach the collective within the group's timeout (a rank that "
+                 "skipped it, or is stuck)");
+      }
+      const uint64_t left = std::min<uint64_t>(deadline_ns - now, kPollSlice.count() * 1000000ull);
+      ipc::futexWait(&arrivals, seen, std::chrono::nanoseconds(left));
+      header_->sleepers.fetch_sub(1, std::memory_order_relaxed);
+      if (done()) break;
+      // Cheap checks after every wake; the liveness poll once a slice.
+      if (header_->broken.load(std::memory_order_acquire) != 0) peersOk();
+      for (uint32_t r = 0; r < world_; ++r) {
+        if (r != rank_ && record(r).state.load(std::memory_order_acquire) == kLeft) peersOk();
+      }
+      if (ipc::monotonicNs() >= next_poll) {
+        peersOk();
+        next_poll = ipc::monotonicNs() + kPollSlice.count() * 1000000ull;
+      }
+    }
+  }
+  if (first_meet_) {
+    first_meet_ = false;
+    checkSignatures();
+  }
+}
+
+// ------------------------------------------------------------------------- collectives
+
+namespace {
+
+// Reads and writes a flat range of bytes of a list of spans, in order.
+class SpanCursor {
+ public:
+  explicit SpanCursor(const std::vector<Span>& spans) : spans_(spans) {}
+  // Copies [offset, offset + len) of the spans' concatenation to dst. Offsets only grow.
+  void read(uint64_t offset, uint64_t len, uint8_t* dst) { walk(offset, len, dst, true); }
+  void write(uint64_t offset, uint64_t len, const uint8_t* src) {
+    walk(offset, len, const_cast<uint8_t*>(src), false);
+  }
+
+ private:
+  void walk(uint64_t offset, uint64_t len, uint8_t* buf, bool reading) {
+    while (i_ < spans_.size() && offset >= start_ + spans_[i_].bytes) {
+      start_ += spans_[i_].bytes;
+      ++i_;
+    }
+    uint64_t done = 0;
+    size_t i = i_;
+    uint64_t start = start_;
+    while (done < len && i < spans_.size()) {
+      const uint64_t in = offset + done - start;
+      const uint64_t n = std::min(len - done, spans_[i].bytes - in);
+      if (reading) {
+        std::memcpy(buf + done, spans_[i].data + in, n);
+      } else {
+        std::memcpy(spans_[i].data + in, buf + done, n);
+      }
+      done += n;
+      start += spans_[i].bytes;
+      ++i;
+    }
+  }
+  const std::vector<Span>& spans_;
+  size_t i_ = 0;
+  uint64_t start_ = 0;
+};
+
+uint64_t totalBytes(const std::vector<Span>& spans) {
+  uint64_t n = 0;
+  for (const Span& s : spans) n += s.bytes;
+  return n;
+}
+
+}  // namespace
+
+void ShmComm::barrier(uint64_t deadline_ns) {
+  begin(kOpBarrier, ElemType::kUInt8, ReduceKind::kSum, 0, 0);
+  nextParity();
+  meet(deadline_ns);
+}
+
+void ShmComm::allreduce(const std::vector<Span>& data, ElemType t, ReduceKind r,
+                        uint64_t deadline_ns) {
+  reduce(data, t, r, kAllRanks, deadline_ns);
+}
+
+void ShmComm::reduce(const std::vector<Span>& data, ElemType t, ReduceKind r, uint32_t root,
+                     uint64_t deadline_ns) {
+  checkReduce(t, r);
+  const bool all = root == kAllRanks;
+  const uint64_t total = totalBytes(data);
+  const uint32_t es = elemSize(t);
+  SHMGRAD_CHECK(total % es == 0, ErrorKind::kInvalidArgument, "shmgrad backend: ", total,
+                " bytes are not whole ", elemTypeName(t), " elements");
+  begin(all ? kOpAllreduce : kOpReduce, t, r, all ? 0 : root, total);
+  SpanCursor in(data), out(data);
+  const void* inputs[kMaxRanks];
+  uint64_t off = 0;
+  do {
+    const uint64_t len = std::min(staging_, total - off);
+    const uint32_t p = nextParity();
+    in.read(off, len, staging(rank_, p));
+    meet(deadline_ns);
+    // This rank's slice of the chunk: whole cache lines, in elements.
+    const uint64_t lines = (len + kLine - 1) / kLine;
+    const uint64_t b = std::min(len, lines * rank_ / world_ * kLine);
+    const uint64_t e = std::min(len, lines * (rank_ + 1) / world_ * kLine);
+    if (e > b) {
+      for (uint32_t j = 0; j < world_; ++j) inputs[j] = staging(j, p) + b;
+      reduceElements(staging(0, p) + b, inputs, world_, (e - b) / es, t, r);
+    }
+    meet(deadline_ns);
+    if (all || rank_ == root) out.write(off, len, staging(0, p));
+    off += len;
+  } while (off < total);
+}
+
+void ShmComm::broadcast(const std::vector<Span>& data, uint32_t root, uint64_t deadline_ns) {
+  const uint64_t total = totalBytes(data);
+  begin(kOpBroadcast, ElemType::kUInt8, ReduceKind::kSum, root, total);
+  SpanCursor cursor(data);
+  uint64_t off = 0;
+  do {
+    const uint64_t len = std::min(staging_, total - off);
+    const uint32_t p = nextParity();
+    if (rank_ == root) cursor.read(off, len, staging(root, p));
+    meet(deadline_ns);
+    if (rank_ != root) cursor.write(off, len, staging(root, p));
+    off += len;
+  } while (off < total);
+}
+
+void ShmComm::allgather(Span in, const std::vector<Span>& out, uint64_t deadline_ns) {
+  gather(in, out, kAllRanks, deadline_ns);
+}
+
+void ShmComm::gather(Span in, const std::vector<Span>& out, uint32_t root, uint64_t deadline_ns) {
+  const bool all = root == kAllRanks;
+  begin(all ? kOpAllgather : kOpGather, ElemType::kUInt8, ReduceKind::kSum, all ? 0 : root,
+        in.bytes);
+  const bool receives = all || rank_ == root;
+  if (receives) {
+    SHMGRAD_CHECK(out.size() == world_, ErrorKind::kInvalidArgument, "shmgrad backend: ", op_name_,
+                  " needs ", world_, " outputs, got ", out.size());
+    for (const Span& s : out)
+      SHMGRAD_CHECK(s.bytes == in.bytes, ErrorKind::kInvalidArgument, "shmgrad backend: ", op_name_,
+                    ": an output of ", s.bytes, " bytes for an input of ", in.bytes);
+  }
+  uint64_t off = 0;
+  do {
+    const uint64_t len = std::min(staging_, in.bytes - off);
+    const uint32_t p = nextParity();
+    if (len > 0) std::memcpy(staging(rank_, p), in.data + off, len);
+    meet(deadline_ns);
+    if (receives && len > 0) {
+      for (uint32_t j = 0; j < world_; ++j) std::memcpy(out[j].data + off, staging(j, p), len);
+    }
+    off += len;
+  } while (off < in.bytes);
+}
+
+void ShmComm::scatter(const std::vector<Span>& in, Span out, uint32_t root, uint64_t deadline_ns) {
+  begin(kOpScatter, ElemType::kUInt8, ReduceKind::kSum, root, out.bytes);
+  if (rank_ == root) {
+    SHMGRAD_CHECK(in.size() == world_, ErrorKind::kInvalidArgument,
+                  "shmgrad backend: scatter needs ", world_, " inputs on the root, got ",
+                  in.size());
+    for (const Span& s : in)
+      SHMGRAD_CHECK(s.bytes == out.bytes, ErrorKind::kInvalidArgument,
+                    "shmgrad backend: scatter: an input of ", s.bytes, " bytes for an output of ",
+                    out.bytes);
+  }
+  const uint64_t region = std::max(kLine, staging_ / world_ / kLine * kLine);
+  uint64_t off = 0;
+  do {
+    const uint64_t len = std::min(region, out.bytes - off);
+    const uint32_t p = nextParity();
+    if (rank_ == root && len > 0) {
+      for (uint32_t j = 0; j < world_; ++j)
+        std::memcpy(staging(root, p) + j * region, in[j].data + off, len);
+    }
+    meet(deadline_ns);
+    if (len > 0) std::memcpy(out.data + off, staging(root, p) + rank_ * region, len);
+    off += len;
+  } while (off < out.bytes);
+}
+
+void ShmComm::reduceScatter(const std::vector<Span>& in, Span out, ElemType t, ReduceKind r,
+                            uint64_t deadline_ns) {
+  checkReduce(t, r);
+  const uint32_t es = elemSize(t);
+  SHMGRAD_CHECK(in.size() == world_, ErrorKind::kInvalidArgument,
+                "shmgrad backend: reduce_scatter needs ", world_, " inputs, got ", in.size());
+  for (const Span& s : in)
+    SHMGRAD_CHECK(s.bytes == out.bytes, ErrorKind::kInvalidArgument,
+                  "shmgrad backend: reduce_scatter: an input of ", s.bytes,
+                  " bytes for an output of ", out.bytes);
+  SHMGRAD_CHECK(out.bytes % es == 0, ErrorKind::kInvalidArgument, "shmgrad backend: ", out.bytes,
+                " bytes are not whole ", elemTypeName(t), " elements");
+  begin(kOpReduceScatter, t, r, 0, out.bytes);
+  const uint64_t region = std::max(kLine, staging_ / world_ / kLine * kLine);
+  const void* inputs[kMaxRanks];
+  uint64_t off = 0;
+  do {
+    const uint64_t len = std::min(region, out.bytes - off);
+    const uint32_t p = nextParity();
+    for (uint32_t j = 0; j < world_ && len > 0; ++j)
+      std::memcpy(staging(rank_, p) + j * region, in[j].data + off, len);
+    meet(deadline_ns);
+    if (len > 0) {
+      for (uint32_t j = 0; j < world_; ++j) inputs[j] = staging(j, p) + rank_ * region;
+      reduceElements(out.data + off, inputs, world_, len / es, t, r);
+    }
+    off += len;
+  } while (off < out.bytes);
+}
+
+void ShmComm::alltoall(const std::vector<Span>& in, const std::vector<Span>& out,
+                       uint64_t deadline_ns) {
+  SHMGRAD_CHECK(in.size() == world_ && out.size() == world_, ErrorKind::kInvalidArgument,
+                "shmgrad backend: alltoall needs ", world_, " input and output blocks, got ",
+                in.size(), " and ", out.size());
+  begin(kOpAlltoall, ElemType::kUInt8, ReduceKind::kSum, 0, 0);
+  // Sizes first: every rank publishes what it sends and expects, all check the whole
+  // table (the same verdict everywhere) and agree on the number of rounds.
+  uint64_t* table = a2aTable(op_seq_ - 1);
+  const uint64_t w = world_;
+  for (uint32_t j = 0; j < world_; ++j) {
+    table[rank_ * w + j] = in[j].bytes;
+    table[w * w + rank_ * w + j] = out[j].bytes;
+  }
+  nextParity();
+  meet(deadline_ns);
+  uint64_t most = 0;
+  for (uint32_t i = 0; i < world_; ++i) {
+    for (uint32_t j = 0; j < world_; ++j) {
+      const uint64_t sent = table[i * w + j], expected = table[w * w + j * w + i];
+      SHMGRAD_CHECK(sent == expected, ErrorKind::kInvalidArgument,
+                    "shmgrad backend: alltoall: rank ", i, " sends ", sent, " bytes to rank ", j,
+                    ", which expects ", expected,
+                    " (input_split_sizes and output_split_sizes must match across ranks)");
+      most = std::max(most, sent);
+    }
+  }
+  const uint64_t region = std::max(kLine, staging_ / world_ / kLine * kLine);
+  for (uint64_t off = 0; off < most; off += region) {
+    const uint32_t p = nextParity();
+    for (uint32_t j = 0; j < world_; ++j) {
+      if (in[j].bytes > off)
+        std::memcpy(staging(rank_, p) + j * region, in[j].data + off,
+                    std::min(region, in[j].bytes - off));
+    }
+    meet(deadline_ns);
+    for (uint32_t j = 0; j < world_; ++j) {
+      if (out[j].bytes > off)
+        std::memcpy(out[j].data + off, staging(j, p) + rank_ * region,
+                    std::min(region, out[j].bytes - off));
+    }
+  }
+}
+
+}  // namespace shmgrad::backend

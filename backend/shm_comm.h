@@ -1,0 +1,162 @@
+// The collectives of the `shmgrad` torch.distributed backend, on one node, through one
+// owner-only shared-memory segment per process group. No libtorch here: the c10d adapter
+// (backend/process_group.h) turns tensors into spans of bytes and calls these.
+//
+// How a collective runs (docs/BACKEND.md): every rank has a staging area of two buffers
+// in the segment; a tensor goes through in rounds of at most one buffer. In a round each
+// rank copies its piece in, all meet at a futex barrier, then each rank either reads what
+// it needs (broadcast, gathers, scatter, all-to-all) or reduces its own slice of every
+// rank's buffer in place (all-reduce: a second barrier, then everyone copies the result
+// out). Rounds alternate between the two buffers, so one round's readers never race the
+// next round's writers. Every wait has a deadline and checks its peers' liveness (pidfds);
+// the first failure seen is recorded in the segment and ends every later collective of
+// every rank with an error naming the rank.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ipc/error.h"
+#include "ipc/futex.h"
+
+namespace shmgrad::backend {
+
+namespace detail {
+struct GroupHeader;
+struct RankRecord;
+}  // namespace detail
+
+// Element types the collectives reduce (c10d's CPU dtypes).
+enum class ElemType : uint32_t {
+  kFloat32,
+  kFloat64,
+  kFloat16,
+  kBFloat16,
+  kInt8,
+  kUInt8,
+  kInt16,
+  kInt32,
+  kInt64,
+  kBool,
+};
+enum class ReduceKind : uint32_t { kSum, kAvg, kProduct, kMin, kMax, kBand, kBor, kBxor };
+
+const char* elemTypeName(ElemType t);
+const char* reduceKindName(ReduceKind r);
+uint32_t elemSize(ElemType t);
+// Throws InvalidArgument naming the operation and the type when `r` is not defined on `t`
+// (AVG on integers, bitwise operations on floating point).
+void checkReduce(ElemType t, ReduceKind r);
+
+// dst[i] = in[0][i] op in[1][i] op ... op in[n-1][i] for i < count, in list order
+// (floating-point types accumulate in float or double and round once; integers wrap);
+// AVG divides the sum by n. dst may be in[0]. Allocates nothing.
+void reduceElements(void* dst, const void* const* in, uint32_t n, uint64_t count, ElemType t,
+                    ReduceKind r);
+
+// A range of bytes in this process: a tensor's storage, or part of one.
+struct Span {
+  uint8_t* data = nullptr;
+  uint64_t bytes = 0;
+};
+
+// The largest group on one node (ranks of the segment).
+constexpr uint32_t kMaxRanks = 256;
+
+// One rank's handle on the segment of its process group.
+class ShmComm {
+ public:
+  // Rank 0: creates the segment (mode 0600, allocated in full: a full /dev/shm fails
+  // here with kNoSpace naming the fix) with `staging_bytes` per buffer, two buffers per
+  // rank. name() is what the other ranks attach to.
+  static std::unique_ptr<ShmComm> create(uint32_t world, uint64_t staging_bytes);
+  // Ranks 1..world-1: maps the segment and checks it (owner, mode, size, header) before
+  // trusting a byte of it.
+  static std::unique_ptr<ShmComm> attach(const std::string& name, uint32_t world, uint32_t rank);
+  // The staging bytes per buffer for `world` ranks when none is asked for
+  // (SHMGRAD_BACKEND_STAGING_MB or about 64 MiB in all, 256 KiB to 8 MiB each).
+  static uint64_t defaultStagingBytes(uint32_t world);
+
+  ~ShmComm();
+  ShmComm(const ShmComm&) = delete;
+  ShmComm& operator=(const ShmComm&) = delete;
+
+  const std::string& name() const { return name_; }
+  uint32_t rank() const { return rank_; }
+  uint32_t world() const { return world_; }
+  uint64_t stagingBytes() const { return staging_; }
+  // Removes the segment's name (the mappings stay); done once every rank has attached,
+  // so nothing is left in /dev/shm however the ranks end. Returns false if already gone.
+  static bool unlink(const std::string& name);
+  // Opens a pidfd for each peer (after every rank has attached: their pids are known).
+  void watchPeers();
+
+  // The collectives. Every rank of the group calls the same ones in the same order with
+  // matching sizes (checked: a mismatch is an error naming both, never a wrong result).
+  // `deadline_ns` is on ipc::monotonicNs()'s clock. All throw shmgrad::Error (kTimeout,
+  // kWorkerFailed naming the rank that died or left, kInvalidArgument for a mismatch).
+  void barrier(uint64_t deadline_ns);
+  // data: this rank's tensors, all of type t, reduced as one flat array (coalesced).
+  void allreduce(const std::vector<Span>& data, ElemType t, ReduceKind r, uint64_t deadline_ns);
+  // The same, the result only in root's data.
+  void reduce(const std::vector<Span>& data, ElemType t, ReduceKind r, uint32_t root,
+              uint64_t deadline_ns);
+  void broadcast(const std::vector<Span>& data, uint32_t root, uint64_t deadline_ns);
+  // out: world spans of in.bytes each (out[j] receives rank j's in).
+  void allgather(Span in, const std::vector<Span>& out, uint64_t deadline_ns);
+  // out: on root, world spans of in.bytes each; ignored elsewhere.
+  void gather(Span in, const std::vector<Span>& out, uint32_t root, uint64_t deadline_ns);
+  // in: on root, world spans of out.bytes each; ignored elsewhere.
+  void scatter(const std::vector<Span>& in, Span out, uint32_t root, uint64_t deadline_ns);
+  // in: world spans of out.bytes each; out receives the reduction of every rank's in[rank].
+  void reduceScatter(const std::vector<Span>& in, Span out, ElemType t, ReduceKind r,
+                     uint64_t deadline_ns);
+  // in[j] goes to rank j's out[this rank]; sizes may differ (out[j].bytes must equal
+  // rank j's in[this rank].bytes: checked).
+  void alltoall(const std::vector<Span>& in, const std::vector<Span>& out, uint64_t deadline_ns);
+
+  // This rank leaves the group (its process group is destroyed): peers waiting on it
+  // fail at once naming it, instead of at their deadline.
+  void leave();
+  // The error that broke the group, or "" while it works.
+  std::string brokenReason() const;
+
+ private:
+  ShmComm(std::string name, uint8_t* base, uint64_t size, uint32_t world, uint32_t rank,
+          uint64_t staging);
+
+  uint8_t* staging(uint32_t rank, uint32_t parity) const;
+  detail::RankRecord& record(uint32_t rank) const;
+  uint64_t* a2aTable(uint64_t seq) const;  // [world][world] in sizes, by seq parity
+  // Starts a collective: checks the group is not broken and publishes this rank's
+  // signature of it (compared against the others' after the first barrier).
+  void begin(uint32_t op, ElemType t, ReduceKind r, uint32_t root, uint64_t bytes);
+  // One barrier of the current collective; the first one also compares signatures.
+  void meet(uint64_t deadline_ns);
+  void checkSignatures();
+  [[noreturn]] void fail(ErrorKind kind, uint32_t culprit, const std::string& why);
+  // Throws if the group is broken, a peer died or left (called between sleeps).
+  bool peersOk();
+  uint32_t nextParity() { return static_cast<uint32_t>(round_++ & 1); }
+
+  std::string name_;
+  uint8_t* base_;
+  uint64_t size_;
+  uint32_t world_, rank_;
+  uint64_t staging_;
+  detail::GroupHeader* header_;
+  uint64_t records_offset_ = 0, a2a_offset_ = 0, staging_offset_ = 0;
+  ipc::AdaptiveSpin spin_;    // how long meet() spins before it sleeps
+  std::vector<int> pidfds_;   // per rank; -1 for self or not (yet) watched
+  uint32_t barrier_gen_ = 0;  // barriers this rank has passed (all ranks pass the same)
+  uint64_t round_ = 0;        // staging rounds (parity of the buffer in use)
+  uint64_t op_seq_ = 0;       // collectives begun
+  bool first_meet_ = false;   // the current collective has not met yet
+  const char* op_name_ = "the group's start";
+  std::string local_broken_;  // why this rank's view of the group broke
+};
+
+}  // namespace shmgrad::backend

@@ -1,0 +1,492 @@
+"""The ``shmgrad`` torch.distributed backend (docs/BACKEND.md): every collective against
+gloo's result in the same processes, DDP against DDP with gloo, refusals that name the
+fix, and a rank that dies or leaves while the others wait.
+
+Ranks are spawned processes (2, or 4 where the sum order matters), as torchrun or
+mp.spawn start them; each returns what it found through a queue, so a failing rank's
+traceback is in the assertion.
+"""
+
+import datetime
+import glob
+import os
+import signal
+import time
+import traceback
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import shmgrad  # noqa: F401  (registers the backend)
+from test_multinode import _free_port
+
+TIMEOUT_S = 120
+
+
+def _entry(fn, rank, world, port, env, queue, args):
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        import shmgrad  # noqa: F401
+
+        queue.put((rank, "ok", fn(rank, world, *args)))
+    except BaseException:  # noqa: BLE001  (the traceback goes to the test)
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch(fn, world=2, args=(), env=None, timeout=TIMEOUT_S, expect_dead=()):
+    """Runs fn(rank, world, *args) in `world` spawned processes; returns {rank: result}.
+    Ranks in expect_dead may die (their result is their exit code)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world, port, env or {}, queue, args))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    results, deadline = {}, time.monotonic() + timeout
+    try:
+        while len(results) < world - len(expect_dead):
+            left = deadline - time.monotonic()
+            assert left > 0, f"ranks did not finish within {timeout} s: got {sorted(results)}"
+            try:
+                rank, status, value = queue.get(timeout=min(left, 1.0))
+            except Exception:  # noqa: BLE001  (queue.Empty: look at the processes)
+                for r, p in enumerate(procs):
+                    if r not in expect_dead and p.exitcode not in (None, 0) and r not in results:
+                        raise AssertionError(f"rank {r} exited with {p.exitcode}") from None
+                continue
+            assert status == "ok", f"rank {rank} failed:\n{value}"
+            results[rank] = value
+        for p in procs:
+            p.join(timeout=30)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    for r in expect_dead:
+        results[r] = procs[r].exitcode
+    return results
+
+
+def _init(rank, world, timeout_s=60):
+    dist.init_process_group(
+        "shmgrad", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+
+
+def _group_segments():
+    return glob.glob(f"/dev/shm/shmgrad-{os.getuid()}-pg-*")
+
+
+# ------------------------------------------------------------------------- collectives
+
+REDUCE_DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+]
+OPS = ["SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"]
+
+
+def _values(dtype, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(n, generator=g) > 0.5
+    if dtype.is_floating_point:
+        return (torch.randn(n, generator=g) * 3).to(dtype)
+    return torch.randint(-100 if dtype != torch.uint8 else 0, 100, (n,), generator=g).to(dtype)
+
+
+def _expected_reduce(tensors, op):
+    """The reference: the ranks' tensors reduced in rank order, in float64 or int64."""
+    dtype = tensors[0].dtype
+    wide = torch.float64 if dtype.is_floating_point else torch.int64
+    xs = [t.to(wide) for t in tensors]
+    if dtype == torch.bool:
+        stack = torch.stack([t.bool() for t in tensors])
+        fn = {
+            "SUM": "any",
+            "MAX": "any",
+            "BOR": "any",
+            "PRODUCT": "all",
+            "MIN": "all",
+            "BAND": "all",
+        }.get(op)
+        if fn:
+            return getattr(stack, fn)(0)
+        return (stack.sum(0) % 2).bool()
+    out = xs[0].clone()
+    for x in xs[1:]:
+        out = {
+            "SUM": torch.add,
+            "AVG": torch.add,
+            "PRODUCT": torch.mul,
+            "MIN": torch.minimum,
+            "MAX": torch.maximum,
+            "BAND": torch.bitwise_and,
+            "BOR": torch.bitwise_or,
+            "BXOR": torch.bitwise_xor,
+        }[op](out, x)
+    if op == "AVG":
+        out = out / len(xs)
+    return out.to(dtype)
+
+
+def _all_reduces(rank, world):
+    _init(rank, world)
+    checked, refused = 0, []
+    for dtype in REDUCE_DTYPES:
+        for op in OPS:
+            mine = _values(dtype, 1001, seed=rank)
+            everyone = [_values(dtype, 1001, seed=r) for r in range(world)]
+            t = mine.clone()
+            try:
+                dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+            except RuntimeError as exc:
+                refused.append((str(dtype), op, str(exc)))
+                continue
+            want = _expected_reduce(everyone, op)
+            if dtype.is_floating_point and op in ("SUM", "AVG", "PRODUCT"):
+                # One rounding from the exact result (accumulated in float32 or wider).
+                tol = {torch.float16: 1e-3, torch.bfloat16: 8e-3}.get(dtype, 1e-6)
+                torch.testing.assert_close(t.double(), want.double(), rtol=tol, atol=tol)
+            else:
+                assert torch.equal(t, want), (dtype, op, t[:8], want[:8])
+            checked += 1
+    return checked, refused
+
+
+def test_all_reduce_every_type_and_op():
+    results = launch(_all_reduces)
+    checked, refused = results[0]
+    # AVG of integers and bool, bitwise ops of floating point: refused, naming why.
+    assert checked == len(REDUCE_DTYPES) * len(OPS) - len(refused)
+    assert {(d, op) for d, op, _ in refused} == {
+        (str(d), op)
+        for d in REDUCE_DTYPES
+        for op in OPS
+        if (d.is_floating_point and op.startswith("B")) or (not d.is_floating_point and op == "AVG")
+    }
+    assert all("shmgrad backend" in msg for _, _, msg in refused)
+
+
+def _like_gloo(rank, world):
+    """Each collective through shmgrad and through gloo, same inputs: the same bits."""
+    _init(rank, world)
+    gloo = dist.new_group(backend="gloo")
+    done = []
+
+    def both(name, fn):
+        a, b = fn(None), fn(gloo)
+        for x, y in zip(a, b):
+            assert torch.equal(x, y), f"{name}: shmgrad {x.flatten()[:6]} gloo {y.flatten()[:6]}"
+        done.append(name)
+
+    torch.manual_seed(100 + rank)
+    big = torch.randn(300_001)  # several rounds of a 0.25 MiB staging buffer
+    both("all_reduce (chunked)", lambda g: [_ar(big.clone(), g)])
+    half = torch.randn(70_001).half()
+    both("all_reduce float16", lambda g: [_ar(half.clone(), g)])
+    noncontig = torch.randn(64, 33).t()
+    both("all_reduce non-contiguous", lambda g: [_ar(noncontig.clone(), g)])
+
+    def coalesced(g):
+        ts = [torch.full((5,), rank + 1.0), torch.arange(7.0) * (rank + 1)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch's deprecation notice
+            dist.all_reduce_coalesced(ts, group=g)
+        return ts
+
+    both("all_reduce_coalesced", coalesced)
+
+    def broadcast(g):
+        torch.manual_seed(7)
+        t = torch.randn(200_003) if rank == 1 else torch.zeros(200_003)
+        dist.broadcast(t, src=1, group=g)
+        return [t]
+
+    both("broadcast (chunked)", broadcast)
+
+    def reduce(g):
+        t = torch.arange(10.0) + rank
+        dist.reduce(t, dst=1, group=g)
+        return [t] if rank == 1 else []
+
+    both("reduce", reduce)
+
+    def all_gather(g):
+        out = [torch.empty(100_000) for _ in range(world)]
+        dist.all_gather(out, torch.full((100_000,), float(rank)), group=g)
+        return out
+
+    both("all_gather (chunked)", all_gather)
+
+    def all_gather_into_tensor(g):
+        out = torch.empty(world * 3, 2)
+        dist.all_gather_into_tensor(out, torch.full((3, 2), rank * 2.0), group=g)
+        return [out]
+
+    both("all_gather_into_tensor", all_gather_into_tensor)
+
+    def reduce_scatter_tensor(g):
+        torch.manual_seed(3 + rank)
+        inp = torch.randn(world * 50_000)
+        out = torch.empty(50_000)
+        dist.reduce_scatter_tensor(out, inp, group=g)
+        return [out]
+
+    both("reduce_scatter_tensor (chunked)", reduce_scatter_tensor)
+
+    def reduce_scatter(g):
+        ins = [torch.full((4,), float(rank * 10 + j)) for j in range(world)]
+        out = torch.empty(4)
+        dist.reduce_scatter(out, ins, group=g)
+        return [out]
+
+    # gloo has no reduce_scatter of lists on the CPU: checked against the arithmetic.
+    out = reduce_scatter(None)[0]
+    assert torch.equal(out, torch.full((4,), float(sum(r * 10 + rank for r in range(world)))))
+
+    def all_to_all_single(g):
+        # Uneven: rank r sends r + j + 1 rows to rank j.
+        in_splits = [rank + j + 1 for j in range(world)]
+        out_splits = [r + rank + 1 for r in range(world)]
+        inp = torch.arange(sum(in_splits) * 3.0).reshape(-1, 3) + 1000 * rank
+        out = torch.empty(sum(out_splits), 3)
+        dist.all_to_all_single(out, inp, out_splits, in_splits, group=g)
+        return [out]
+
+    both("all_to_all_single (uneven)", all_to_all_single)
+
+    def gather(g):
+        out = [torch.empty(6) for _ in range(world)] if rank == 0 else None
+        dist.gather(torch.full((6,), rank + 0.5), out, dst=0, group=g)
+        return out or []
+
+    both("gather", gather)
+
+    def scatter(g):
+        ins = [torch.full((5,), 9.0 + j) for j in range(world)] if rank == 1 else None
+        out = torch.empty(5)
+        dist.scatter(out, ins, src=1, group=g)
+        return [out]
+
+    both("scatter", scatter)
+
+    # Asynchronous: a Work whose wait() and future complete with the result.
+    t = torch.ones(1000)
+    work = dist.all_reduce(t, async_op=True)
+    fut_value = work.get_future().wait()
+    work.wait()
+    assert torch.equal(t, torch.full((1000,), float(world)))
+    assert torch.equal(fut_value[0], t)
+    dist.barrier()
+    # Subgroups: each its own segment.
+    pair = dist.new_group(ranks=list(range(world)), backend="shmgrad")
+    alone = dist.new_group(ranks=[0], backend="shmgrad")
+    t = torch.ones(3)
+    dist.all_reduce(t, group=pair)
+    assert torch.equal(t, torch.full((3,), float(world)))
+    if rank == 0:
+        t = torch.ones(3)
+        dist.all_reduce(t, group=alone)
+        assert torch.equal(t, torch.ones(3))
+    dist.barrier()
+    return done, _group_segments()
+
+
+def _ar(t, group):
+    dist.all_reduce(t, group=group)
+    return t
+
+
+def test_collectives_give_gloos_bits():
+    results = launch(_like_gloo, env={"SHMGRAD_BACKEND_STAGING_MB": "0.25"})
+    done, segments = results[0]
+    assert len(done) == 12 and len(set(done)) == 12, done
+    # Every segment's name is removed once its ranks have attached.
+    assert segments == [] and results[1][1] == []
+    assert _group_segments() == []
+
+
+# ---------------------------------------------------------------------------------- DDP
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(
+            torch.nn.Linear(12, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU()
+        )
+        self.head = torch.nn.Linear(64, 3)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def _ddp_params(rank, world, backend, steps=4, bucket_cap_mb=0.01):
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(_Net(), bucket_cap_mb=bucket_cap_mb)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(8 * world, 12, generator=g)
+        y = torch.randint(0, 3, (8 * world,), generator=g)
+        xs, ys = x[rank * 8 : rank * 8 + 8], y[rank * 8 : rank * 8 + 8]
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(xs), ys).backward()
+        opt.step()
+    # numpy arrays travel by value (a tensor through the queue would need this process alive).
+    return [p.detach().numpy().copy() for p in model.parameters()]
+
+
+def test_ddp_gives_the_parameters_of_ddp_with_gloo():
+    shm = launch(_ddp_params, args=("shmgrad",))
+    gloo = launch(_ddp_params, args=("gloo",))
+    # Two ranks: a + b in either order, the same bits.
+    for a, b in zip(shm[0], gloo[0]):
+        assert np.array_equal(a, b)
+    for a, b in zip(shm[0], shm[1]):
+        assert np.array_equal(a, b)
+
+
+def test_ddp_with_four_ranks_within_rounding_of_gloo():
+    shm = launch(_ddp_params, world=4, args=("shmgrad",))
+    gloo = launch(_ddp_params, world=4, args=("gloo",))
+    # Four ranks: shmgrad adds in rank order, gloo's ring in another; the parameters after
+    # 4 steps agree to float32 rounding, and every shmgrad rank holds the same bits.
+    for a, b in zip(shm[0], gloo[0]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    for r in range(1, 4):
+        for a, b in zip(shm[0], shm[r]):
+            assert np.array_equal(a, b)
+
+
+# ------------------------------------------------------------------------------ refusals
+
+
+def _refusals(rank, world):
+    _init(rank, world)
+    errors = {}
+
+    def refused(name, fn):
+        try:
+            fn()
+        except (RuntimeError, ValueError) as exc:
+            errors[name] = str(exc)
+            return
+        raise AssertionError(f"{name} was not refused")
+
+    refused("send", lambda: dist.send(torch.ones(3), dst=1 - rank))
+    refused(
+        "premul_sum", lambda: dist.all_reduce(torch.ones(3), op=dist._make_nccl_premul_sum(2.0))
+    )
+    refused("sizes", lambda: dist.all_gather_into_tensor(torch.empty(world * 3), torch.ones(2)))
+    # Different collectives on the two ranks: both refused, naming each, then it still works.
+    if rank == 0:
+        refused("mismatch", lambda: dist.all_reduce(torch.ones(10)))
+    else:
+        refused("mismatch", lambda: dist.broadcast(torch.ones(100), src=0))
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((4,), float(world)))
+    return errors
+
+
+def test_what_it_cannot_do_is_refused_naming_the_fix():
+    errors = launch(_refusals)[0]
+    assert "gloo" in errors["send"]
+    assert "PREMUL_SUM" in errors["premul_sum"]
+    assert "all_gather_into_tensor" in errors["sizes"]
+    assert "rank 0 called allreduce" in errors["mismatch"]
+    assert "rank 1 called broadcast" in errors["mismatch"]
+
+
+# -------------------------------------------------------------------------------- faults
+
+
+def _dies_while_others_wait(rank, world, mode):
+    _init(rank, world, timeout_s=60)
+    t = torch.ones(1000)
+    dist.all_reduce(t)  # the group works
+    if rank == 1:
+        if mode == "kill":
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.destroy_process_group()  # "leave": exits the group cleanly, too early
+        time.sleep(5)
+        return None
+    start = time.monotonic()
+    errors = []
+    for _ in range(2):  # the pending collective, then a later one
+        try:
+            dist.all_reduce(torch.ones(4_000_000))
+        except dist.DistBackendError as exc:
+            errors.append(str(exc))
+    return errors, time.monotonic() - start
+
+
+@pytest.mark.parametrize("mode", ["kill", "leave"])
+def test_a_rank_that_dies_fails_the_others_at_once(mode):
+    before = set(_group_segments())
+    dead = (1,) if mode == "kill" else ()
+    results = launch(_dies_while_others_wait, args=(mode,), expect_dead=dead)
+    errors, waited = results[0]
+    if mode == "kill":
+        assert results[1] == -signal.SIGKILL  # the fault happened where the test says
+        assert "rank 1" in errors[0] and "died" in errors[0]
+    else:
+        assert "rank 1 left the group" in errors[0]
+    assert len(errors) == 2 and errors[1] == errors[0]  # later collectives: the same error
+    assert waited < 10, f"took {waited:.1f} s for a group whose timeout is 60 s"
+    assert set(_group_segments()) == before
+
+
+def _cuda(rank, world):
+    _init(rank, world)
+    try:
+        dist.all_reduce(torch.ones(3, device="cuda"))
+    except RuntimeError as exc:
+        refusal = str(exc)
+    else:
+        raise AssertionError("a CUDA tensor was not refused")
+    dist.destroy_process_group()
+    if rank == 0:  # one rank: NCCL needs a GPU per rank
+        dist.init_process_group(
+            "cpu:shmgrad,cuda:nccl",
+            rank=0,
+            world_size=1,
+            init_method=f"tcp://127.0.0.1:{_free_port()}",
+        )
+        cpu, gpu = torch.ones(3), torch.ones(3, device="cuda")
+        dist.all_reduce(cpu)
+        dist.all_reduce(gpu)
+        assert torch.equal(cpu, gpu.cpu())
+    return refusal
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_are_refused_naming_the_per_device_backend():
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU here: CUDA tensors cannot be made")
+    assert "cpu:shmgrad,cuda:nccl" in launch(_cuda)[0]
