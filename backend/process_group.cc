@@ -4,19 +4,12 @@
 #include <c10/util/Exception.h>
 #include <unistd.h>
 
-#include <fstream>
 #include <utility>
 
 #include "ipc/futex.h"
 
 namespace shmgrad::backend {
 namespace {
-
-// Store keys, under the group's own prefix (torch gives every group a PrefixStore).
-constexpr const char* kSegmentKey = "shmgrad/segment";
-constexpr const char* kAttachedKey = "shmgrad/attached";
-constexpr const char* kUnlinkedKey = "shmgrad/unlinked";
-constexpr const char* kNodeKeyPrefix = "shmgrad/node/";
 
 std::exception_ptr distError(const std::string& message) {
   try {
@@ -152,14 +145,14 @@ void checkSameAs(const at::Tensor& t, const at::Tensor& like, const char* op) {
               t.numel());
 }
 
-std::string nodeKey() {
-  char host[256] = {};
-  gethostname(host, sizeof(host) - 1);
-  std::string boot;
-  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot;
-  // torchrun's node rank: two "nodes" of one machine (tests) stay apart too.
-  const char* group = std::getenv("GROUP_RANK");
-  return std::string(host) + "/" + boot + "/" + (group ? group : "");
+// async_op=False (torch 2.7 on sets opts.asyncOp; older ones do not say).
+template <typename Options>
+bool isSync(const Options& opts) {
+  if constexpr (requires { opts.asyncOp; }) {
+    return !opts.asyncOp;
+  } else {
+    return false;
+  }
 }
 
 std::vector<uint8_t> bytesOf(const std::string& s) { return {s.begin(), s.end()}; }
@@ -201,53 +194,65 @@ struct ProcessGroupShm::Pending {
 
 c10::intrusive_ptr<c10d::Backend> ProcessGroupShm::create(
     const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-    const std::chrono::duration<float>& timeout) {
+    const std::chrono::duration<float>& timeout, const std::string& key_prefix,
+    const std::vector<int64_t>& node_of_rank, const c10::intrusive_ptr<c10d::Backend>& leaders,
+    const c10::intrusive_ptr<c10d::Backend>& everyone) {
   TORCH_CHECK(size >= 1 && rank >= 0 && rank < size, "shmgrad backend: rank ", rank, " of ", size);
-  TORCH_CHECK(static_cast<uint32_t>(size) <= kMaxRanks, "shmgrad backend: ", size,
-              " ranks; one node's group holds at most ", kMaxRanks);
-  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(timeout);
-  // One node only, for now: every rank says where it runs.
-  const std::string node = nodeKey();
-  store->set(kNodeKeyPrefix + std::to_string(rank), bytesOf(node));
+  TORCH_CHECK(node_of_rank.size() == static_cast<size_t>(size),
+              "shmgrad backend: a node for each of the ", size, " ranks");
+  Topology topo;
+  topo.node_of_rank = node_of_rank;
+  topo.local_rank_of_rank.resize(size);
+  std::vector<int> seen(size, 0);
   for (int r = 0; r < size; ++r) {
-    const std::string other = stringOf(store->get(kNodeKeyPrefix + std::to_string(r)));
-    TORCH_CHECK(other == node, "shmgrad backend: rank ", r, " runs on another node (", other,
-                ") than rank ", rank, " (", node,
-                "); the shmgrad backend connects the ranks of one node: use gloo across nodes "
-                "(init_process_group(\"gloo\"))");
+    const int64_t n = node_of_rank[r];
+    TORCH_CHECK(n >= 0 && n < size, "shmgrad backend: node index ", n, " of rank ", r);
+    topo.local_rank_of_rank[r] = seen[n]++;
   }
+  topo.node = node_of_rank[rank];
+  topo.local_size = seen[topo.node];
+  topo.local_rank = topo.local_rank_of_rank[rank];
+  topo.nodes = 0;
+  for (int n : seen) topo.nodes += n > 0 ? 1 : 0;
+  TORCH_CHECK(static_cast<uint32_t>(topo.local_size) <= kMaxRanks,
+              "shmgrad backend: ", topo.local_size, " ranks on one node; at most ", kMaxRanks);
+  TORCH_CHECK(topo.nodes == 1 || (everyone && (topo.local_rank != 0 || leaders)),
+              "shmgrad backend: ranks on ", topo.nodes,
+              " nodes need the gloo groups between them (shmgrad._backend creates them)");
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(timeout);
+  // This node's ranks share one segment: its local rank 0 creates it.
+  const std::string key = key_prefix + "node" + std::to_string(topo.node) + "/";
+  const auto local_size = static_cast<uint32_t>(topo.local_size);
   std::unique_ptr<ShmComm> comm;
-  if (rank == 0) {
-    comm = checked([&] {
-      return ShmComm::create(static_cast<uint32_t>(size),
-                             ShmComm::defaultStagingBytes(static_cast<uint32_t>(size)));
-    });
-    store->set(kSegmentKey, bytesOf(comm->name()));
+  if (topo.local_rank == 0) {
+    comm = checked(
+        [&] { return ShmComm::create(local_size, ShmComm::defaultStagingBytes(local_size)); });
+    store->set(key + "segment", bytesOf(comm->name()));
   } else {
-    const std::string name = stringOf(store->get(kSegmentKey));
-    comm = checked([&] {
-      return ShmComm::attach(name, static_cast<uint32_t>(size), static_cast<uint32_t>(rank));
-    });
+    const std::string name = stringOf(store->get(key + "segment"));
+    comm = checked(
+        [&] { return ShmComm::attach(name, local_size, static_cast<uint32_t>(topo.local_rank)); });
   }
-  // The last rank to attach removes the name: from then on nothing is left in /dev/shm
-  // however the ranks end.
-  if (store->add(kAttachedKey, 1) == size) {
-    ShmComm::unlink(comm->name());
-    store->set(kUnlinkedKey, bytesOf("1"));
-  }
-  try {
-    store->wait({kUnlinkedKey}, ms);
-  } catch (...) {
-    if (rank == 0) ShmComm::unlink(comm->name());
-    throw;
-  }
+  // Every rank waits for all to attach (the store's timeout), then the first closes the
+  // descriptor the others opened the memory through.
+  if (store->add(key + "attached", 1) == topo.local_size) store->set(key + "ready", bytesOf("1"));
+  store->wait({key + "ready"}, ms);
+  comm->release();
   checked([&] { comm->watchPeers(); });
-  return c10::make_intrusive<ProcessGroupShm>(std::move(comm), rank, size, ms);
+  return c10::make_intrusive<ProcessGroupShm>(std::move(comm), rank, size, ms, std::move(topo),
+                                              leaders, everyone);
 }
 
 ProcessGroupShm::ProcessGroupShm(std::unique_ptr<ShmComm> comm, int rank, int size,
-                                 std::chrono::milliseconds timeout)
-    : c10d::Backend(rank, size), comm_(std::move(comm)), timeout_(timeout) {
+                                 std::chrono::milliseconds timeout, Topology topology,
+                                 c10::intrusive_ptr<c10d::Backend> leaders,
+                                 c10::intrusive_ptr<c10d::Backend> everyone)
+    : c10d::Backend(rank, size),
+      comm_(std::move(comm)),
+      timeout_(timeout),
+      topo_(std::move(topology)),
+      leaders_(std::move(leaders)),
+      everyone_(topo_.nodes > 1 ? std::move(everyone) : nullptr) {
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -267,6 +272,11 @@ ProcessGroupShm::~ProcessGroupShm() {
   comm_.reset();  // leaves the group: peers still waiting fail at once, naming this rank
 }
 
+std::chrono::milliseconds ProcessGroupShm::remaining(uint64_t deadline_ns) {
+  const uint64_t now = ipc::monotonicNs();
+  return std::chrono::milliseconds(deadline_ns > now ? (deadline_ns - now) / 1000000 + 1 : 1);
+}
+
 uint64_t ProcessGroupShm::deadlineFor(std::chrono::milliseconds timeout) const {
   const auto t = timeout == c10d::kUnsetTimeout ? timeout_ : timeout;
   return ipc::monotonicNs() + static_cast<uint64_t>(t.count()) * 1000000ull;
@@ -275,17 +285,43 @@ uint64_t ProcessGroupShm::deadlineFor(std::chrono::milliseconds timeout) const {
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::enqueue(c10d::OpType type,
                                                         std::vector<at::Tensor> outputs,
                                                         std::chrono::milliseconds timeout,
-                                                        std::function<void(uint64_t)> run) {
+                                                        std::function<void(uint64_t)> run,
+                                                        bool sync) {
   auto work = c10::make_intrusive<ShmWork>(rank_, type, std::move(outputs));
   auto pending = std::make_shared<Pending>(Pending{work, timeout, std::move(run)});
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::unique_lock<std::mutex> lock(mutex_);
     TORCH_CHECK(!stop_, "shmgrad backend: the process group is being destroyed");
-    queue_.push_back(std::move(pending));
     ++issued_;
+    if (sync && queue_.empty() && !running_) {
+      // The caller waits for it anyway (async_op=False) and nothing is ahead of it: run
+      // it here, without the hand-over to the communication thread and back.
+      running_ = true;
+      lock.unlock();
+      execute(*pending);
+      lock.lock();
+      running_ = false;
+      lock.unlock();
+      cv_.notify_all();
+      return work;
+    }
+    queue_.push_back(std::move(pending));
   }
-  cv_.notify_one();
+  cv_.notify_all();
   return work;
+}
+
+void ProcessGroupShm::execute(Pending& p) {
+  try {
+    p.run(deadlineFor(p.timeout));
+  } catch (const Error& e) {
+    p.work->error(distError(e.what()));
+    return;
+  } catch (...) {
+    p.work->error(std::current_exception());
+    return;
+  }
+  p.work->complete();
 }
 
 void ProcessGroupShm::loop() {
@@ -293,21 +329,17 @@ void ProcessGroupShm::loop() {
     std::shared_ptr<Pending> p;
     {
       std::unique_lock<std::mutex> lock(mutex_);
-      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      cv_.wait(lock, [&] { return (stop_ && !running_) || (!queue_.empty() && !running_); });
       if (queue_.empty()) return;
       p = std::move(queue_.front());
       queue_.pop_front();
+      running_ = true;
     }
-    try {
-      p->run(deadlineFor(p->timeout));
-    } catch (const Error& e) {
-      p->work->error(distError(e.what()));
-      continue;
-    } catch (...) {
-      p->work->error(std::current_exception());
-      continue;
+    execute(*p);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      running_ = false;
     }
-    p->work->complete();
   }
 }
 
@@ -319,12 +351,29 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::broadcast(std::vector<at::Tensor
   TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < size_, "shmgrad backend: broadcast from rank ",
               opts.rootRank, " in a group of ", size_);
   auto ds = denseAll(tensors, "broadcast");
-  const auto root = static_cast<uint32_t>(opts.rootRank);
-  return enqueue(c10d::OpType::BROADCAST, tensors, opts.timeout,
-                 [this, ds, root](uint64_t deadline) {
-                   comm_->broadcast(spansOf(ds), root, deadline);
-                   writeBackAll(ds);
-                 });
+  const auto root = static_cast<int>(opts.rootRank);
+  return enqueue(
+      c10d::OpType::BROADCAST, tensors, opts.timeout,
+      [this, ds, root](uint64_t deadline) {
+        // Within the root's node, from the root; between nodes, from its node's leader;
+        // within the other nodes, from their leaders. One node: the first step alone.
+        const int root_node = static_cast<int>(topo_.node_of_rank[root]);
+        if (topo_.node == root_node && topo_.local_size > 1)
+          comm_->broadcast(spansOf(ds), topo_.local_rank_of_rank[root], deadline);
+        if (leaders_) {
+          c10d::BroadcastOptions o;
+          o.rootRank = root_node;
+          o.timeout = remaining(deadline);
+          for (const auto& d : ds) {
+            std::vector<at::Tensor> v{d.flat};
+            leaders_->broadcast(v, o)->wait();
+          }
+        }
+        if (topo_.node != root_node && topo_.local_size > 1)
+          comm_->broadcast(spansOf(ds), 0, deadline);
+        writeBackAll(ds);
+      },
+      isSync(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allreduce(std::vector<at::Tensor>& tensors,
@@ -351,15 +400,46 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allreduce_coalesced(
   }
   const ReduceKind r = reduceKindOf(opts.reduceOp, "allreduce");
   checked([&] { checkReduce(t, r); });
-  return enqueue(c10d::OpType::ALLREDUCE, tensors, opts.timeout,
-                 [this, ds, t, r](uint64_t deadline) {
-                   comm_->allreduce(spansOf(ds), t, r, deadline);
-                   writeBackAll(ds);
-                 });
+  const c10d::ReduceOp op = opts.reduceOp;
+  return enqueue(
+      c10d::OpType::ALLREDUCE, tensors, opts.timeout,
+      [this, ds, t, r, op](uint64_t deadline) {
+        if (!leaders_ && !everyone_) {
+          comm_->allreduce(spansOf(ds), t, r, deadline);
+        } else {
+          std::vector<at::Tensor> flats;
+          for (const auto& d : ds) flats.push_back(d.flat);
+          allreduceAcrossNodes(spansOf(ds), flats, t, r, op, deadline);
+        }
+        writeBackAll(ds);
+      },
+      isSync(opts));
+}
+
+// Within each node to its leader, between the leaders (gloo), back within each node.
+// AVG is summed and divided once at the end (gloo has no AVG).
+void ProcessGroupShm::allreduceAcrossNodes(const std::vector<Span>& spans,
+                                           const std::vector<at::Tensor>& flats, ElemType t,
+                                           ReduceKind r, const c10d::ReduceOp& op,
+                                           uint64_t deadline) {
+  const ReduceKind local = r == ReduceKind::kAvg ? ReduceKind::kSum : r;
+  if (topo_.local_size > 1) comm_->reduce(spans, t, local, 0, deadline);
+  if (leaders_) {
+    c10d::AllreduceOptions o;
+    o.reduceOp = r == ReduceKind::kAvg ? c10d::ReduceOp(c10d::ReduceOp::SUM) : op;
+    o.timeout = remaining(deadline);
+    for (const auto& flat : flats) {
+      std::vector<at::Tensor> v{flat};
+      leaders_->allreduce(v, o)->wait();
+      if (r == ReduceKind::kAvg) v[0].div_(size_);
+    }
+  }
+  if (topo_.local_size > 1) comm_->broadcast(spans, 0, deadline);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce(std::vector<at::Tensor>& tensors,
                                                        const c10d::ReduceOptions& opts) {
+  if (everyone_) return everyone_->reduce(tensors, opts);  // across nodes: gloo
   TORCH_CHECK(tensors.size() == 1 && opts.rootTensor == 0,
               "shmgrad backend: reduce takes one tensor per rank");
   TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < size_, "shmgrad backend: reduce to rank ",
@@ -379,6 +459,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce(std::vector<at::Tensor>& 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allgather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
+  if (everyone_) return everyone_->allgather(outputs, inputs, opts);  // across nodes: gloo
   TORCH_CHECK(inputs.size() == 1 && outputs.size() == 1,
               "shmgrad backend: allgather takes one input tensor and one list of outputs");
   TORCH_CHECK(outputs[0].size() == static_cast<size_t>(size_), "shmgrad backend: allgather needs ",
@@ -396,6 +477,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allgather(
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::_allgather_base(
     at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
+  if (everyone_) return everyone_->_allgather_base(output, input, opts);  // across nodes: gloo
   checkTensor(input, "all_gather_into_tensor");
   checkTensor(output, "all_gather_into_tensor");
   TORCH_CHECK(
@@ -415,6 +497,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::_allgather_base(
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
+  if (everyone_)
+    return everyone_->allgather_coalesced(outputs, inputs, opts);  // across nodes: gloo
   TORCH_CHECK(outputs.size() == inputs.size(),
               "shmgrad backend: allgather_coalesced needs one output list per input");
   std::vector<Dense> ins;
@@ -441,6 +525,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allgather_coalesced(
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
+  if (everyone_)
+    return everyone_->allgather_into_tensor_coalesced(outputs, inputs, opts);  // across nodes: gloo
   TORCH_CHECK(outputs.size() == inputs.size(),
               "shmgrad backend: allgather_into_tensor_coalesced needs one output per input");
   std::vector<Dense> ins, outs;
@@ -467,6 +553,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::allgather_into_tensor_coalesced(
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::gather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::GatherOptions& opts) {
+  if (everyone_) return everyone_->gather(outputs, inputs, opts);  // across nodes: gloo
   TORCH_CHECK(inputs.size() == 1, "shmgrad backend: gather takes one input tensor");
   TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < size_, "shmgrad backend: gather to rank ",
               opts.rootRank, " in a group of ", size_);
@@ -495,6 +582,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::gather(
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ScatterOptions& opts) {
+  if (everyone_) return everyone_->scatter(outputs, inputs, opts);  // across nodes: gloo
   TORCH_CHECK(outputs.size() == 1, "shmgrad backend: scatter takes one output tensor");
   TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < size_, "shmgrad backend: scatter from rank ",
               opts.rootRank, " in a group of ", size_);
@@ -521,6 +609,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::scatter(
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
+  if (everyone_) return everyone_->reduce_scatter(outputs, inputs, opts);  // across nodes: gloo
   TORCH_CHECK(
       outputs.size() == 1 && inputs.size() == 1 && inputs[0].size() == static_cast<size_t>(size_),
       "shmgrad backend: reduce_scatter takes one output and ", size_, " inputs");
@@ -540,6 +629,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce_scatter(
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+  if (everyone_) return everyone_->_reduce_scatter_base(output, input, opts);  // across nodes: gloo
   std::vector<at::Tensor> outputs{output}, inputs{input};
   return reduce_scatter_tensor_coalesced(outputs, inputs, opts);
 }
@@ -547,6 +637,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::_reduce_scatter_base(
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
+  if (everyone_)
+    return everyone_->reduce_scatter_tensor_coalesced(outputs, inputs, opts);  // across nodes: gloo
   TORCH_CHECK(outputs.size() == inputs.size() && !inputs.empty(),
               "shmgrad backend: reduce_scatter_tensor needs one output per input");
   const ReduceKind r = reduceKindOf(opts.reduceOp, "reduce_scatter_tensor");
@@ -579,6 +671,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::reduce_scatter_tensor_coalesced(
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::alltoall_base(
     at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_split_sizes,
     std::vector<int64_t>& input_split_sizes, const c10d::AllToAllOptions& opts) {
+  if (everyone_)
+    return everyone_->alltoall_base(output, input, output_split_sizes, input_split_sizes,
+                                    opts);  // across nodes: gloo
   checkTensor(input, "all_to_all_single");
   checkTensor(output, "all_to_all_single");
   TORCH_CHECK(input.scalar_type() == output.scalar_type(),
@@ -629,6 +724,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::alltoall_base(
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::alltoall(std::vector<at::Tensor>& outputs,
                                                          std::vector<at::Tensor>& inputs,
                                                          const c10d::AllToAllOptions& opts) {
+  if (everyone_) return everyone_->alltoall(outputs, inputs, opts);  // across nodes: gloo
   TORCH_CHECK(
       outputs.size() == static_cast<size_t>(size_) && inputs.size() == static_cast<size_t>(size_),
       "shmgrad backend: all_to_all takes ", size_, " input and ", size_, " output tensors");
@@ -642,17 +738,31 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::alltoall(std::vector<at::Tensor>
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::barrier(const c10d::BarrierOptions& opts) {
-  return enqueue(c10d::OpType::BARRIER, {}, opts.timeout,
-                 [this](uint64_t deadline) { comm_->barrier(deadline); });
+  return enqueue(
+      c10d::OpType::BARRIER, {}, opts.timeout,
+      [this](uint64_t deadline) {
+        comm_->barrier(deadline);
+        if (leaders_) {
+          c10d::BarrierOptions o;
+          o.timeout = remaining(deadline);
+          leaders_->barrier(o)->wait();
+        }
+        if (leaders_ || everyone_) comm_->barrier(deadline);
+      },
+      isSync(opts));
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupShm::send(std::vector<at::Tensor>&, int, int) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::send(std::vector<at::Tensor>& tensors, int dst,
+                                                     int tag) {
+  if (everyone_) return everyone_->send(tensors, dst, tag);  // across nodes: gloo
   TORCH_CHECK(false,
               "shmgrad backend: send/recv are not supported yet; for point-to-point use a gloo "
               "group beside it: dist.new_group(backend=\"gloo\")");
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recv(std::vector<at::Tensor>&, int, int) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recv(std::vector<at::Tensor>& tensors, int src,
+                                                     int tag) {
+  if (everyone_) return everyone_->recv(tensors, src, tag);  // across nodes: gloo
   TORCH_CHECK(false,
               "shmgrad backend: send/recv are not supported yet; for point-to-point use a gloo "
               "group beside it: dist.new_group(backend=\"gloo\")");

@@ -28,14 +28,30 @@ namespace shmgrad::backend {
 
 class ProcessGroupShm : public c10d::Backend {
  public:
-  // What torch.distributed.Backend.register_backend calls for each new group: ranks find
-  // each other through `store` (rank 0 creates the segment and publishes its name).
-  static c10::intrusive_ptr<c10d::Backend> create(const c10::intrusive_ptr<c10d::Store>& store,
-                                                  int rank, int size,
-                                                  const std::chrono::duration<float>& timeout);
+  // Where the ranks run: node_of_rank[r] is rank r's node (0..nodes-1); a node's ranks
+  // share one segment, ordered by rank.
+  struct Topology {
+    std::vector<int64_t> node_of_rank;
+    std::vector<int> local_rank_of_rank;
+    int node = 0, nodes = 1, local_rank = 0, local_size = 1;
+  };
+
+  // What shmgrad._backend's creator calls for each new group: the ranks of a node find
+  // each other through `store`, under `key_prefix` (its first rank creates the segment and
+  // publishes its name). Across nodes, `leaders` (the first rank of every node; null elsewhere) and
+  // `everyone` are gloo groups the creator made: all-reduce, broadcast and barrier go
+  // through shared memory within each node and `leaders` between them; the other
+  // collectives go through `everyone`.
+  static c10::intrusive_ptr<c10d::Backend> create(
+      const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+      const std::chrono::duration<float>& timeout, const std::string& key_prefix,
+      const std::vector<int64_t>& node_of_rank, const c10::intrusive_ptr<c10d::Backend>& leaders,
+      const c10::intrusive_ptr<c10d::Backend>& everyone);
 
   ProcessGroupShm(std::unique_ptr<ShmComm> comm, int rank, int size,
-                  std::chrono::milliseconds timeout);
+                  std::chrono::milliseconds timeout, Topology topology,
+                  c10::intrusive_ptr<c10d::Backend> leaders,
+                  c10::intrusive_ptr<c10d::Backend> everyone);
   ~ProcessGroupShm() override;
 
   const std::string getBackendName() const override { return "shmgrad"; }
@@ -91,18 +107,29 @@ class ProcessGroupShm : public c10d::Backend {
   // One collective, queued: `run` moves the data (in the communication thread) given its
   // deadline; `outputs` are what the Work's future holds.
   struct Pending;
+  // sync: the caller waits for it at once (async_op=False); it runs in the caller's
+  // thread when nothing is queued ahead of it.
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, std::vector<at::Tensor> outputs,
                                          std::chrono::milliseconds timeout,
-                                         std::function<void(uint64_t)> run);
+                                         std::function<void(uint64_t)> run, bool sync = false);
+  void execute(Pending& p);
+  void allreduceAcrossNodes(const std::vector<Span>& spans, const std::vector<at::Tensor>& flats,
+                            ElemType t, ReduceKind r, const c10d::ReduceOp& op,
+                            uint64_t deadline_ns);
+  static std::chrono::milliseconds remaining(uint64_t deadline_ns);
   uint64_t deadlineFor(std::chrono::milliseconds timeout) const;
   void loop();
 
-  std::unique_ptr<ShmComm> comm_;
+  std::unique_ptr<ShmComm> comm_;  // this node's ranks
   std::chrono::milliseconds timeout_;
+  Topology topo_;
+  c10::intrusive_ptr<c10d::Backend> leaders_;   // across nodes, on each node's first rank
+  c10::intrusive_ptr<c10d::Backend> everyone_;  // across nodes: the other collectives
   std::mutex mutex_;
   std::condition_variable cv_;
   std::deque<std::shared_ptr<Pending>> queue_;
   bool stop_ = false;
+  bool running_ = false;  // a collective is executing (in the thread or inline)
   uint64_t issued_ = 0;
   std::thread thread_;
 };

@@ -409,6 +409,7 @@ ShmComm::~ShmComm() {
   for (int fd : pidfds_) {
     if (fd >= 0) close(fd);
   }
+  release();
   munmap(base_, size_);
 }
 
@@ -417,35 +418,29 @@ std::unique_ptr<ShmComm> ShmComm::create(uint32_t world, uint64_t staging_bytes)
                 "shmgrad backend: a group of ", world, " ranks on one node; at most ", kMaxRanks);
   const uint64_t staging = stagingFor(staging_bytes);
   const Layout l = layoutFor(world, staging);
-  std::random_device rd;
-  char name[96];
-  std::snprintf(name, sizeof(name), "/shmgrad-%u-pg-%d-%08x%08x", getuid(), getpid(), rd(), rd());
-  const int fd = static_cast<int>(
-      SHMGRAD_SYSCHECK(shm_open(name, O_RDWR | O_CREAT | O_EXCL, 0600), "shm_open"));
-  // From here on the name exists: any failure removes it.
-  auto undo = [&](void* map) {
-    if (map != nullptr && map != MAP_FAILED) munmap(map, l.total);
+  // An anonymous memory file: it has no name in /dev/shm or anywhere, so nothing can be
+  // left behind. The other ranks open it through /proc/<pid>/fd/<fd> (only this uid can)
+  // while this rank holds the descriptor, until every rank has attached (release()).
+  const int fd =
+      static_cast<int>(SHMGRAD_SYSCHECK(memfd_create("shmgrad-pg", MFD_CLOEXEC), "memfd_create"));
+  auto fail_with = [&](ErrorKind kind, const std::string& message) {
     close(fd);
-    shm_unlink(name);
+    throw Error(kind, message);
   };
+  if (fchmod(fd, 0600) != 0)
+    fail_with(ErrorKind::kSystem, "fchmod failed: " + ::shmgrad::detail::errnoText());
   const int rc = posix_fallocate(fd, 0, static_cast<off_t>(l.total));
   if (rc != 0) {
-    undo(nullptr);
-    SHMGRAD_CHECK(rc != ENOSPC, ErrorKind::kNoSpace, "shmgrad backend: /dev/shm cannot hold the ",
-                  l.total >> 20, " MiB of a group of ", world, " ranks (",
-                  ipc::shmFreeBytes() >> 20,
-                  " MiB free): free space there, or set SHMGRAD_BACKEND_STAGING_MB lower");
     errno = rc;
-    raise(ErrorKind::kSystem, "posix_fallocate failed: ", ::shmgrad::detail::errnoText());
+    fail_with(rc == ENOSPC ? ErrorKind::kNoSpace : ErrorKind::kSystem,
+              "shmgrad backend: shared memory for a group of " + std::to_string(world) +
+                  " ranks (" + std::to_string(l.total >> 20) + " MiB) could not be allocated: " +
+                  ::shmgrad::detail::errnoText() + " (set SHMGRAD_BACKEND_STAGING_MB lower)");
   }
   void* map = mmap(nullptr, l.total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (map == MAP_FAILED) {
-    const int err = errno;
-    undo(nullptr);
-    errno = err;
-    raise(ErrorKind::kSystem, "mmap failed: ", ::shmgrad::detail::errnoText());
-  }
-  close(fd);
+  if (map == MAP_FAILED)
+    fail_with(ErrorKind::kSystem, "mmap failed: " + ::shmgrad::detail::errnoText());
+  const std::string name = "/proc/" + std::to_string(getpid()) + "/fd/" + std::to_string(fd);
   auto* h = new (map) GroupHeader();
   h->magic = kMagic;
   h->version = kVersion;
@@ -455,6 +450,7 @@ std::unique_ptr<ShmComm> ShmComm::create(uint32_t world, uint64_t staging_bytes)
   h->total_size = l.total;
   auto comm = std::unique_ptr<ShmComm>(
       new ShmComm(name, static_cast<uint8_t*>(map), l.total, world, 0, staging));
+  comm->creator_fd_ = fd;
   for (uint32_t r = 0; r < world; ++r) new (&comm->record(r)) RankRecord();
   comm->record(0).pid.store(getpid());
   comm->record(0).state.store(kAttached, std::memory_order_release);
@@ -464,16 +460,25 @@ std::unique_ptr<ShmComm> ShmComm::create(uint32_t world, uint64_t staging_bytes)
 std::unique_ptr<ShmComm> ShmComm::attach(const std::string& name, uint32_t world, uint32_t rank) {
   SHMGRAD_CHECK(rank < world && world <= kMaxRanks, ErrorKind::kInvalidArgument,
                 "shmgrad backend: rank ", rank, " of ", world);
-  // Only a name of the form create() makes: nothing else of /dev/shm is opened.
-  const std::string prefix = "/shmgrad-" + std::to_string(getuid()) + "-pg-";
-  SHMGRAD_CHECK(
-      name.rfind(prefix, 0) == 0 && name.size() < 96 && name.find('/', 1) == std::string::npos,
-      ErrorKind::kCorrupt, "shmgrad backend: the store names segment '", name,
-      "', not one of this user's groups (", prefix, "...)");
-  const int fd = static_cast<int>(shm_open(name.c_str(), O_RDWR, 0));
-  SHMGRAD_CHECK(fd >= 0, ErrorKind::kNotFound, "shmgrad backend: the group's segment ", name,
-                " is gone (rank 0 failed or timed out while the others attached); start the "
-                "group again");
+  // Only a name of the form create() makes, /proc/<pid>/fd/<fd> of a live process of
+  // this user, naming one of shmgrad's memory files: nothing else is opened.
+  unsigned pid = 0, fdnum = 0;
+  char tail = 0;
+  SHMGRAD_CHECK(std::sscanf(name.c_str(), "/proc/%u/fd/%u%c", &pid, &fdnum, &tail) == 2,
+                ErrorKind::kCorrupt, "shmgrad backend: the store names segment '", name,
+                "', not one of shmgrad's (/proc/<pid>/fd/<fd>)");
+  char target[256] = {};
+  const ssize_t n = readlink(name.c_str(), target, sizeof(target) - 1);
+  SHMGRAD_CHECK(n > 0, ErrorKind::kNotFound, "shmgrad backend: the group's memory (", name,
+                ") is gone: the rank that created it (pid ", pid,
+                ") exited or failed before the others attached; start the group again");
+  SHMGRAD_CHECK(std::string(target, n).rfind("/memfd:shmgrad-pg", 0) == 0, ErrorKind::kCorrupt,
+                "shmgrad backend: ", name, " is ", std::string(target, n),
+                ", not a shmgrad group's memory");
+  const int fd = open(name.c_str(), O_RDWR | O_CLOEXEC);
+  SHMGRAD_CHECK(fd >= 0, ErrorKind::kNotFound, "shmgrad backend: the group's memory (", name,
+                ") could not be opened: ", ::shmgrad::detail::errnoText(), " (its creator, pid ",
+                pid, ", exited, or belongs to another user)");
   struct stat st;
   if (fstat(fd, &st) != 0) {
     close(fd);
@@ -518,7 +523,10 @@ std::unique_ptr<ShmComm> ShmComm::attach(const std::string& name, uint32_t world
   return comm;
 }
 
-bool ShmComm::unlink(const std::string& name) { return shm_unlink(name.c_str()) == 0; }
+void ShmComm::release() {
+  if (creator_fd_ >= 0) close(creator_fd_);
+  creator_fd_ = -1;
+}
 
 void ShmComm::watchPeers() {
   for (uint32_t r = 0; r < world_; ++r) {

@@ -69,12 +69,13 @@ constexpr uint32_t kMaxRanks = 256;
 // One rank's handle on the segment of its process group.
 class ShmComm {
  public:
-  // Rank 0: creates the segment (mode 0600, allocated in full: a full /dev/shm fails
-  // here with kNoSpace naming the fix) with `staging_bytes` per buffer, two buffers per
-  // rank. name() is what the other ranks attach to.
+  // Rank 0: creates the segment, an anonymous memory file (memfd, mode 0600, allocated in
+  // full: no memory fails here with kNoSpace naming the fix), with `staging_bytes` per
+  // buffer, two buffers per rank. name() is what the other ranks attach to:
+  // /proc/<pid>/fd/<fd>, which only this user's processes can open.
   static std::unique_ptr<ShmComm> create(uint32_t world, uint64_t staging_bytes);
-  // Ranks 1..world-1: maps the segment and checks it (owner, mode, size, header) before
-  // trusting a byte of it.
+  // Ranks 1..world-1: maps the segment and checks it (a shmgrad memory file, owner, mode,
+  // size, header) before trusting a byte of it.
   static std::unique_ptr<ShmComm> attach(const std::string& name, uint32_t world, uint32_t rank);
   // The staging bytes per buffer for `world` ranks when none is asked for
   // (SHMGRAD_BACKEND_STAGING_MB or about 64 MiB in all, 256 KiB to 8 MiB each).
@@ -88,9 +89,10 @@ class ShmComm {
   uint32_t rank() const { return rank_; }
   uint32_t world() const { return world_; }
   uint64_t stagingBytes() const { return staging_; }
-  // Removes the segment's name (the mappings stay); done once every rank has attached,
-  // so nothing is left in /dev/shm however the ranks end. Returns false if already gone.
-  static bool unlink(const std::string& name);
+  // Rank 0: closes the memory file's descriptor through which the others attach (the
+  // mappings stay), once every rank has attached. The memory has no name anywhere: it is
+  // freed when the last rank unmaps it, however the ranks end.
+  void release();
   // Opens a pidfd for each peer (after every rank has attached: their pids are known).
   void watchPeers();
 
@@ -150,6 +152,7 @@ class ShmComm {
   detail::GroupHeader* header_;
   uint64_t records_offset_ = 0, a2a_offset_ = 0, staging_offset_ = 0;
   ipc::AdaptiveSpin spin_;    // how long meet() spins before it sleeps
+  int creator_fd_ = -1;       // rank 0 until release()
   std::vector<int> pidfds_;   // per rank; -1 for self or not (yet) watched
   uint32_t barrier_gen_ = 0;  // barriers this rank has passed (all ranks pass the same)
   uint64_t round_ = 0;        // staging rounds (parity of the buffer in use)

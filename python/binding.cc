@@ -371,8 +371,30 @@ PYBIND11_MODULE(_C, m) {
   shmgrad::bindEagerWorker(m);
   // The `shmgrad` torch.distributed backend's creator (python/shmgrad/_backend.py
   // registers it): (store, rank, size, timeout) -> c10d Backend.
-  m.def("create_process_group_backend", &shmgrad::backend::ProcessGroupShm::create,
-        py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"));
+  m.def(
+      "create_process_group_backend",
+      [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+         const std::chrono::duration<float>& timeout, const std::string& key_prefix,
+         const std::vector<int64_t>& node_of_rank, py::object leaders, py::object everyone) {
+        using BackendPtr = c10::intrusive_ptr<c10d::Backend>;
+        auto backend = [](py::object o) {
+          return o.is_none() ? BackendPtr() : o.cast<BackendPtr>();
+        };
+        return shmgrad::backend::ProcessGroupShm::create(store, rank, size, timeout, key_prefix,
+                                                         node_of_rank, backend(leaders),
+                                                         backend(everyone));
+      },
+      py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"), py::arg("key_prefix"),
+      py::arg("node_of_rank"), py::arg("leaders"), py::arg("everyone"));
+  // All ranks on one node (the first release's signature).
+  m.def(
+      "create_process_group_backend",
+      [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+         const std::chrono::duration<float>& timeout) {
+        return shmgrad::backend::ProcessGroupShm::create(store, rank, size, timeout, "shmgrad/",
+                                                         std::vector<int64_t>(size, 0), {}, {});
+      },
+      py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"));
   m.def("segment_path", &shmgrad::ipc::segmentPath, py::arg("name"));
   m.def("segment_exists", &shmgrad::ipc::Segment::exists, py::arg("name"));
   m.def("check_engine_name", &shmgrad::ipc::checkEngineName, py::arg("name"));

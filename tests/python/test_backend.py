@@ -490,3 +490,185 @@ def test_cuda_tensors_are_refused_naming_the_per_device_backend():
     if not torch.cuda.is_available():
         pytest.skip("no GPU here: CUDA tensors cannot be made")
     assert "cpu:shmgrad,cuda:nccl" in launch(_cuda)[0]
+
+
+# ------------------------------------------------------------------------ FSDP2, torchrun
+
+
+def _fsdp2_params(rank, world, backend):
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(4 * world, 5, 16, generator=g)[rank * 4 : rank * 4 + 4]
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+    return {k: v.full_tensor().detach().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def test_fsdp2_trains_a_transformer_to_glooss_parameters():
+    shm = launch(_fsdp2_params, args=("shmgrad",))[0]
+    gloo = launch(_fsdp2_params, args=("gloo",))[0]
+    assert shm.keys() == gloo.keys()
+    for k in shm:  # all-gathers and reduce-scatters of 2 ranks: the same bits
+        assert np.array_equal(shm[k], gloo[k]), k
+
+
+TORCHRUN_SCRIPT = """
+import os, signal, sys
+import torch, torch.distributed as dist
+import shmgrad
+
+dist.init_process_group("shmgrad")
+rank, attempt = dist.get_rank(), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(3):
+    opt.zero_grad()
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    if attempt == 0 and rank == 1 and step == 1:
+        print("killing rank 1 of attempt 0", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+w = torch.cat([p.detach().flatten() for p in model.parameters()])
+t = w.clone()
+dist.all_reduce(t)
+assert torch.equal(t, 2 * w)
+print(f"rank {rank} attempt {attempt} trained", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_torchrun_restarts_a_fresh_group_after_a_killed_rank(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    before = set(_group_segments())
+    proc = subprocess.run(
+        [
+            torchrun,
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            "--monitor-interval",
+            "0.2",
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "killing rank 1 of attempt 0" in out  # the fault happened
+    assert "rank 0 attempt 1 trained" in out and "rank 1 attempt 1 trained" in out, out
+    assert set(_group_segments()) == before
+
+
+NODES_SCRIPT = """
+import json, os, sys
+import torch, torch.distributed as dist
+import shmgrad
+
+backend = sys.argv[1]
+dist.init_process_group(backend)
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(
+    torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+g = torch.Generator().manual_seed(1)
+for step in range(3):
+    x = torch.randn(4 * world, 8, generator=g)[rank * 4 : rank * 4 + 4]
+    opt.zero_grad()
+    model(x).pow(2).mean().backward()
+    opt.step()
+# The rest of the collectives across nodes (through the gloo group of all ranks).
+out = [torch.empty(2) for _ in range(world)]
+dist.all_gather(out, torch.full((2,), float(rank)))
+assert all(torch.equal(o, torch.full((2,), float(r))) for r, o in enumerate(out))
+t = torch.full((3,), float(rank))
+dist.broadcast(t, src=world - 1)
+assert torch.equal(t, torch.full((3,), float(world - 1)))
+t = torch.full((3,), rank + 1.0)
+dist.all_reduce(t, op=dist.ReduceOp.AVG)
+assert torch.allclose(t, torch.full((3,), (world + 1) / 2))
+dist.barrier()
+params = [p.detach().flatten().tolist() for p in model.parameters()]
+print("PARAMS " + json.dumps({"rank": rank, "params": params}), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def _two_nodes(tmp_path, backend):
+    """torchrun --nnodes 2 --nproc-per-node 2 on this machine: two agents, node ranks 0
+    and 1, as two machines would run them."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "nodes.py"
+    script.write_text(NODES_SCRIPT)
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    procs = [
+        subprocess.Popen(
+            [
+                torchrun,
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--nproc-per-node",
+                "2",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                str(script),
+                backend,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for node in range(2)
+    ]
+    outs = [p.communicate(timeout=180)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(outs)
+    params = {}
+    for line in "\n".join(outs).splitlines():
+        if "PARAMS " in line:
+            record = json.loads(line.split("PARAMS ", 1)[1])
+            params[record["rank"]] = record["params"]
+    assert sorted(params) == [0, 1, 2, 3]
+    return params
+
+
+def test_two_nodes_through_torchrun_reduce_within_and_between(tmp_path):
+    shm = _two_nodes(tmp_path, "shmgrad")
+    gloo = _two_nodes(tmp_path, "gloo")
+    for r in range(1, 4):  # every rank holds the same parameters
+        assert shm[r] == shm[0]
+    # (r0 + r1) + (r2 + r3) against gloo's ring order: float32 rounding apart.
+    for a, b in zip(shm[0], gloo[0]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
