@@ -192,6 +192,14 @@ struct ProcessGroupShm::Pending {
   std::function<void(uint64_t)> run;
 };
 
+// Point-to-point operations run on one thread per peer and direction, in order: a send
+// to one peer never waits behind a send to another, nor behind a collective.
+struct ProcessGroupShm::Lane {
+  std::deque<std::shared_ptr<Pending>> queue;
+  bool stop = false;
+  std::thread thread;
+};
+
 c10::intrusive_ptr<c10d::Backend> ProcessGroupShm::create(
     const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
     const std::chrono::duration<float>& timeout, const std::string& key_prefix,
@@ -262,8 +270,16 @@ ProcessGroupShm::~ProcessGroupShm() {
     std::lock_guard<std::mutex> lock(mutex_);
     stop_ = true;
     dropped.swap(queue_);
+    for (auto& [key, lane] : lanes_) {
+      lane->stop = true;
+      for (auto& p : lane->queue) dropped.push_back(std::move(p));
+      lane->queue.clear();
+    }
   }
   cv_.notify_all();
+  lanes_cv_.notify_all();
+  comm_->shutdown();  // a wait in progress ends now, not at its deadline
+  for (auto& [key, lane] : lanes_) lane->thread.join();
   for (auto& p : dropped) {
     p->work->error(
         distError("shmgrad backend: the process group was destroyed before this collective ran"));
@@ -755,17 +771,68 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShm::barrier(const c10d::BarrierOptio
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::send(std::vector<at::Tensor>& tensors, int dst,
                                                      int tag) {
   if (everyone_) return everyone_->send(tensors, dst, tag);  // across nodes: gloo
-  TORCH_CHECK(false,
-              "shmgrad backend: send/recv are not supported yet; for point-to-point use a gloo "
-              "group beside it: dist.new_group(backend=\"gloo\")");
+  TORCH_CHECK(tensors.size() == 1, "shmgrad backend: send takes one tensor");
+  TORCH_CHECK(dst >= 0 && dst < size_ && dst != rank_, "shmgrad backend: send to rank ", dst,
+              " from rank ", rank_, " in a group of ", size_);
+  checkTensor(tensors[0], "send");
+  Dense d(tensors[0]);
+  const auto peer = static_cast<uint32_t>(topo_.local_rank_of_rank[dst]);
+  return submitToLane(
+      true, dst, c10d::OpType::SEND, tensors,
+      [this, d, peer, tag](uint64_t deadline) { comm_->send(peer, d.span(), tag, deadline); });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recv(std::vector<at::Tensor>& tensors, int src,
                                                      int tag) {
   if (everyone_) return everyone_->recv(tensors, src, tag);  // across nodes: gloo
+  TORCH_CHECK(tensors.size() == 1, "shmgrad backend: recv takes one tensor");
+  TORCH_CHECK(src >= 0 && src < size_ && src != rank_, "shmgrad backend: recv from rank ", src,
+              " on rank ", rank_, " in a group of ", size_);
+  checkTensor(tensors[0], "recv");
+  Dense d(tensors[0]);
+  const auto peer = static_cast<uint32_t>(topo_.local_rank_of_rank[src]);
+  return submitToLane(false, src, c10d::OpType::RECV, tensors,
+                      [this, d, peer, tag](uint64_t deadline) {
+                        comm_->recv(peer, d.span(), tag, deadline);
+                        d.writeBack();
+                      });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::recvAnysource(std::vector<at::Tensor>&, int) {
   TORCH_CHECK(false,
-              "shmgrad backend: send/recv are not supported yet; for point-to-point use a gloo "
-              "group beside it: dist.new_group(backend=\"gloo\")");
+              "shmgrad backend: recv from any source is not supported: name the source rank "
+              "(dist.recv(tensor, src=...)), or use a gloo group for it");
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShm::submitToLane(bool sending, int peer,
+                                                             c10d::OpType type,
+                                                             std::vector<at::Tensor> outputs,
+                                                             std::function<void(uint64_t)> run) {
+  auto work = c10::make_intrusive<ShmWork>(rank_, type, std::move(outputs));
+  auto pending = std::make_shared<Pending>(Pending{work, c10d::kUnsetTimeout, std::move(run)});
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(!stop_, "shmgrad backend: the process group is being destroyed");
+  auto& lane = lanes_[{peer, sending}];
+  if (!lane) {
+    lane = std::make_unique<Lane>();
+    Lane* l = lane.get();
+    l->thread = std::thread([this, l] {
+      for (;;) {
+        std::shared_ptr<Pending> p;
+        {
+          std::unique_lock<std::mutex> lock(mutex_);
+          lanes_cv_.wait(lock, [&] { return l->stop || !l->queue.empty(); });
+          if (l->queue.empty()) return;
+          p = std::move(l->queue.front());
+          l->queue.pop_front();
+        }
+        execute(*p);
+      }
+    });
+  }
+  lane->queue.push_back(std::move(pending));
+  lanes_cv_.notify_all();
+  return work;
 }
 
 }  // namespace shmgrad::backend

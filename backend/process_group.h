@@ -16,6 +16,7 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -102,6 +103,7 @@ class ProcessGroupShm : public c10d::Backend {
                                       int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src_rank,
                                       int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
 
  private:
   // One collective, queued: `run` moves the data (in the communication thread) given its
@@ -113,6 +115,10 @@ class ProcessGroupShm : public c10d::Backend {
                                          std::chrono::milliseconds timeout,
                                          std::function<void(uint64_t)> run, bool sync = false);
   void execute(Pending& p);
+  struct Lane;
+  c10::intrusive_ptr<c10d::Work> submitToLane(bool sending, int peer, c10d::OpType type,
+                                              std::vector<at::Tensor> outputs,
+                                              std::function<void(uint64_t)> run);
   void allreduceAcrossNodes(const std::vector<Span>& spans, const std::vector<at::Tensor>& flats,
                             ElemType t, ReduceKind r, const c10d::ReduceOp& op,
                             uint64_t deadline_ns);
@@ -130,6 +136,8 @@ class ProcessGroupShm : public c10d::Backend {
   std::deque<std::shared_ptr<Pending>> queue_;
   bool stop_ = false;
   bool running_ = false;  // a collective is executing (in the thread or inline)
+  std::map<std::pair<int, bool>, std::unique_ptr<Lane>> lanes_;  // (peer, sending)
+  std::condition_variable lanes_cv_;
   uint64_t issued_ = 0;
   std::thread thread_;
 };

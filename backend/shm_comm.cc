@@ -343,6 +343,22 @@ struct alignas(64) RankRecord {
   Signature sig[2];  // by the parity of seq: a rank is at most one collective ahead
 };
 
+// One direction of one pair of ranks, for send/recv: kChannelSlots chunks in a ring. The
+// sender writes slot `sent % kChannelSlots` while `sent - taken < kChannelSlots`, then
+// bumps `sent`; the receiver reads slot `taken % kChannelSlots` while `sent != taken`,
+// then bumps `taken`. So a few small sends complete before their recvs are posted, as
+// gloo's do. The slots (a ChunkHeader, then the data) follow the record.
+struct alignas(64) Channel {
+  std::atomic<uint32_t> sent;
+  alignas(64) std::atomic<uint32_t> taken;
+};
+struct alignas(64) ChunkHeader {
+  uint64_t total;  // the message's bytes (every chunk says it)
+  uint64_t chunk;  // this chunk's bytes
+  int64_t tag;
+};
+constexpr uint32_t kChannelSlots = 8;
+
 }  // namespace detail
 
 using detail::GroupHeader;
@@ -353,16 +369,29 @@ namespace {
 
 constexpr uint32_t kClaimed = 0x80000000u;
 
-// records | all-to-all tables | staging (2 buffers per rank), page-aligned regions.
+// records | all-to-all tables | point-to-point channels | staging (2 buffers per rank),
+// page-aligned regions.
 struct Layout {
-  uint64_t records, a2a, staging, total;
+  uint64_t records, a2a, channels, channel_bytes, staging, total;
 };
+// A channel slot's data: 16 MiB shared by the world x world channels' slots, 1 KiB to
+// 128 KiB each.
+uint64_t channelBytesFor(uint32_t world) {
+  const uint64_t slots = std::max<uint64_t>(1, uint64_t{world} * world * detail::kChannelSlots);
+  return alignUp(std::clamp<uint64_t>((16ull << 20) / slots, 1024, 128 << 10), kLine);
+}
+uint64_t channelStride(uint64_t slot_bytes) {
+  return sizeof(detail::Channel) +
+         detail::kChannelSlots * (sizeof(detail::ChunkHeader) + slot_bytes);
+}
 Layout layoutFor(uint32_t world, uint64_t staging) {
   Layout l;
   l.records = alignUp(sizeof(GroupHeader), kPage);
   l.a2a = alignUp(l.records + world * sizeof(RankRecord), kPage);
   // Two parities x (sent, expected) x world x world sizes.
-  l.staging = alignUp(l.a2a + 2ull * 2 * world * world * sizeof(uint64_t), kPage);
+  l.channels = alignUp(l.a2a + 2ull * 2 * world * world * sizeof(uint64_t), kPage);
+  l.channel_bytes = channelBytesFor(world);
+  l.staging = alignUp(l.channels + uint64_t{world} * world * channelStride(l.channel_bytes), kPage);
   l.total = l.staging + 2ull * world * staging;
   return l;
 }
@@ -400,6 +429,8 @@ ShmComm::ShmComm(std::string name, uint8_t* base, uint64_t size, uint32_t world,
       pidfds_(world, -1) {
   const Layout l = layoutFor(world, staging);
   records_offset_ = l.records;
+  channels_offset_ = l.channels;
+  channel_bytes_ = l.channel_bytes;
   a2a_offset_ = l.a2a;
   staging_offset_ = l.staging;
 }
@@ -407,7 +438,7 @@ ShmComm::ShmComm(std::string name, uint8_t* base, uint64_t size, uint32_t world,
 ShmComm::~ShmComm() {
   leave();
   for (int fd : pidfds_) {
-    if (fd >= 0) close(fd);
+    if (fd >= 0) ::close(fd);
   }
   release();
   munmap(base_, size_);
@@ -524,7 +555,7 @@ std::unique_ptr<ShmComm> ShmComm::attach(const std::string& name, uint32_t world
 }
 
 void ShmComm::release() {
-  if (creator_fd_ >= 0) close(creator_fd_);
+  if (creator_fd_ >= 0) ::close(creator_fd_);
   creator_fd_ = -1;
 }
 
@@ -564,20 +595,16 @@ std::string ShmComm::brokenReason() const {
 }
 
 void ShmComm::fail(ErrorKind kind, uint32_t culprit, const std::string& why) {
-  uint32_t expected = 0;
   std::string message;
-  if (header_->broken.compare_exchange_strong(expected, kClaimed, std::memory_order_acq_rel)) {
+  if (!why.empty()) {
     std::ostringstream os;
     os << "shmgrad backend: " << why << " (seen by rank " << rank_ << " in " << op_name_
        << ", collective #" << op_seq_ << " of this group); the group cannot go on: destroy it "
        << "(dist.destroy_process_group()) and start a new one, or let torchrun --max-restarts "
           "restart every rank";
     message = os.str();
-    std::snprintf(header_->broken_reason, sizeof(header_->broken_reason), "%s", message.c_str());
-    header_->broken_kind.store(static_cast<uint32_t>(kind), std::memory_order_relaxed);
-    header_->broken.store(1 + culprit, std::memory_order_release);
-    ipc::futexWake(&header_->arrivals);
-  } else {
+  }
+  if (why.empty() || !breakGroup(kind, culprit, message)) {
     // Someone else broke it first: theirs is the cause. Wait a moment for its text.
     for (int i = 0; i < 1000 && header_->broken.load(std::memory_order_acquire) == kClaimed; ++i)
       usleep(100);
@@ -717,6 +744,11 @@ void ShmComm::meet(uint64_t deadline_ns) {
       if (header_->broken.load(std::memory_order_acquire) != 0) peersOk();
       for (uint32_t r = 0; r < world_; ++r) {
         if (r != rank_ && record(r).state.load(std::memory_order_acquire) == kLeft) peersOk();
+      }
+      if (closing_.load(std::memory_order_acquire)) {
+        throw Error(ErrorKind::kWorkerFailed, std::string("shmgrad backend: the process group "
+                                                          "was destroyed during ") +
+                                                  op_name_);
       }
       if (ipc::monotonicNs() >= next_poll) {
         peersOk();
@@ -963,6 +995,135 @@ void ShmComm::alltoall(const std::vector<Span>& in, const std::vector<Span>& out
                     std::min(region, out[j].bytes - off));
     }
   }
+}
+
+// ------------------------------------------------------------------------- send / recv
+
+detail::Channel& ShmComm::channel(uint32_t from, uint32_t to) const {
+  return *reinterpret_cast<detail::Channel*>(
+      base_ + channels_offset_ + (uint64_t{from} * world_ + to) * channelStride(channel_bytes_));
+}
+
+void ShmComm::waitPeer(std::atomic<uint32_t>& word, const std::function<bool()>& ready,
+                       uint32_t peer, uint64_t deadline_ns, const char* what) {
+  if (ipc::spinUntil(ready, 20'000)) return;
+  uint64_t next_poll = 0;
+  for (;;) {
+    const uint32_t seen = word.load(std::memory_order_acquire);
+    if (ready()) return;
+    const uint64_t now = ipc::monotonicNs();
+    auto why = [&](const std::string& s) {
+      return "shmgrad backend: " + std::string(what) + " with rank " + std::to_string(peer) + ": " +
+             s;
+    };
+    if (closing_.load(std::memory_order_acquire))
+      throw Error(ErrorKind::kWorkerFailed, why("the process group was destroyed meanwhile"));
+    if (now >= deadline_ns)
+      throw Error(ErrorKind::kTimeout, why("timed out (the peer never posted the matching "
+                                           "send or recv within the group's timeout)"));
+    if (header_->broken.load(std::memory_order_acquire) != 0)
+      throw Error(ErrorKind::kWorkerFailed, why("the group broke: " + brokenReason()));
+    if (record(peer).state.load(std::memory_order_acquire) == kLeft)
+      throw Error(ErrorKind::kWorkerFailed, why("it left the group"));
+    if (now >= next_poll) {
+      if (pidfds_[peer] >= 0) {
+        pollfd fd{pidfds_[peer], POLLIN, 0};
+        if (poll(&fd, 1, 0) > 0)
+          throw Error(ErrorKind::kWorkerFailed,
+                      why("it (pid " + std::to_string(record(peer).pid.load()) + ") died"));
+      }
+      next_poll = now + kPollSlice.count() * 1000000ull;
+    }
+    const uint64_t left = std::min<uint64_t>(deadline_ns - now, kPollSlice.count() * 1000000ull);
+    ipc::futexWait(&word, seen, std::chrono::nanoseconds(left));
+  }
+}
+
+namespace {
+// Slot i of a channel: its header, then its data.
+detail::ChunkHeader* slotOf(detail::Channel& c, uint32_t i, uint64_t slot_bytes) {
+  return reinterpret_cast<detail::ChunkHeader*>(
+      reinterpret_cast<uint8_t*>(&c) + sizeof(detail::Channel) +
+      (i % detail::kChannelSlots) * (sizeof(detail::ChunkHeader) + slot_bytes));
+}
+}  // namespace
+
+void ShmComm::send(uint32_t to, Span data, int64_t tag, uint64_t deadline_ns) {
+  SHMGRAD_CHECK(to < world_ && to != rank_, ErrorKind::kInvalidArgument,
+                "shmgrad backend: send to rank ", to, " from rank ", rank_, " in a group of ",
+                world_);
+  detail::Channel& c = channel(rank_, to);
+  uint64_t off = 0;
+  do {
+    waitPeer(
+        c.taken,
+        [&] {
+          return c.sent.load(std::memory_order_relaxed) - c.taken.load(std::memory_order_acquire) <
+                 detail::kChannelSlots;
+        },
+        to, deadline_ns, "send");
+    const uint32_t seq = c.sent.load(std::memory_order_relaxed);  // only this thread writes it
+    detail::ChunkHeader* h = slotOf(c, seq, channel_bytes_);
+    const uint64_t len = std::min(channel_bytes_, data.bytes - off);
+    if (len > 0) std::memcpy(h + 1, data.data + off, len);
+    h->total = data.bytes;
+    h->chunk = len;
+    h->tag = tag;
+    c.sent.store(seq + 1, std::memory_order_release);
+    ipc::futexWake(&c.sent);
+    off += len;
+  } while (off < data.bytes);
+}
+
+void ShmComm::recv(uint32_t from, Span data, int64_t tag, uint64_t deadline_ns) {
+  SHMGRAD_CHECK(from < world_ && from != rank_, ErrorKind::kInvalidArgument,
+                "shmgrad backend: recv from rank ", from, " on rank ", rank_, " in a group of ",
+                world_);
+  detail::Channel& c = channel(from, rank_);
+  uint64_t off = 0;
+  do {
+    waitPeer(
+        c.sent,
+        [&] {
+          return c.sent.load(std::memory_order_acquire) != c.taken.load(std::memory_order_relaxed);
+        },
+        from, deadline_ns, "recv");
+    const uint32_t seq = c.taken.load(std::memory_order_relaxed);  // only this thread writes it
+    const detail::ChunkHeader* h = slotOf(c, seq, channel_bytes_);
+    // Read once, then checked: the sizes come from another process.
+    const uint64_t total = h->total, len = h->chunk;
+    const int64_t their_tag = h->tag;
+    if (total != data.bytes || their_tag != tag || len > channel_bytes_ ||
+        len != std::min(channel_bytes_, total - off)) {
+      const std::string message =
+          "shmgrad backend: rank " + std::to_string(from) + " sent " + std::to_string(total) +
+          " bytes with tag " + std::to_string(their_tag) + " but rank " + std::to_string(rank_) +
+          " expected " + std::to_string(data.bytes) + " bytes with tag " + std::to_string(tag) +
+          ": sends and recvs between two ranks are matched in order and must agree";
+      breakGroup(ErrorKind::kInvalidArgument, from, message);
+      throw Error(ErrorKind::kInvalidArgument, message);
+    }
+    if (len > 0) std::memcpy(data.data + off, h + 1, len);
+    c.taken.store(seq + 1, std::memory_order_release);
+    ipc::futexWake(&c.taken);
+    off += len;
+  } while (off < data.bytes);
+}
+
+bool ShmComm::breakGroup(ErrorKind kind, uint32_t culprit, const std::string& message) {
+  uint32_t expected = 0;
+  if (!header_->broken.compare_exchange_strong(expected, kClaimed, std::memory_order_acq_rel))
+    return false;
+  std::snprintf(header_->broken_reason, sizeof(header_->broken_reason), "%s", message.c_str());
+  header_->broken_kind.store(static_cast<uint32_t>(kind), std::memory_order_relaxed);
+  header_->broken.store(1 + culprit, std::memory_order_release);
+  ipc::futexWake(&header_->arrivals);
+  return true;
+}
+
+void ShmComm::shutdown() {
+  closing_.store(true, std::memory_order_release);
+  ipc::futexWake(&header_->arrivals);
 }
 
 }  // namespace shmgrad::backend

@@ -15,6 +15,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -27,6 +28,7 @@ namespace shmgrad::backend {
 namespace detail {
 struct GroupHeader;
 struct RankRecord;
+struct Channel;
 }  // namespace detail
 
 // Element types the collectives reduce (c10d's CPU dtypes).
@@ -120,6 +122,16 @@ class ShmComm {
   // rank j's in[this rank].bytes: checked).
   void alltoall(const std::vector<Span>& in, const std::vector<Span>& out, uint64_t deadline_ns);
 
+  // Point to point, in order between each pair (a recv takes the oldest send of its peer;
+  // sizes and tags must agree: a mismatch breaks the group, naming both). Thread-safe
+  // against the collectives and against other peers' send/recv (one thread per peer and
+  // direction at a time).
+  void send(uint32_t to, Span data, int64_t tag, uint64_t deadline_ns);
+  void recv(uint32_t from, Span data, int64_t tag, uint64_t deadline_ns);
+
+  // Waits in progress end with an error (the process group is being destroyed).
+  void shutdown();
+
   // This rank leaves the group (its process group is destroyed): peers waiting on it
   // fail at once naming it, instead of at their deadline.
   void leave();
@@ -140,6 +152,14 @@ class ShmComm {
   void meet(uint64_t deadline_ns);
   void checkSignatures();
   [[noreturn]] void fail(ErrorKind kind, uint32_t culprit, const std::string& why);
+  // Records the first failure in the segment (every rank's later collectives end with it);
+  // false if another was recorded first.
+  bool breakGroup(ErrorKind kind, uint32_t culprit, const std::string& message);
+  detail::Channel& channel(uint32_t from, uint32_t to) const;
+  // Waits on `word` until ready(), the deadline, the peer's death or departure, the
+  // group's failure or close().
+  void waitPeer(std::atomic<uint32_t>& word, const std::function<bool()>& ready, uint32_t peer,
+                uint64_t deadline_ns, const char* what);
   // Throws if the group is broken, a peer died or left (called between sleeps).
   bool peersOk();
   uint32_t nextParity() { return static_cast<uint32_t>(round_++ & 1); }
@@ -150,7 +170,9 @@ class ShmComm {
   uint32_t world_, rank_;
   uint64_t staging_;
   detail::GroupHeader* header_;
-  uint64_t records_offset_ = 0, a2a_offset_ = 0, staging_offset_ = 0;
+  uint64_t records_offset_ = 0, a2a_offset_ = 0, staging_offset_ = 0, channels_offset_ = 0;
+  uint64_t channel_bytes_ = 0;
+  std::atomic<bool> closing_{false};
   ipc::AdaptiveSpin spin_;    // how long meet() spins before it sleeps
   int creator_fd_ = -1;       // rank 0 until release()
   std::vector<int> pidfds_;   // per rank; -1 for self or not (yet) watched

@@ -343,42 +343,48 @@ class _Net(torch.nn.Module):
         return self.head(self.body(x))
 
 
-def _ddp_params(rank, world, backend, steps=4, bucket_cap_mb=0.01):
-    dist.init_process_group(backend, rank=rank, world_size=world)
-    torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(_Net(), bucket_cap_mb=bucket_cap_mb)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    g = torch.Generator().manual_seed(1)
-    for _ in range(steps):
-        x = torch.randn(8 * world, 12, generator=g)
-        y = torch.randint(0, 3, (8 * world,), generator=g)
-        xs, ys = x[rank * 8 : rank * 8 + 8], y[rank * 8 : rank * 8 + 8]
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(xs), ys).backward()
-        opt.step()
-    # numpy arrays travel by value (a tensor through the queue would need this process alive).
-    return [p.detach().numpy().copy() for p in model.parameters()]
+def _ddp_params(rank, world, steps=4, bucket_cap_mb=0.01):
+    """DDP over shmgrad (the default group) and DDP over a gloo group, in the same ranks,
+    from the same initial parameters and on the same shards."""
+    _init(rank, world)
+    gloo = dist.new_group(backend="gloo")
+    out = {}
+    for name, group in (("shmgrad", None), ("gloo", gloo)):
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(
+            _Net(), bucket_cap_mb=bucket_cap_mb, process_group=group
+        )
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(steps):
+            x = torch.randn(8 * world, 12, generator=g)
+            y = torch.randint(0, 3, (8 * world,), generator=g)
+            xs, ys = x[rank * 8 : rank * 8 + 8], y[rank * 8 : rank * 8 + 8]
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(xs), ys).backward()
+            opt.step()
+        # numpy arrays travel by value (a tensor through the queue needs this process alive)
+        out[name] = [p.detach().numpy().copy() for p in model.parameters()]
+    return out
 
 
 def test_ddp_gives_the_parameters_of_ddp_with_gloo():
-    shm = launch(_ddp_params, args=("shmgrad",))
-    gloo = launch(_ddp_params, args=("gloo",))
-    # Two ranks: a + b in either order, the same bits.
-    for a, b in zip(shm[0], gloo[0]):
+    ranks = launch(_ddp_params)
+    # Two ranks: a + b in either order, the same bits (several buckets of 0.01 MB).
+    for a, b in zip(ranks[0]["shmgrad"], ranks[0]["gloo"]):
         assert np.array_equal(a, b)
-    for a, b in zip(shm[0], shm[1]):
+    for a, b in zip(ranks[0]["shmgrad"], ranks[1]["shmgrad"]):
         assert np.array_equal(a, b)
 
 
 def test_ddp_with_four_ranks_within_rounding_of_gloo():
-    shm = launch(_ddp_params, world=4, args=("shmgrad",))
-    gloo = launch(_ddp_params, world=4, args=("gloo",))
+    ranks = launch(_ddp_params, world=4)
     # Four ranks: shmgrad adds in rank order, gloo's ring in another; the parameters after
     # 4 steps agree to float32 rounding, and every shmgrad rank holds the same bits.
-    for a, b in zip(shm[0], gloo[0]):
+    for a, b in zip(ranks[0]["shmgrad"], ranks[0]["gloo"]):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     for r in range(1, 4):
-        for a, b in zip(shm[0], shm[r]):
+        for a, b in zip(ranks[0]["shmgrad"], ranks[r]["shmgrad"]):
             assert np.array_equal(a, b)
 
 
@@ -397,7 +403,7 @@ def _refusals(rank, world):
             return
         raise AssertionError(f"{name} was not refused")
 
-    refused("send", lambda: dist.send(torch.ones(3), dst=1 - rank))
+    refused("recv from any", lambda: dist.recv(torch.ones(3)))
     refused(
         "premul_sum", lambda: dist.all_reduce(torch.ones(3), op=dist._make_nccl_premul_sum(2.0))
     )
@@ -415,7 +421,7 @@ def _refusals(rank, world):
 
 def test_what_it_cannot_do_is_refused_naming_the_fix():
     errors = launch(_refusals)[0]
-    assert "gloo" in errors["send"]
+    assert "name the source rank" in errors["recv from any"]
     assert "PREMUL_SUM" in errors["premul_sum"]
     assert "all_gather_into_tensor" in errors["sizes"]
     assert "rank 0 called allreduce" in errors["mismatch"]
@@ -490,6 +496,55 @@ def test_cuda_tensors_are_refused_naming_the_per_device_backend():
     if not torch.cuda.is_available():
         pytest.skip("no GPU here: CUDA tensors cannot be made")
     assert "cpu:shmgrad,cuda:nccl" in launch(_cuda)[0]
+
+
+# --------------------------------------------------------------------------- send, recv
+
+
+def _point_to_point(rank, world):
+    _init(rank, world)
+    other = 1 - rank
+    torch.manual_seed(rank)
+    mine = torch.randn(3_000_001)  # 12 MB: many chunks of the pair's channel
+    theirs = torch.empty(3_000_001)
+    # Both directions at once (a deadlock if a send waited for its recv in one thread).
+    works = [dist.isend(mine, dst=other, tag=7), dist.irecv(theirs, src=other, tag=7)]
+    for w in works:
+        w.wait()
+    torch.manual_seed(other)
+    assert torch.equal(theirs, torch.randn(3_000_001))
+    # In order between a pair, with a collective between them.
+    if rank == 0:
+        for i in range(3):
+            dist.send(torch.full((4,), float(i)), dst=1)
+        dist.all_reduce(torch.ones(2))
+        got = torch.empty(2, 3).t()  # non-contiguous
+        dist.recv(got, src=1)
+        assert torch.equal(got, torch.arange(6.0).reshape(3, 2))
+    else:
+        dist.all_reduce(torch.ones(2))
+        for i in range(3):
+            t = torch.empty(4)
+            dist.recv(t, src=0)
+            assert torch.equal(t, torch.full((4,), float(i)))
+        dist.send(torch.arange(6.0).reshape(3, 2), dst=0)
+    # Tags that disagree: refused on the receiver, and the group is broken for both.
+    errors = []
+    try:
+        if rank == 0:
+            dist.send(torch.ones(3), dst=1, tag=1)
+        else:
+            dist.recv(torch.ones(3), src=0, tag=2)
+        dist.all_reduce(torch.ones(1))
+    except dist.DistBackendError as exc:
+        errors.append(str(exc))
+    return errors
+
+
+def test_send_and_recv_between_ranks_in_order():
+    errors = launch(_point_to_point)
+    assert "rank 0 sent 12 bytes with tag 1 but rank 1 expected 12 bytes with tag 2" in errors[1][0]
+    assert "tag 1" in errors[0][0]  # the sender's next collective names the cause
 
 
 # ------------------------------------------------------------------------ FSDP2, torchrun
