@@ -586,8 +586,9 @@ uint64_t* ShmComm::a2aTable(uint64_t seq) const {
 }
 
 std::string ShmComm::brokenReason() const {
+  // Shared memory only (any thread may ask): "" while it works or its text is being written.
   const uint32_t b = header_->broken.load(std::memory_order_acquire);
-  if (b == 0 || b == kClaimed) return local_broken_;
+  if (b == 0 || b == kClaimed) return "";
   char text[sizeof(header_->broken_reason)];
   std::memcpy(text, header_->broken_reason, sizeof(text));
   text[sizeof(text) - 1] = '\0';  // never trust the array to be terminated
@@ -613,7 +614,6 @@ void ShmComm::fail(ErrorKind kind, uint32_t culprit, const std::string& why) {
     if (static_cast<uint32_t>(kind) > static_cast<uint32_t>(ErrorKind::kSystem))
       kind = ErrorKind::kWorkerFailed;
   }
-  local_broken_ = message;
   throw Error(kind, message);
 }
 

@@ -135,7 +135,7 @@ class ShmComm {
   // This rank leaves the group (its process group is destroyed): peers waiting on it
   // fail at once naming it, instead of at their deadline.
   void leave();
-  // The error that broke the group, or "" while it works.
+  // The error that broke the group, as recorded in the segment, or "" while it works.
   std::string brokenReason() const;
 
  private:
@@ -181,7 +181,6 @@ class ShmComm {
   uint64_t op_seq_ = 0;       // collectives begun
   bool first_meet_ = false;   // the current collective has not met yet
   const char* op_name_ = "the group's start";
-  std::string local_broken_;  // why this rank's view of the group broke
 };
 
 }  // namespace shmgrad::backend
