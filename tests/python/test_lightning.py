@@ -7,7 +7,9 @@ after an error. docs/LIGHTNING.md's manual recipe, read from the document and ru
 written, against the same reference; and the obvious port (the engine called from
 training_step, nothing overridden), which trains nothing, warns."""
 
+import ast
 import copy
+import inspect
 import os
 import re
 import signal
@@ -115,7 +117,7 @@ def test_the_obvious_port_warns_that_it_trains_nothing():
     before = [p.detach().clone() for p in net.parameters()]
     with shmgrad.Engine(model=net, workers=2, loss=torch.nn.CrossEntropyLoss()) as engine:
         engine.bind(net)
-        with pytest.warns(RuntimeWarning, match=r"set to None.*optimizer_zero_grad"):
+        with pytest.warns(RuntimeWarning, match=r"set to None.*strategy='shmgrad'.*optimizer_zero"):
             _fit(ObviousPort(net, engine))
     assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
 
@@ -247,6 +249,41 @@ def test_strategy_trains_as_lightning_does(options):
     for key in ("train_loss", "val_loss"):  # logged as Lightning logs them
         a, b = trainer.callback_metrics[key], plain.callback_metrics[key]
         assert torch.allclose(a, b, rtol=1e-5), (key, a, b)
+
+
+class TinyData(pl.LightningDataModule):
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(_data(), batch_size=ODD_BATCH)
+
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(_data(), batch_size=ODD_BATCH)
+
+
+def test_the_docs_one_line_way_runs_as_written(tmp_path, monkeypatch):
+    with open(DOC) as f:
+        doc = f.read()
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", doc, re.S) if "strategy=" in b]
+    monkeypatch.chdir(tmp_path)  # the Trainer's default logger and checkpoints go here
+    torch.manual_seed(0)
+    net = Mlp()
+    start = [p.detach().clone() for p in net.parameters()]
+    namespace = {"model": Classifier(net), "datamodule": TinyData()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", module="pytorch_lightning")
+        warnings.filterwarnings("ignore", module="lightning_fabric")
+        exec(compile(block, DOC, "exec"), namespace)
+    trainer = namespace["trainer"]
+    assert isinstance(trainer.strategy, EngineStrategy)
+    assert trainer.strategy.workers == shmgrad.lightning.default_workers()
+    assert trainer.global_step == 6 and trainer.strategy.engine is None
+    assert any(not torch.equal(p, q) for p, q in zip(net.parameters(), start))
+    # The signature shown is the code's: names and defaults.
+    (shown,) = re.findall(r"^    (EngineStrategy\(.*?\))$", doc, re.M | re.S)
+    args = ast.parse(f"def f{shown[len('EngineStrategy') :]}: pass").body[0].args
+    documented = {a.arg: ast.literal_eval(d) for a, d in zip(args.kwonlyargs, args.kw_defaults)}
+    params = inspect.signature(EngineStrategy.__init__).parameters.values()
+    actual = {p.name: p.default for p in params if p.kind == p.KEYWORD_ONLY}
+    assert documented == actual and args.kwarg.arg == "engine_options" and not args.args
 
 
 def test_strategy_is_registered_and_refuses_what_it_cannot_run():
