@@ -309,34 +309,31 @@ def test_manual_optimization_is_refused_naming_the_fix():
 
 def test_checkpoint_resumes_as_one_uninterrupted_run(tmp_path):
     torch.manual_seed(0)
-    net = Mlp()
-    whole, first = copy.deepcopy(net), copy.deepcopy(net)
-    # Two epochs of two batches (7 and 7), the LR halving every step, in one run ...
-    _strategy_fit(Classifier(whole), EngineStrategy(workers=2), examples=14, max_epochs=2)
-    # ... and as one epoch, checkpointed, then resumed from the file into a fresh module.
-    save = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    whole = Mlp()
+    # Two epochs of two batches (7 and 7), the LR halving every step, checkpointed after
+    # each epoch ...
+    every_epoch = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_top_k=-1)
     _strategy_fit(
-        Classifier(first),
-        EngineStrategy(workers=2),
-        examples=14,
-        max_epochs=1,
-        enable_checkpointing=True,
-        callbacks=[save],
-    )
-    assert os.path.exists(tmp_path / "last.ckpt")
-    resumed = Classifier(Mlp())  # other initial values: all from the checkpoint
-    trainer = _strategy_fit(
-        resumed,
+        Classifier(whole),
         EngineStrategy(workers=2),
         examples=14,
         max_epochs=2,
-        ckpt_path=str(tmp_path / "last.ckpt"),
+        enable_checkpointing=True,
+        callbacks=[every_epoch],
+    )
+    first = tmp_path / "epoch=0-step=2.ckpt"
+    assert sorted(os.listdir(tmp_path)) == [first.name, "epoch=1-step=4.ckpt"]
+    # ... and resumed from the first epoch's checkpoint into a fresh module.
+    resumed = Classifier(Mlp())  # other initial values: all from the checkpoint
+    trainer = _strategy_fit(
+        resumed, EngineStrategy(workers=2), examples=14, max_epochs=2, ckpt_path=str(first)
     )
     assert trainer.global_step == 4
     assert trainer.lr_scheduler_configs[0].scheduler.get_last_lr() == [0.05 / 16]
+    after_first = torch.load(first, weights_only=True)["state_dict"]["model.fc1.weight"]
+    assert not torch.equal(after_first, whole.fc1.weight)  # the second epoch trained
     for (name, p), q in zip(resumed.model.named_parameters(), whole.parameters()):
         assert torch.equal(p, q), name
-    assert not torch.equal(first.fc1.weight, whole.fc1.weight)  # the second epoch trained
 
 
 class KillWorkerMidStep(pl.Callback):
