@@ -117,16 +117,19 @@ def _silent(*args, **kwargs):
     """``self.log``/``self.log_dict`` in a worker: nothing (the trainer logs the loss)."""
 
 
+def _lightning_modules(module) -> list:
+    """The module and the LightningModules inside it (those with a ``_trainer``)."""
+    return [m for m in module.modules() if "_trainer" in vars(m)]
+
+
 @contextlib.contextmanager
-def _in_worker_context(module, epoch: int, step: int):
-    """The module (and the LightningModules inside it) with the stand-in trainer and
-    silent logging, restored afterwards (the trainer process's probes call this too)."""
+def _in_worker_context(lightning_modules, epoch: int, step: int):
+    """The LightningModules with the stand-in trainer and silent logging, restored
+    afterwards (the engine's probe of the loss, in the trainer, calls this too)."""
     stand_in = WorkerTrainer(epoch, step)
     saved = []
-    for m in module.modules():
+    for m in lightning_modules:
         own = vars(m)
-        if "_trainer" not in own:  # not a LightningModule
-            continue
         saved.append((m, own["_trainer"], {k: own[k] for k in ("log", "log_dict") if k in own}))
         own["_trainer"] = stand_in
         own["log"] = own["log_dict"] = _silent
@@ -180,10 +183,15 @@ class WorkerStep:
     ``training_step`` on the worker's shard, with the trainer's batch index, epoch and
     global step, and its loss. Pickled with the job, by reference to this module."""
 
+    def __init__(self):
+        self._found = None  # (module, its LightningModules): looked for once per module
+
     def __call__(self, module, packed):
+        if self._found is None or self._found[0] is not module:
+            self._found = (module, _lightning_modules(module))
         meta = packed["meta"][0].tolist()
         batch_idx = meta[META_BATCH_IDX] if meta[META_TAKES_IDX] else None
-        with _in_worker_context(module, meta[META_EPOCH], meta[META_STEP]):
+        with _in_worker_context(self._found[1], meta[META_EPOCH], meta[META_STEP]):
             output = call_training_step(module, packed["batch"], batch_idx)
         return loss_of(output)
 
