@@ -1,7 +1,8 @@
-"""Where a step of docs/LIGHTNING.md's recipe goes, against plain Lightning and a plain
-PyTorch loop in the same run: a 4-layer CNN on Fashion-MNIST-shaped batches of 128
-(random data), plain runs with 2 threads, the engine with 2 workers of 1 thread; rounds
-interleaved, medians per step. Run it with the heap settings every system gets:
+"""Where a step of docs/LIGHTNING.md's strategy="shmgrad" and of its manual recipe goes,
+against plain Lightning and a plain PyTorch loop in the same run: a 4-layer CNN on
+Fashion-MNIST-shaped batches of 128 (random data), plain runs with 2 threads, the
+engines with 2 workers of 1 thread; rounds interleaved, medians per step. Run it with
+the heap settings every system gets:
 
     env $(.venv/bin/python -c 'import shmgrad; print(" ".join(f"{k}={v}" for k, v in
         shmgrad.heap_environment().items()))') .venv/bin/python tools/lightning_step_cost.py
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shmgrad
+from shmgrad.lightning import EngineStrategy
 
 B, STEPS, ROUNDS, WARMUP = 128, 60, 3, 5
 
@@ -95,11 +97,12 @@ def plain_loop(x, y):
     return median_ms(seconds)
 
 
-def lightning(module, data):
+def lightning(module, data, strategy="auto"):
     timer = StepTimer()
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
+        strategy=strategy,
         max_steps=STEPS,
         logger=False,
         enable_checkpointing=False,
@@ -137,7 +140,8 @@ def main():
     x = torch.randn(B * STEPS, 1, 28, 28, generator=g)
     y = torch.randint(0, 10, (B * STEPS,), generator=g)
     data = torch.utils.data.TensorDataset(x, y)
-    results = {k: [] for k in ("plain loop", "plain Lightning", "engine loop", "recipe")}
+    systems = ("plain loop", "plain Lightning", "engine loop", "recipe", "strategy")
+    results = {k: [] for k in systems}
     breakdown = {False: [], True: []}
     model = Net()
     with shmgrad.Engine(model=model, workers=2, loss=nn.CrossEntropyLoss()) as engine:
@@ -150,6 +154,8 @@ def main():
                 breakdown[step].append(engine_loop(engine, opt, x, y, step=step))
             results["engine loop"].append(breakdown[True][-1][0])
             results["recipe"].append(lightning(Recipe(model, engine), data))
+            # Its own engine of 2 workers of 1 thread, started for each fit (not timed).
+            results["strategy"].append(lightning(Plain(Net()), data, EngineStrategy(workers=2)))
     base = statistics.median(results["plain loop"])
     for name, values in results.items():
         ms = statistics.median(values)

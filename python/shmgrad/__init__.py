@@ -21,9 +21,11 @@ Typical use::
 
 Public modules: ``shmgrad.errors``, ``shmgrad.schedules`` (adaptive batch sizes),
 ``shmgrad.multinode`` (engines on several nodes), ``shmgrad.dask`` (on a Dask cluster,
-imported by its users) and ``shmgrad.testing``. Modules whose names start with ``_`` are
-internal. The benchmarks and the stress test (``shmgrad bench``, ``shmgrad stress``) are
-the separate package ``shmgrad_tools``, which uses only this public API.
+imported by its users), ``shmgrad.lightning`` (Lightning's ``strategy="shmgrad"``,
+imported by its users, or here when Lightning already is) and ``shmgrad.testing``.
+Modules whose names start with ``_`` are internal. The benchmarks and the stress test
+(``shmgrad bench``, ``shmgrad stress``) are the separate package ``shmgrad_tools``, which
+uses only this public API.
 """
 
 import torch  # noqa: F401  (loads libtorch before the extension)
@@ -52,6 +54,21 @@ from .errors import (
 
 
 _backend.register()
+
+
+def _register_lightning_strategy():
+    """Registers ``strategy="shmgrad"`` with a Lightning imported before shmgrad (importing
+    ``shmgrad.lightning`` registers it too); never fails ``import shmgrad``."""
+    import sys
+
+    if "pytorch_lightning" in sys.modules or "lightning.pytorch" in sys.modules:
+        try:
+            from . import lightning  # noqa: F401
+        except ImportError:  # a broken Lightning: importing shmgrad.lightning says why
+            pass
+
+
+_register_lightning_strategy()
 
 
 def heap_environment() -> dict:

@@ -72,8 +72,9 @@ class DiscardWatch:
                 f"gradients that were {cause} after engine.gradient() gave them, so this step "
                 "did not use the engine's gradient. Zero or drop .grad before gradient(), "
                 "not between it and step(). In a LightningModule (automatic optimization), "
-                "Lightning calls optimizer.zero_grad() after training_step: override "
-                f"optimizer_zero_grad and backward, as {LIGHTNING_DOC} shows",
+                "Lightning calls optimizer.zero_grad() after training_step: train with "
+                "Trainer(strategy='shmgrad') (shmgrad.lightning) and no engine of your own, "
+                f"or override optimizer_zero_grad and backward, as {LIGHTNING_DOC} shows",
                 RuntimeWarning,
                 stacklevel=2,
             )

@@ -203,6 +203,7 @@ def test_wheel_installs_outside_the_checkout_and_works_from_anywhere(tmp_path):
     for f in ("shmgrad/bin/shmgrad", "shmgrad/bin/shmgrad-worker", "shmgrad/bin/reduce_bench"):
         assert os.access(site / f, os.X_OK), f"{f} is not in the wheel"
     assert list((site / "shmgrad").glob("_C*.so")), "the extension is not in the wheel"
+    assert (site / "shmgrad" / "lightning.py").exists(), "shmgrad.lightning is not in the wheel"
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHMGRAD_")}
