@@ -447,7 +447,13 @@ void ProcessGroupShm::allreduceAcrossNodes(const std::vector<Span>& spans,
     for (const auto& flat : flats) {
       std::vector<at::Tensor> v{flat};
       leaders_->allreduce(v, o)->wait();
-      if (r == ReduceKind::kAvg) v[0].div_(size_);
+      if (r == ReduceKind::kAvg) {
+        if (v[0].is_floating_point()) {
+          v[0].div_(size_);
+        } else {
+          v[0].div_(size_, "trunc");  // integers: as one node's AVG
+        }
+      }
     }
   }
   if (topo_.local_size > 1) comm_->broadcast(spans, 0, deadline);

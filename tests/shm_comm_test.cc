@@ -107,7 +107,13 @@ TEST(Elements, IntegersWrapAndBoolsAreLogical) {
   EXPECT_EQ(o[0] + 2 * o[1] + 4 * o[2], 1 + 4);  // any
   reduceElements(o, bin, 2, 3, ElemType::kBool, ReduceKind::kProduct);
   EXPECT_EQ(o[0] + 2 * o[1] + 4 * o[2], 4);  // all
-  EXPECT_THROW(checkReduce(ElemType::kInt32, ReduceKind::kAvg), Error);
+  EXPECT_THROW(checkReduce(ElemType::kBool, ReduceKind::kAvg), Error);
+  const int32_t p[2] = {7, -7}, q[2] = {0, 0};
+  int32_t avg[2];
+  const void* pin[2] = {p, q};
+  reduceElements(avg, pin, 2, 2, ElemType::kInt32, ReduceKind::kAvg);
+  EXPECT_EQ(avg[0], 3);  // truncated toward zero
+  EXPECT_EQ(avg[1], -3);
   EXPECT_THROW(checkReduce(ElemType::kFloat32, ReduceKind::kBxor), Error);
 }
 

@@ -578,6 +578,7 @@ class _EngineStrategyMixin:
 
 
 _classes = {}
+DDP_NAME = "ddp_shmgrad"
 
 
 def strategy_class(package: str = "pytorch_lightning"):
@@ -605,6 +606,14 @@ def strategy_class(package: str = "pytorch_lightning"):
             },
         )
         cls.register_strategies(strategies.StrategyRegistry)
+        # DDP over the torch.distributed backend, in one word (docs/BACKEND.md).
+        if DDP_NAME not in strategies.StrategyRegistry:
+            strategies.StrategyRegistry.register(
+                DDP_NAME,
+                strategies.DDPStrategy,
+                description="DDP over shmgrad's shared-memory torch.distributed backend",
+                process_group_backend="shmgrad",
+            )
         _classes[package] = cls
     return cls
 

@@ -146,8 +146,12 @@ def _expected_reduce(tensors, op):
             "BOR": torch.bitwise_or,
             "BXOR": torch.bitwise_xor,
         }[op](out, x)
-    if op == "AVG":
-        out = out / len(xs)
+    if op == "AVG":  # integers: truncated toward zero, as NCCL's
+        out = (
+            out / len(xs)
+            if dtype.is_floating_point
+            else torch.div(out, len(xs), rounding_mode="trunc")
+        )
     return out.to(dtype)
 
 

@@ -405,3 +405,89 @@ def test_lightning_pytorch_gets_a_strategy_class_of_its_own():
     assert issubclass(cls, L.strategies.SingleDeviceStrategy) and cls is not EngineStrategy
     trainer = L.Trainer(strategy="shmgrad", accelerator="cpu", logger=False)
     assert isinstance(trainer.strategy, cls)
+
+
+# ------------------------------------------------------------ DDP over the shmgrad backend
+
+DDP_SCRIPT = """
+import json, sys
+import torch, pytorch_lightning as pl
+import shmgrad, shmgrad.lightning
+from pytorch_lightning.strategies import DDPStrategy
+
+
+class Net(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = torch.nn.Sequential(
+            torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self.model(x), y)
+        self.log("train_loss", loss, sync_dist=True)  # an all-reduce with AVG
+        self.log("examples", float(len(x)), sync_dist=True, reduce_fx="sum")
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+mode, out = sys.argv[1], sys.argv[2]
+strategy, devices, batch = {
+    "single": ("auto", 1, 8),
+    "word": ("ddp_shmgrad", 2, 4),
+    "class": (DDPStrategy(process_group_backend="shmgrad"), 2, 4),
+}[mode]
+g = torch.Generator().manual_seed(1)
+data = torch.utils.data.TensorDataset(torch.randn(64, 6, generator=g),
+                                      torch.randint(0, 3, (64,), generator=g))
+if devices > 1:  # rank r's batch i: examples 8 i + 4 r .. 8 i + 4 r + 3, of the same batches
+    import os
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    data = torch.utils.data.Subset(data, [i for i in range(64) if (i % 8) // 4 == rank])
+loader = torch.utils.data.DataLoader(data, batch_size=batch, shuffle=False)
+trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=4,
+                     logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                     enable_model_summary=False, use_distributed_sampler=False)
+net = Net()
+trainer.fit(net, loader)
+if trainer.global_rank == 0:
+    backend = (torch.distributed.get_backend() if torch.distributed.is_initialized()
+               else None)
+    with open(out, "w") as f:
+        json.dump({"backend": backend, "loss": float(trainer.callback_metrics["train_loss"]),
+                   "params": [p.detach().flatten().tolist() for p in net.parameters()]}, f)
+"""
+
+
+@pytest.mark.parametrize("mode", ["word", "class"])
+def test_ddp_over_the_shmgrad_backend_trains_as_one_process(tmp_path, mode):
+    """strategy="ddp_shmgrad" and DDPStrategy(process_group_backend="shmgrad"): two DDP
+    processes (Lightning launches them) on interleaved halves of each batch end where one
+    process on the whole batches does, with sync_dist logging through the backend."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "ddp.py"
+    script.write_text(DDP_SCRIPT)
+    results = {}
+    for m in ("single", mode):
+        out = tmp_path / f"{m}.json"
+        proc = subprocess.run(
+            [sys.executable, str(script), m, str(out)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tmp_path,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"},
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        results[m] = json.loads(out.read_text())
+    assert results[mode]["backend"] == "shmgrad"
+    for a, b in zip(results[mode]["params"], results["single"]["params"]):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-5, atol=1e-6)
+    # The last step's logged loss: the mean of the two ranks' means = the batch's mean.
+    assert abs(results[mode]["loss"] - results["single"]["loss"]) < 1e-5
