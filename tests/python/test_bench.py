@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-EXPECTED_SYSTEMS = {"single-1t", "single", "shmgrad", "eager", "ddp", "dask"}
+EXPECTED_SYSTEMS = {"single-1t", "single", "shmgrad", "eager", "ddp", "ddp-shmgrad", "dask"}
 PAIRED_SYSTEMS = {"shmgrad-paired", "eager-paired", "ddp-paired"}
 
 
@@ -83,8 +83,10 @@ def test_quick_tiny_bench(tmp_path):
         if r["system"] in ("shmgrad", "eager", "shmgrad-paired", "eager-paired"):
             assert math.isfinite(r["overhead_median"]) and r["overhead_median"] < 1.0
             assert _finite_positive(r["compute_max_median_s"])
-        if r["system"] == "ddp":
+        if r["system"] in ("ddp", "ddp-shmgrad"):
             assert _finite_positive(r["ratio_to_eager"]), r
+        if r["system"] == "ddp-shmgrad":
+            assert _finite_positive(r["ratio_to_ddp"]), r
         if r.get("grad_rel_err") is not None:
             # Same model, same batch: every system computes the same gradient.
             assert r["grad_rel_err"] < 1e-4, r
@@ -128,6 +130,7 @@ def test_help_documents_every_option():
         "--paired",
         "--pin",
         "--bucket-cap-mb",
+        "ddp-shmgrad",
     ):
         assert opt in p.stdout, opt
 
@@ -294,3 +297,53 @@ def test_bf16_autocast_against_float32_eager(tmp_path):
     assert bf16["grad_rel_err"] < 5e-2
     with open(out / "results.md") as f:
         assert "vs eager" in f.read()
+
+
+def _bench(tmp_path, *args, timeout=240):
+    """Runs `shmgrad bench ARGS --out tmp_path/bench`; returns (results.json, results.md)."""
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [sys.executable, "-m", "shmgrad_tools.bench", *args, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=str(tmp_path),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(out / "results.json") as f:
+        result = json.load(f)
+    return result, (out / "results.md").read_text()
+
+
+def test_ddp_over_the_shmgrad_backend_beside_ddp_gloo(tmp_path):
+    """`--systems ddp,ddp-shmgrad` (and the single process, the gradient's reference):
+    DDP over the shmgrad backend computes the same gradient as DDP-gloo, and is reported
+    against it."""
+    result, table = _bench(
+        tmp_path, "--quick", "--tiny", "--workers", "2", "--systems", "single,ddp,ddp-shmgrad"
+    )
+    by_system = {r["system"]: r for r in result["results"] if r["workers"] == 2}
+    assert {"ddp", "ddp-shmgrad"} <= set(by_system), by_system
+    ddp, shm = by_system["ddp"], by_system["ddp-shmgrad"]
+    for r in (ddp, shm):
+        assert "error" not in r, r
+        assert r["n"] >= 2 and all(_finite_positive(t) for t in r["times_s"]), r
+        assert r["grad_rel_err"] < 1e-4, r
+    assert shm["ratio_to_ddp"] == shm["median_s"] / ddp["median_s"]
+    row = next(line for line in table.splitlines() if "| ddp-shmgrad |" in line)
+    assert f"vs ddp {shm['ratio_to_ddp']:.2f}x" in row, row
+
+
+def test_ddp_shmgrad_with_nodes_is_refused(tmp_path):
+    """--nodes stands for machines of their own: ddp-shmgrad is refused there, by name,
+    before anything runs (no output directory)."""
+    out = tmp_path / "never"
+    p = subprocess.run(
+        [sys.executable, "-m", "shmgrad_tools.bench", "--nodes", "2", "--systems", "ddp-shmgrad"]
+        + ["--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert p.returncode != 0 and "ddp-shmgrad does not run with --nodes" in p.stderr, p.stderr
+    assert not out.exists()

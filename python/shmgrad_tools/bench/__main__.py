@@ -13,6 +13,9 @@
            float32), against the float32 eager workers (``vs eager``);
   ddp      PyTorch DistributedDataParallel, gloo backend, N processes on 127.0.0.1
            (torch.multiprocessing spawn), each computing its shard and all-reducing;
+  ddp-shmgrad  the same DDP, same ranks and settings, over the ``shmgrad``
+           torch.distributed backend (``init_process_group("shmgrad")``: this machine's
+           shared memory instead of TCP), against ``ddp`` (``vs ddp``) and the engine;
   dask     the task-scheduler approach shmgrad replaces: a Dask ``distributed`` client
            with processes=False and N threads; each step scatters the model, every
            gradient task deep-copies it and computes its shard, one task sums them;
@@ -30,7 +33,9 @@ With --nodes K, one run compares instead, on the same models and batches:
   shmgrad  one engine with K x workers workers (what one machine would run);
   single   the single process with 1 thread (the gradient reference).
 The table gives the all-reduce's share of the step, and the bytes each node sends per
-step (ring all-reduce of the buffer, and as the loopback interface counted them).
+step (ring all-reduce of the buffer, and as the loopback interface counted them). The
+nodes stand for machines of their own, which a shared-memory backend cannot span: there
+is no ddp-shmgrad with --nodes.
 
 Each configuration runs warm-up steps first, then up to --repeats timed steps (fewer once
 --budget seconds are spent; at least 3). Reported per configuration: median, min, max and
@@ -61,7 +66,9 @@ from . import models, report, runners
 from .nodes import NodeRun
 from .timing import Budget, log, now, summarize
 
-SYSTEMS = ("single", "shmgrad", "eager", "compiled", "bf16", "ddp", "dask", "reduce")
+SYSTEMS = ("single", "shmgrad", "eager", "compiled", "bf16", "ddp", "ddp-shmgrad", "dask", "reduce")
+# DDP's systems and the process group backend of each.
+DDP_BACKENDS = {"ddp": "gloo", "ddp-shmgrad": "shmgrad"}
 # Compiling costs minutes; bf16 is a comparison of its own (--systems eager,bf16).
 DEFAULT_SYSTEMS = [s for s in SYSTEMS if s not in ("compiled", "bf16")]
 LARGE_REDUCE_FLOATS = 16 * 1024 * 1024  # 64 MiB a slot: larger than most last-level caches
@@ -187,12 +194,13 @@ def build_parser():
     ap.add_argument(
         "--systems",
         type=name_list(SYSTEMS),
-        default=list(DEFAULT_SYSTEMS),
+        default=None,
         help=f"what to measure, comma-separated (default "
-        f"{','.join(DEFAULT_SYSTEMS)}; also: compiled, eager workers running "
+        f"{','.join(DEFAULT_SYSTEMS)}; ddp-shmgrad is DDP over the shmgrad "
+        "torch.distributed backend; also: compiled, eager workers running "
         "torch.compile'd models, compile time in the warm-up steps; bf16, eager workers "
         "under torch.autocast bfloat16); "
-        "ratios need shmgrad",
+        "ratios need shmgrad (ddp-shmgrad's vs ddp needs ddp)",
     )
     ap.add_argument(
         "--reduce-floats",
@@ -280,6 +288,13 @@ def build_parser():
 
 
 def resolve(args):
+    if args.nodes is not None and args.systems is not None and "ddp-shmgrad" in args.systems:
+        raise SystemExit(
+            "shmgrad bench: ddp-shmgrad does not run with --nodes: the nodes stand for "
+            "machines of their own, which a shared-memory backend cannot span (use ddp)"
+        )
+    if args.systems is None:
+        args.systems = list(DEFAULT_SYSTEMS)
     quick = args.quick or args.tiny
     if args.models is None:
         args.models = (
@@ -440,21 +455,29 @@ def measure(args):
                         ),
                         ref,
                     )
-            if "ddp" in systems:
-                est = next(
-                    (e["median_s"] for e in engines.values() if "median_s" in e),
-                    single_by_n.get(1, {}).get("median_s"),
-                )
-                reps = runners.ddp_repeats(budget, est)
-                record(
-                    base,
-                    "ddp",
-                    n,
-                    lambda: runners.run_ddp(
-                        model_name, batch, args.warmup, reps, n, args.seed, now() + args.timeout
-                    ),
-                    ref,
-                )
+            est = next(
+                (e["median_s"] for e in engines.values() if "median_s" in e),
+                single_by_n.get(1, {}).get("median_s"),
+            )
+            reps = runners.ddp_repeats(budget, est)
+            for system, backend in DDP_BACKENDS.items():
+                if system in systems:
+                    record(
+                        base,
+                        system,
+                        n,
+                        lambda backend=backend: runners.run_ddp(
+                            model_name,
+                            batch,
+                            args.warmup,
+                            reps,
+                            n,
+                            args.seed,
+                            now() + args.timeout,
+                            backend=backend,
+                        ),
+                        ref,
+                    )
             if args.paired:
                 measure_paired(args, records, base, model_name, batch, n, ref, budget)
             if "dask" in systems:
@@ -471,19 +494,25 @@ def measure(args):
 
     # Ratios to shmgrad (and DDP's to eager), same model, batch and N; a paired record's
     # to the paired shmgrad's (the steps it took turns with).
-    shm, eager, shm_paired = (
+    shm, eager, shm_paired, ddp_gloo = (
         {
             (r["model"], r["batch"], r["workers"]): r
             for r in records
             if r["system"] == system and "median_s" in r
         }
-        for system in ("shmgrad", "eager", "shmgrad-paired")
+        for system in ("shmgrad", "eager", "shmgrad-paired", "ddp")
     )
     for r in records:
         key = (r["model"], r["batch"], r["workers"])
         s = (shm_paired if r["system"].endswith("-paired") else shm).get(key)
-        if r["system"] in ("ddp", "compiled", "bf16") and key in eager and "median_s" in r:
+        if (
+            r["system"] in ("ddp", "ddp-shmgrad", "compiled", "bf16")
+            and key in eager
+            and "median_s" in r
+        ):
             r["ratio_to_eager"] = r["median_s"] / eager[key]["median_s"]
+        if r["system"] == "ddp-shmgrad" and key in ddp_gloo and "median_s" in r:
+            r["ratio_to_ddp"] = r["median_s"] / ddp_gloo[key]["median_s"]
         if s is not None and "median_s" in r:
             r["ratio_to_shmgrad"] = r["median_s"] / s["median_s"]
         elif r["system"] == "single-1t":
@@ -707,6 +736,11 @@ def settings_info(args) -> dict:
         "heap_environment": heap,
         "intra_op_threads_per_process": 1,
         "inter_op_threads_per_process": 1,
+        # What the process groups of DDP's ranks start with.
+        "backend_environment": {
+            "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+            "SHMGRAD_BACKEND_STAGING_MB": os.environ.get("SHMGRAD_BACKEND_STAGING_MB"),
+        },
     }
 
 

@@ -11,6 +11,7 @@ LABELS = {
     "compiled": "shmgrad eager, torch.compile'd, N workers",
     "bf16": "shmgrad eager, bfloat16 autocast, N workers",
     "ddp": "DDP gloo, N processes",
+    "ddp-shmgrad": "DDP over the shmgrad backend, N processes",
     "dask": "Dask deep-copy, N threads",
     "shmgrad-paired": "shmgrad, N workers, in turn with DDP",
     "eager-paired": "shmgrad eager, N workers, in turn with DDP",
@@ -166,10 +167,11 @@ def table(records, reductions, targets):
         "compiled": 4,
         "bf16": 5,
         "ddp": 6,
-        "dask": 7,
-        "shmgrad-paired": 8,
-        "eager-paired": 9,
-        "ddp-paired": 10,
+        "ddp-shmgrad": 7,
+        "dask": 8,
+        "shmgrad-paired": 9,
+        "eager-paired": 10,
+        "ddp-paired": 11,
     }
     rows = sorted(
         records, key=lambda r: (r["model"], r["batch"], r["workers"], order.get(r["system"], 9))
@@ -208,6 +210,8 @@ def table(records, reductions, targets):
             notes.append("in turn with shmgrad-paired (and eager-paired), step by step")
         if r["system"] in ("single", "single-1t"):
             notes.append(f"{r['threads']} thread{'s' if r['threads'] > 1 else ''}")
+        if "ratio_to_ddp" in r:
+            notes.append(f"vs ddp {r['ratio_to_ddp']:.2f}x")
         if "ratio_to_eager" in r:
             notes.append(f"vs eager {r['ratio_to_eager']:.2f}x")
         if r.get("grad_rel_err") is not None and r["system"] != "single-1t":
@@ -349,6 +353,7 @@ def plot(records, path):
         "compiled": ("tab:brown", "-", "^"),
         "bf16": ("tab:pink", "-", "x"),
         "ddp": ("tab:green", "-", "^"),
+        "ddp-shmgrad": ("tab:olive", "-", "P"),
         "dask": ("tab:purple", "-", "D"),
     }
     for i, m in enumerate(models):

@@ -1,6 +1,7 @@
 """The systems ``shmgrad bench`` measures, one runner each: a single process, a shmgrad
-engine (TorchScript or eager workers), DDP over gloo, shmgrad engines on several nodes
-(``--nodes``), Dask with a deep copy per task, and the reduction alone.
+engine (TorchScript or eager workers), DDP over gloo or over the shmgrad backend, shmgrad
+engines on several nodes (``--nodes``), Dask with a deep copy per task, and the reduction
+alone.
 
 Every runner of a training step takes the same batches and returns ``(record, grad)``:
 the step times and what else it measured, and the gradient of batch 0 as one float64
@@ -150,7 +151,7 @@ def run_shmgrad(
             engine.close()
 
 
-# -- 3. DDP (gloo) --------------------------------------------------------------------
+# -- 3. DDP (gloo, or the shmgrad backend) ----------------------------------------------
 def _free_port():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -211,7 +212,9 @@ def _step_times(results):
     return [max(e[i] for e in ends) - min(s[i] for s in starts) for i in range(len(starts[0]))]
 
 
-def run_ddp(model_name, batch, warmup, repeats, workers, seed, deadline, pin=False):
+def run_ddp(model_name, batch, warmup, repeats, workers, seed, deadline, pin=False, backend="gloo"):
+    """DDP with ``workers`` ranks whose process group is ``backend``'s: "gloo" (TCP on
+    127.0.0.1) or "shmgrad" (the backend over this machine's shared memory)."""
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     port = _free_port()
@@ -219,9 +222,9 @@ def run_ddp(model_name, batch, warmup, repeats, workers, seed, deadline, pin=Fal
     results, total = _run_ranks(
         ddp.rank_main,
         workers,
-        (workers, port, model_name, batch, warmup, repeats, seed, pin),
+        (workers, port, model_name, batch, warmup, repeats, seed, pin, backend),
         deadline,
-        "DDP",
+        f"DDP ({backend})",
     )
     times = _step_times(results)
     return {
