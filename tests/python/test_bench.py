@@ -10,6 +10,7 @@ import sys
 
 EXPECTED_SYSTEMS = {"single-1t", "single", "shmgrad", "eager", "ddp", "ddp-shmgrad", "dask"}
 PAIRED_SYSTEMS = {"shmgrad-paired", "eager-paired", "ddp-paired"}
+OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
 def _finite_positive(x):
@@ -130,6 +131,9 @@ def test_help_documents_every_option():
         "--paired",
         "--pin",
         "--bucket-cap-mb",
+        "--collectives",
+        "--sizes",
+        "--ranks",
         "ddp-shmgrad",
     ):
         assert opt in p.stdout, opt
@@ -346,4 +350,69 @@ def test_ddp_shmgrad_with_nodes_is_refused(tmp_path):
         timeout=60,
     )
     assert p.returncode != 0 and "ddp-shmgrad does not run with --nodes" in p.stderr, p.stderr
+    assert not out.exists()
+
+
+def test_collectives_gloo_and_shmgrad_against_the_bound(tmp_path):
+    """`--collectives`: every collective at every size through both backends, each
+    first call right, every figure positive, the bound from the module's formulas."""
+    result, table = _bench(
+        tmp_path,
+        "--collectives",
+        "--ranks",
+        "2",
+        "--sizes",
+        "4K,1M",
+        "--repeats",
+        "3",
+        "--warmup",
+        "1",
+        "--budget",
+        "2",
+    )
+    (run,) = result["collective_runs"]
+    assert run["ranks"] == 2 and "error" not in run, run
+    assert _finite_positive(run["copy"]["all_gbps"]), run
+    assert _finite_positive(run["copy"]["alone_gbps"]), run
+    records = result["results"]
+    got = {(r["collective"], r["size"]) for r in records}
+    assert got == {(op, size) for op in OPS for size in (4096, 1 << 20)}, got
+    # (5 + 1/W) n, (2 + 2/W) n, (3 + 1/W) n at W = 2.
+    per_byte = {"all_reduce": 5.5, "all_gather": 3.0, "reduce_scatter": 3.5}
+    for r in records:
+        assert r["ranks"] == 2 and r["bytes"] == r["size"], r
+        assert r["traffic_bytes"] == per_byte[r["collective"]] * r["size"], r
+        assert r["copy_gbps"] == run["copy"]["all_gbps"] and _finite_positive(r["bound_s"]), r
+        assert math.isclose(r["bound_s"], r["traffic_bytes"] / (r["copy_gbps"] * 1e9))
+        for system in ("gloo", "shmgrad"):
+            s = r[system]
+            assert s["correct"] is True, (system, r)
+            assert s["n"] == len(s["times_s"]) == 3 and s["calls_per_sample"] >= 1, s
+            assert all(_finite_positive(t) for t in s["times_s"]), s
+            assert s["min_s"] <= s["median_s"] <= s["max_s"], s
+            assert math.isclose(s["gbps"], r["size"] / s["median_s"] / 1e9), s
+        assert r["gloo_over_shmgrad"] == r["gloo"]["median_s"] / r["shmgrad"]["median_s"]
+        assert r["shmgrad_over_bound"] == r["shmgrad"]["median_s"] / r["bound_s"]
+    rows = [line for line in table.splitlines() if line.startswith("| all_") or "| reduce_" in line]
+    assert len(rows) == len(records), table
+    assert "Process settings: heap MALLOC_" in table and "GLOO_SOCKET_IFNAME=lo" in table
+    assert result["process_settings"]["heap_environment"]["MALLOC_MMAP_MAX_"] == "0"
+
+
+def test_collective_options_are_checked(tmp_path):
+    """--collectives refuses the step matrix's options, and --sizes or --ranks alone ask
+    for --collectives, before anything runs (no output directory)."""
+    out = tmp_path / "never"
+    for args, said in (
+        (["--collectives", "--models", "tiny"], "--models choose(s) training steps"),
+        (["--sizes", "4K"], "--sizes measure(s) collectives: add --collectives"),
+        (["--collectives", "--sizes", "4x"], "expected comma-separated sizes"),
+    ):
+        p = subprocess.run(
+            [sys.executable, "-m", "shmgrad_tools.bench", *args, "--out", str(out)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert p.returncode != 0 and said in p.stderr, (args, p.stderr)
     assert not out.exists()

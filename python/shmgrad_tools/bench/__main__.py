@@ -37,6 +37,17 @@ step (ring all-reduce of the buffer, and as the loopback interface counted them)
 nodes stand for machines of their own, which a shared-memory backend cannot span: there
 is no ddp-shmgrad with --nodes.
 
+With --collectives, one run measures instead the collectives themselves: all-reduce,
+all-gather (all_gather_into_tensor) and reduce-scatter (reduce_scatter_tensor) through
+gloo and through the shmgrad backend in the same W processes (--ranks, default 2), for
+each size (--sizes, default 4 KiB to 256 MiB in powers of 4), taking turns sample by
+sample: latency (median), bandwidth (the per-rank buffer's bytes per second), gloo /
+shmgrad, and shmgrad against the memory-traffic bound of its algorithm at this machine's
+copy bandwidth, measured in the same run (bench/collectives.py defines each figure).
+--repeats is then the samples per collective and size (default 20), --budget the seconds
+for both backends at one collective and size (default 10), --warmup the untimed calls,
+--timeout the seconds for one rank count.
+
 Each configuration runs warm-up steps first, then up to --repeats timed steps (fewer once
 --budget seconds are spent; at least 3). Reported per configuration: median, min, max and
 the quartiles of the step time, each alternative's median over shmgrad's median with the
@@ -62,7 +73,7 @@ import torch
 
 from shmgrad import heap_environment
 from shmgrad.testing import relative_error
-from . import models, report, runners
+from . import collectives, models, report, runners
 from .nodes import NodeRun
 from .timing import Budget, log, now, summarize
 
@@ -139,6 +150,18 @@ def name_list(choices):
         return list(dict.fromkeys(vals))
 
     return parse
+
+
+def size_list(text):
+    try:
+        vals = [collectives.parse_size(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated sizes such as 4K,1M,64M, got {text!r}"
+        ) from None
+    if not vals:
+        raise argparse.ArgumentTypeError(f"expected sizes, got {text!r}")
+    return sorted(set(vals))
 
 
 def build_parser():
@@ -258,6 +281,28 @@ def build_parser():
         "not spin when all the nodes' processes outnumber the cores (the "
         "engine's own rule, which sees only its node)",
     )
+    ap.add_argument(
+        "--collectives",
+        action="store_true",
+        help="measure the collectives instead of training steps (see above): "
+        "all-reduce, all-gather and reduce-scatter through gloo and the shmgrad "
+        "backend in the same processes, against the memory-traffic bound",
+    )
+    ap.add_argument(
+        "--sizes",
+        type=size_list,
+        default=None,
+        help="with --collectives: comma-separated sizes in bytes, K, M or G (binary), "
+        "the larger per-rank buffer of each collective (default 4K,16K,...,256M: 4 KiB "
+        "to 256 MiB in powers of 4)",
+    )
+    ap.add_argument(
+        "--ranks",
+        type=int_list,
+        default=None,
+        help="with --collectives: comma-separated rank counts W, one run of processes "
+        "each, e.g. 2,4,8,16 (default 2)",
+    )
     ap.add_argument("--seed", type=int, default=0, help="seed of the weights and batches")
     ap.add_argument(
         "--settings",
@@ -288,6 +333,15 @@ def build_parser():
 
 
 def resolve(args):
+    if args.collectives:
+        return resolve_collectives(args)
+    collective_only = [
+        opt for opt, v in (("--sizes", args.sizes), ("--ranks", args.ranks)) if v is not None
+    ]
+    if collective_only:
+        raise SystemExit(
+            f"shmgrad bench: {', '.join(collective_only)} measure(s) collectives: add --collectives"
+        )
     if args.nodes is not None and args.systems is not None and "ddp-shmgrad" in args.systems:
         raise SystemExit(
             "shmgrad bench: ddp-shmgrad does not run with --nodes: the nodes stand for "
@@ -332,6 +386,56 @@ def resolve(args):
         )
     if args.timeout <= 0:
         raise SystemExit("shmgrad bench: --timeout must be positive")
+    return args
+
+
+def resolve_collectives(args):
+    """--collectives: its defaults, and the step matrix's options refused by name."""
+    step_only = [
+        opt
+        for opt, given in (
+            ("--models", args.models is not None),
+            ("--batch-sizes", args.batch_sizes is not None),
+            ("--workers", args.workers is not None),
+            ("--systems", args.systems is not None),
+            ("--reduce-floats", args.reduce_floats is not None),
+            ("--reduce-repeats", args.reduce_repeats is not None),
+            ("--nodes", args.nodes is not None),
+            ("--bucket-cap-mb", args.bucket_cap_mb is not None),
+            ("--paired", args.paired),
+            ("--pin", args.pin),
+            ("--quick", args.quick),
+            ("--tiny", args.tiny),
+        )
+        if given
+    ]
+    if step_only:
+        raise SystemExit(
+            f"shmgrad bench: {', '.join(step_only)} choose(s) training steps, which "
+            "--collectives does not run: use --sizes, --ranks, --repeats, --budget, "
+            "--warmup and --timeout with it"
+        )
+    args.sizes = args.sizes or list(collectives.DEFAULT_SIZES)
+    args.ranks = args.ranks or [2]
+    if args.repeats is None:
+        args.repeats = collectives.DEFAULT_REPEATS
+    if args.budget is None:
+        args.budget = collectives.DEFAULT_BUDGET_S
+    if args.repeats < 1 or args.warmup < 0 or args.budget <= 0 or args.timeout <= 0:
+        raise SystemExit(
+            "shmgrad bench: --repeats, --budget and --timeout must be positive, --warmup >= 0"
+        )
+    small = [
+        f"{collectives.fmt_size(size)} at {w} ranks"
+        for w in args.ranks
+        for size in args.sizes
+        if collectives.elements(size, w) == 0
+    ]
+    if small:
+        raise SystemExit(
+            f"shmgrad bench: {', '.join(small)}: too small to split into one float32 "
+            "element per rank"
+        )
     return args
 
 
@@ -736,7 +840,7 @@ def settings_info(args) -> dict:
         "heap_environment": heap,
         "intra_op_threads_per_process": 1,
         "inter_op_threads_per_process": 1,
-        # What the process groups of DDP's ranks start with.
+        # What the process groups of DDP's ranks and of --collectives start with.
         "backend_environment": {
             "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
             "SHMGRAD_BACKEND_STAGING_MB": os.environ.get("SHMGRAD_BACKEND_STAGING_MB"),
@@ -745,6 +849,19 @@ def settings_info(args) -> dict:
 
 
 def settings_line(args) -> str:
+    if args.collectives:
+        return (
+            "Process settings: "
+            + (
+                "heap "
+                + " ".join(f"{k}={v}" for k, v in heap_environment().items())
+                + " for every rank"
+                if args.settings == "alike"
+                else "glibc's default heap"
+            )
+            + "; one intra-op and one inter-op thread per rank; both backends in the same "
+            f"processes; GLOO_SOCKET_IFNAME={os.environ.get('GLOO_SOCKET_IFNAME', 'lo')}."
+        )
     if args.settings == "alike":
         return (
             "Process settings: alike for every system (heap: "
@@ -776,6 +893,26 @@ def main(argv=None):
             "warning: the 1-minute load average is above half the CPUs: if other work is "
             "running, the numbers will be noisy"
         )
+
+    def result(records, reductions, targets, **extra):
+        return {
+            "schema": 1,
+            "command": "shmgrad bench " + " ".join(sys.argv[1:] if argv is None else argv),
+            "started": started,
+            "duration_s": now() - t0,
+            "machine": info,
+            "process_settings": settings_info(args),
+            "load_average_before": list(load_before),
+            "load_average_after": list(os.getloadavg()),
+            "args": {k: v for k, v in vars(args).items()},
+            "results": records,
+            "reduction": reductions,
+            "targets": targets,
+            **extra,
+        }
+
+    if args.collectives:
+        return main_collectives(args, result)
     log(
         f"models {','.join(args.models)}, batch sizes {args.batch_sizes}, workers "
         f"{args.workers}, {args.warmup} warm-up + up to {args.repeats} timed steps "
@@ -792,24 +929,8 @@ def main(argv=None):
         targets = report.evaluate_targets(records, reductions)
         text = report.table(records, reductions, targets)
     text = settings_line(args) + "\n\n" + text
-    result = {
-        "schema": 1,
-        "command": "shmgrad bench " + " ".join(sys.argv[1:] if argv is None else argv),
-        "started": started,
-        "duration_s": now() - t0,
-        "machine": info,
-        "process_settings": settings_info(args),
-        "load_average_before": list(load_before),
-        "load_average_after": list(os.getloadavg()),
-        "args": {k: v for k, v in vars(args).items()},
-        "results": records,
-        "reduction": reductions,
-        "targets": targets,
-    }
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(report.jsonable(result), f, indent=1)
-    with open(os.path.join(args.out, "results.md"), "w") as f:
-        f.write(text)
+    res = result(records, reductions, targets)
+    write_results(args.out, res, text)
     try:
         if not args.nodes:
             report.plot(records, os.path.join(args.out, "bench.png"))
@@ -819,13 +940,86 @@ def main(argv=None):
     print(
         f"wrote {os.path.join(args.out, 'results.json')}, results.md"
         f"{'' if args.nodes else ', bench.png'} "
-        f"({result['duration_s']:.0f} s)"
+        f"({res['duration_s']:.0f} s)"
     )
     failed = [r for r in records + reductions if "error" in r]
     if failed:
         log(f"{len(failed)} configuration(s) failed")
         return 1
     return 0
+
+
+def write_results(out, result, text):
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(report.jsonable(result), f, indent=1)
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(text)
+
+
+def main_collectives(args, result):
+    """--collectives: every rank count in turn, results.json and results.md rewritten
+    after each (a run cut short keeps what it measured), then bench.png."""
+    log(
+        f"collectives {','.join(collectives.OPS)} through {' and '.join(collectives.SYSTEMS)}, "
+        f"ranks {args.ranks}, sizes {','.join(collectives.fmt_size(s) for s in args.sizes)}, "
+        f"{args.warmup} warm-up calls, up to {args.repeats} samples (budget {args.budget:g} s "
+        "per collective and size)"
+    )
+    text = ""
+
+    def save(records, runs):
+        nonlocal text
+        text = settings_line(args) + "\n\n" + report.collectives_table(records, runs)
+        write_results(args.out, result(records, [], [], collective_runs=runs), text)
+
+    records, runs = measure_collectives(args, save)
+    try:
+        report.plot_collectives(records, os.path.join(args.out, "bench.png"))
+    except Exception as exc:
+        log(f"plot failed: {type(exc).__name__}: {exc}")
+    print(text)
+    print(f"wrote {os.path.join(args.out, 'results.json')}, results.md, bench.png")
+    failed = [r for r in runs if "error" in r]
+    wrong = [
+        f"{r['collective']} {collectives.fmt_size(r['size'])} W={r['ranks']} {system}"
+        for r in records
+        for system in collectives.SYSTEMS
+        if not r[system]["correct"]
+    ]
+    if failed or wrong:
+        log(f"{len(failed)} rank count(s) failed; wrong results: {', '.join(wrong) or 'none'}")
+        return 1
+    return 0
+
+
+def measure_collectives(args, save):
+    """--collectives: one run of processes per rank count (runners.run_collectives);
+    ``save(records, runs)`` after each. Returns (records, runs)."""
+    plan = collectives.Plan(list(args.sizes), args.repeats, args.warmup, args.budget)
+    records, runs = [], []
+    for world in args.ranks:
+        log(f"collectives: {world} ranks")
+        t0 = now()
+        try:
+            recs, run = runners.run_collectives(world, plan, now() + args.timeout)
+        except Exception as exc:  # one failed rank count must not stop the others
+            runs.append(
+                {"ranks": world, "error": f"{type(exc).__name__}: {exc}", "seconds": now() - t0}
+            )
+            log(f"  {world} ranks: FAILED {runs[-1]['error']}")
+            traceback.print_exc(file=sys.stderr)
+        else:
+            records += recs
+            runs.append(run)
+            for r in recs:
+                log(
+                    f"  {r['collective']:14s} W={world} {collectives.fmt_size(r['size']):>8s}: "
+                    f"gloo {r['gloo']['median_s'] * 1e6:10.1f} us, shmgrad "
+                    f"{r['shmgrad']['median_s'] * 1e6:10.1f} us, bound "
+                    f"{r['bound_s'] * 1e6:10.1f} us"
+                )
+        save(records, runs)
+    return records, runs
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """What ``shmgrad bench`` reports: the issue's targets checked on the measurements, the
-Markdown tables, the plot, and the JSON-safe form of the records."""
+Markdown tables, the plots, and the JSON-safe form of the records."""
 
 import math
+
+from .collectives import OPS, SYSTEMS as COLLECTIVE_SYSTEMS, fmt_size
 
 LABELS = {
     "single-1t": "single process, 1 thread",
@@ -332,6 +334,105 @@ def nodes_table(records, targets):
             f"| {fmt_bytes(r.get('loopback_bytes_per_node_step'))} | {'; '.join(notes)} |"
         )
     return "\n".join(lines + targets_table(targets)) + "\n"
+
+
+def fmt_us(s):
+    """Seconds as microseconds, three significant figures below 100 us."""
+    us = s * 1e6
+    return f"{us:,.0f}" if us >= 100 else f"{us:.3g}"
+
+
+def collectives_table(records, runs):
+    """--collectives: the results as Markdown (bench/collectives.py defines each figure)."""
+    lines = [
+        "Collectives, float32, SUM, gloo and shmgrad in the same processes, taking turns. "
+        "us: the median over samples of k back-to-back calls (first rank's start to last "
+        "rank's end, over k). GB/s: the size (the larger per-rank buffer) over that time. "
+        "bound: the bytes each rank moves in shmgrad's algorithm (all_reduce (5 + 1/W) n, "
+        "all_gather (2 + 2/W) n, reduce_scatter (3 + 1/W) n) at the copy bandwidth per "
+        "rank with every rank copying at once (below); under 1x where the data stays in "
+        "the caches.",
+        "",
+    ]
+    for run in runs:
+        if "error" in run:
+            lines.append(f"- {run['ranks']} ranks: FAILED ({run['error'][:200]})")
+            continue
+        c = run["copy"]
+        lines.append(
+            f"- {run['ranks']} ranks ({run['seconds']:.0f} s): copy bandwidth per rank, "
+            f"every rank copying {fmt_size(c['bytes'])} at once: {c['all_gbps']:.2f} GB/s "
+            f"read and written; one process alone: {c['alone_gbps']:.2f} GB/s"
+        )
+    lines += [
+        "",
+        "| collective | W | size | gloo us | shmgrad us | gloo GB/s | shmgrad GB/s "
+        "| gloo / shmgrad | bound us | shmgrad / bound | samples x calls (gloo; shmgrad) "
+        "| notes |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for r in sorted(records, key=lambda r: (OPS.index(r["collective"]), r["ranks"], r["size"])):
+        g, s = r["gloo"], r["shmgrad"]
+        wrong = [system for system in COLLECTIVE_SYSTEMS if not r[system]["correct"]]
+        notes = f"WRONG RESULT: {', '.join(wrong)}" if wrong else ""
+        lines.append(
+            f"| {r['collective']} | {r['ranks']} | {fmt_size(r['size'])} | "
+            f"{fmt_us(g['median_s'])} | {fmt_us(s['median_s'])} | {g['gbps']:.3g} | "
+            f"{s['gbps']:.3g} | {r['gloo_over_shmgrad']:.2f}x | {fmt_us(r['bound_s'])} | "
+            f"{r['shmgrad_over_bound']:.2f}x | "
+            f"{g['n']} x {g['calls_per_sample']}; {s['n']} x {s['calls_per_sample']} | "
+            f"{notes} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot_collectives(records, path):
+    """--collectives: latency against size, one panel per collective; gloo, shmgrad and
+    the bound for each rank count."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(OPS), squeeze=False, figsize=(5.0 * len(OPS), 4.6))
+    colors = {"gloo": "tab:green", "shmgrad": "tab:red", "bound": "tab:gray"}
+    dashes = ["-", "--", ":", "-."]
+    ranks = sorted({r["ranks"] for r in records})
+    for ax, op in zip(axes[0], OPS):
+        for i, w in enumerate(ranks):
+            rs = sorted(
+                (r for r in records if r["collective"] == op and r["ranks"] == w),
+                key=lambda r: r["size"],
+            )
+            if not rs:
+                continue
+            xs = [r["size"] for r in rs]
+            series = {
+                system: [r[system]["median_s"] * 1e6 for r in rs] for system in COLLECTIVE_SYSTEMS
+            }
+            series["bound"] = [r["bound_s"] * 1e6 for r in rs]
+            for name, ys in series.items():
+                ax.plot(
+                    xs,
+                    ys,
+                    color=colors[name],
+                    ls=dashes[i % len(dashes)],
+                    marker="" if name == "bound" else "o",
+                    ms=3,
+                    label=f"{name}, W={w}",
+                )
+        ax.set_title(op)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("size, bytes (per-rank buffer)")
+        ax.set_ylabel("latency, us (median)")
+        ax.grid(True, which="both", alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(6, max(1, len(labels))), fontsize=8)
+    rows = math.ceil(len(labels) / 6) if labels else 1
+    fig.tight_layout(rect=(0, 0.05 * rows + 0.03, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def plot(records, path):
