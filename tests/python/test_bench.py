@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 EXPECTED_SYSTEMS = {"single-1t", "single", "shmgrad", "eager", "ddp", "ddp-shmgrad", "dask"}
-PAIRED_SYSTEMS = {"shmgrad-paired", "eager-paired", "ddp-paired"}
+PAIRED_SYSTEMS = {"shmgrad-paired", "eager-paired", "ddp-paired", "ddp-shmgrad-paired"}
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
@@ -73,6 +73,11 @@ def test_quick_tiny_bench(tmp_path):
                 t["config"] == f"tiny b128 N={workers}" and t["target"].startswith(system[:-7])
                 for t in result["targets"]
             ), result["targets"]
+        # DDP over gloo and over the shmgrad backend took turns in the same ranks.
+        shm = paired["ddp-shmgrad-paired"]
+        assert shm["n"] == ddp["n"] == len(shm["paired_ratios"]), shm
+        assert shm["paired_ratios"] == [d / s for d, s in zip(ddp["times_s"], shm["times_s"])]
+        assert shm["grad_rel_err"] < 1e-4, shm
     for r in records:
         assert r["model"] == "tiny" and r["batch"] == 128
         assert r["times_s"] and all(_finite_positive(t) for t in r["times_s"]), r

@@ -268,7 +268,9 @@ def build_parser():
         "moments of a noisy machine; reported with the median of the per-step "
         "ratios DDP / shmgrad. On one machine: DDP's rank 0 is also the trainer "
         "of an engine of N workers (TorchScript, and eager workers if 'eager' is "
-        "measured): ddp-paired, shmgrad-paired, eager-paired. With --nodes: "
+        "measured): ddp-paired, shmgrad-paired, eager-paired; with ddp-shmgrad "
+        "measured, the same ranks also run DDP over a shmgrad group of themselves "
+        "(the default group stays gloo's): ddp-shmgrad-paired. With --nodes: "
         "each rank is both a shmgrad node and a DDP rank: shmgrad-nodes-paired "
         "and ddp-paired",
     )
@@ -630,10 +632,11 @@ def measure(args):
 
 
 def measure_paired(args, records, base, model_name, batch, n, ref, budget):
-    """--paired on one machine: DDP and the engine systems of the run (shmgrad, eager)
-    in the same processes, every batch through each in turn (runners.run_local_paired);
-    recorded as ddp-paired, shmgrad-paired and eager-paired."""
-    systems = [s for s in ("shmgrad", "eager") if s in args.systems]
+    """--paired on one machine: DDP and the engine systems of the run (shmgrad, eager),
+    and DDP over the shmgrad backend if measured, in the same processes, every batch
+    through each in turn (runners.run_local_paired); recorded as ddp-paired,
+    shmgrad-paired, eager-paired and ddp-shmgrad-paired."""
+    systems = [s for s in ("shmgrad", "eager", "ddp-shmgrad") if s in args.systems]
     if not systems:
         return
     est = sum(

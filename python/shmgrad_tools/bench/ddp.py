@@ -65,13 +65,13 @@ def alternating_steps(batches, warmup, steps):
     return times
 
 
-def ddp_step(rank, world, model_name, batch, seed, out):
-    """A DDP model of ``model_name`` and its step on this rank's shard of a batch:
-    ``step(i, x, y)``; the first step's gradient of the sum goes into ``out["grad"]``
-    (rank 0)."""
+def ddp_step(rank, world, model_name, batch, seed, out, group=None):
+    """A DDP model of ``model_name`` over process group ``group`` (the default group if
+    None) and its step on this rank's shard of a batch: ``step(i, x, y)``; the first
+    step's gradient of the sum goes into ``out["grad"]`` (rank 0)."""
     model = models.make_model(model_name, seed)
     model.train()
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
     lo, hi = batch * rank // world, batch * (rank + 1) // world
     out["grad"] = None
 

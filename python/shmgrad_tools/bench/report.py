@@ -18,6 +18,7 @@ LABELS = {
     "shmgrad-paired": "shmgrad, N workers, in turn with DDP",
     "eager-paired": "shmgrad eager, N workers, in turn with DDP",
     "ddp-paired": "DDP gloo, N processes, in turn with shmgrad",
+    "ddp-shmgrad-paired": "DDP over the shmgrad backend, N processes, in turn with DDP gloo",
 }
 
 
@@ -174,6 +175,7 @@ def table(records, reductions, targets):
         "shmgrad-paired": 9,
         "eager-paired": 10,
         "ddp-paired": 11,
+        "ddp-shmgrad-paired": 12,
     }
     rows = sorted(
         records, key=lambda r: (r["model"], r["batch"], r["workers"], order.get(r["system"], 9))
@@ -208,8 +210,11 @@ def table(records, reductions, targets):
             notes.append(f"overhead {r['overhead_median'] * 100:.1f}%")
             notes.append(f"slowest worker f+b {fmt_ms(r['compute_max_median_s'])} ms")
             notes.append(f"per-step DDP / this: median {r['paired_ratio_median']:.3f}x")
+        if r["system"] == "ddp-shmgrad-paired":
+            notes.append("in turn with ddp-paired in the same ranks")
+            notes.append(f"per-step DDP-gloo / this: median {r['paired_ratio_median']:.3f}x")
         if r["system"] == "ddp-paired":
-            notes.append("in turn with shmgrad-paired (and eager-paired), step by step")
+            notes.append("in turn with the other -paired systems, step by step")
         if r["system"] in ("single", "single-1t"):
             notes.append(f"{r['threads']} thread{'s' if r['threads'] > 1 else ''}")
         if "ratio_to_ddp" in r:

@@ -316,10 +316,12 @@ def run_local_paired(
     model_name, batch, warmup, repeats, workers, seed, deadline, engine_prefix, systems
 ):
     """``--paired`` on one machine: DDP with ``workers`` ranks and, in its rank 0, an
-    engine of ``workers`` workers for each of ``systems`` ("shmgrad", "eager"), every
+    engine of ``workers`` workers for each engine system of ``systems`` ("shmgrad",
+    "eager"), and with "ddp-shmgrad" DDP over a shmgrad group of the same ranks, every
     batch through each in turn (bench/paired.py). Returns ``{system + "-paired": (record,
-    grad)}`` for "ddp" and each of ``systems``; each engine's record carries the per-step
-    ratios DDP / engine (``paired_ratios``) of steps a moment apart, and their median."""
+    grad)}`` for "ddp" and each of ``systems``; each record but DDP-gloo's carries the
+    per-step ratios DDP / this (``paired_ratios``) of steps a moment apart, and their
+    median."""
     results, total = _run_ranks(
         paired_rank.rank_main,
         workers,
@@ -335,6 +337,20 @@ def run_local_paired(
         )
     }
     for system in systems:
+        if system == paired_rank.DDP_SHMGRAD:  # timed across the ranks, like DDP-gloo
+            times = _step_times({r: res[system] for r, res in results.items()})
+            ratios = [d / s for d, s in zip(ddp_times, times)]
+            out[f"{system}-paired"] = (
+                {
+                    "times_s": times,
+                    "threads": 1,
+                    "total_s": total,
+                    "paired_ratios": ratios,
+                    "paired_ratio_median": statistics.median(ratios),
+                },
+                results[0][system]["grad"],
+            )
+            continue
         res = results[0][system]  # the engine's trainer is rank 0
         times = [e - s for s, e in zip(res["start"], res["end"])]
         ratios = [d / s for d, s in zip(ddp_times, times)]
