@@ -14,12 +14,16 @@ ignored folder .device/ (at most 64 MiB):
                                the machine's own environment (with /usr/bin/g++: the
                                image's CC/CXX wrappers link libstdc++ statically), then
                                tools/gpu_probe.py (the GPU, CUDA IPC, the seed case's
-                               baselines on it), the build's and engine's tests, the CPU
+                               baselines on it), the build's and engine's tests, the
+                               collectives of the shmgrad torch.distributed backend
+                               against gloo (shmgrad bench --collectives, 2, 4, 8 and 16
+                               ranks, 4 KiB to 64 MiB, into DIR/collectives), the CPU
                                scaling benchmark (CNN and WRN at batch 256: shmgrad with
-                               1, 2, 4, 8 and 16 workers against DDP-gloo with as many
-                               ranks and one process, in one run), then, if time is left,
-                               examples/adaptive_batch.py shortened (like for like, one
-                               worker per core); all within --deadline (470 s).
+                               1, 2, 4, 8 and 16 workers against DDP over gloo and over
+                               the shmgrad backend with as many ranks and one process, in
+                               one run), then, if time is left, examples/adaptive_batch.py
+                               shortened (like for like, one worker per core); all within
+                               --deadline (470 s).
   --run --gpu --out DIR        the GPU workers' checks instead (issue 21), in this order,
                                within --deadline (450 s: the whole call in 8 minutes):
                                build  as above;
@@ -57,6 +61,19 @@ call cut short (600 s is the limit of one) still returns what ran. report.md say
 same for a reader; each step's output is in DIR/<step>.log. A step the deadline leaves
 no time for is skipped and listed ("skipped for want of time"), and the run fails; one
 that cannot run (no GPU, no MPS) is listed with its reason under "not_run".
+
+The collectives step of --run is bounded by its timeout (120 s; 90 s for one rank count)
+and estimated at 60 s there: per rank count, W processes start and import torch (about
+5 s at 16 ranks on 16 cores), copy 64 MiB 40 times, then 8 sizes x 3 collectives x 2
+backends, each a checked call, 1 calibration call and 3 to 5 samples of about 10 ms of
+calls (--budget 1 s for both backends: 3 samples of one call at 64 MiB, where a 16-rank
+gloo all-reduce should take a few hundred ms). Here (2 cores, 2026-12-06, load average
+4 from other tests) the same settings took 15 s at 2 ranks, 23 s at 4 and 62 s at 8 (4
+processes a core); 16 ranks with two sizes took 71 s, most of it 16 processes starting
+on 2 cores. On 16 cores no rank count is oversubscribed. The step runs before the
+scaling benchmark (whose 270 s timeout then meets the deadline sooner): the backend's
+collectives have not run there yet, the benchmark has (2026-12-04). It writes its
+results after each rank count, so a step cut short keeps the rank counts it finished.
 
 Time of --run --gpu on the H200 machine (one lease: 15 minutes of device time, its start
 included; 600 s a call). Estimated per step from what was measured, and bounded by a
@@ -153,6 +170,17 @@ SCALES = {
         "tests": ["test_gpu.py", "test_build.py", "test_engine.py"],
         "build_timeout": 420,
         "tests_timeout": 120,
+        # The shmgrad backend against gloo (shmgrad bench --collectives): few samples,
+        # sizes up to 64 MiB, one process group run per rank count.
+        "collectives": {
+            "ranks": "2,4,8,16",
+            "sizes": "4K,16K,64K,256K,1M,4M,16M,64M",
+            "repeats": 5,
+            "budget": 1,
+            "warmup": 1,
+            "timeout": 90,  # one rank count
+        },
+        "collectives_timeout": 120,
         "bench_timeout": 270,
         # GeoDamp doubling every epoch from 128 to 1024; batch 128 keeps 8 of the 16
         # workers busy (min_examples_per_worker 16), batches of 256 on use all 16.
@@ -182,6 +210,15 @@ SCALES = {
         "tests": ["test_gpu.py", "test_build.py::test_bazel_and_cmake_compile_the_same_sources"],
         "build_timeout": 420,
         "tests_timeout": 120,
+        "collectives": {
+            "ranks": "2",
+            "sizes": "4K,1M",
+            "repeats": 3,
+            "budget": 1,
+            "warmup": 1,
+            "timeout": 90,
+        },
+        "collectives_timeout": 120,
         "bench_timeout": 300,
         "adaptive": [
             "--workers",
@@ -856,12 +893,24 @@ class Checks:
         self.report["gpu"] = load_json(probe)
         return code
 
+    def collectives(self, timeout):
+        c = self.scale["collectives"]
+        return run(
+            [self.python, "-m", "shmgrad_tools.bench", "--collectives"]
+            + ["--ranks", c["ranks"], "--sizes", c["sizes"], "--repeats", str(c["repeats"])]
+            + ["--budget", str(c["budget"]), "--warmup", str(c["warmup"])]
+            + ["--timeout", str(c["timeout"]), "--out", self.path("collectives")],
+            timeout=timeout,
+            env=self.env,
+            out=self.path("collectives.log"),
+        )
+
     def bench(self, timeout):
         s = self.scale
         return run(
             [self.python, "-m", "shmgrad_tools.bench"]
             + ["--models", s["models"], "--batch-sizes", s["batch"], "--workers", s["workers"]]
-            + ["--systems", "single,shmgrad,ddp", "--repeats", str(s["repeats"])]
+            + ["--systems", "single,shmgrad,ddp,ddp-shmgrad", "--repeats", str(s["repeats"])]
             + ["--warmup", str(s["warmup"]), "--budget", str(s["budget"])]
             + ["--out", self.path("bench")],
             timeout=timeout,
@@ -884,6 +933,7 @@ class Checks:
         no_gpu = None if self.has_gpu else "no GPU here (torch.cuda.is_available() is False)"
         self.step("gpu-probe", self.gpu_probe, unless=self.why_not_built() or no_gpu)
         self.step("tests", self.tests, unless=self.why_not_built())
+        self.step("collectives", self.collectives, unless=self.why_not_built())
         self.step("bench", self.bench, unless=self.why_not_built())
         self.step("adaptive", self.adaptive, unless=self.why_not_built())
 
@@ -952,6 +1002,10 @@ def write_report(report, out_dir):
     lines += sharing_section(report.get("sharing"), report.get("not_run", {}))
     if report.get("gpu"):
         lines += ["", "## The GPU", "", "```", json.dumps(report["gpu"], indent=2), "```"]
+    table = os.path.join(out_dir, "collectives", "results.md")
+    if os.path.exists(table):
+        with open(table) as f:
+            lines += ["", "## The shmgrad backend against gloo", "", f.read()]
     table = os.path.join(out_dir, "bench", "results.md")
     if os.path.exists(table):
         with open(table) as f:
@@ -1086,7 +1140,7 @@ def main():
         "--skip",
         default="",
         help="steps to leave out, comma-separated: build (use the installed shmgrad), "
-        "gpu-probe, tests, bench, adaptive; with --gpu: sharing, sharing-mps",
+        "gpu-probe, tests, collectives, bench, adaptive; with --gpu: sharing, sharing-mps",
     )
     args = ap.parse_args()
     if args.run:

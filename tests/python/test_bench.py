@@ -8,8 +8,9 @@ import os
 import subprocess
 import sys
 
-EXPECTED_SYSTEMS = {"single-1t", "single", "shmgrad", "eager", "ddp", "dask"}
-PAIRED_SYSTEMS = {"shmgrad-paired", "eager-paired", "ddp-paired"}
+EXPECTED_SYSTEMS = {"single-1t", "single", "shmgrad", "eager", "ddp", "ddp-shmgrad", "dask"}
+PAIRED_SYSTEMS = {"shmgrad-paired", "eager-paired", "ddp-paired", "ddp-shmgrad-paired"}
+OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
 def _finite_positive(x):
@@ -72,6 +73,11 @@ def test_quick_tiny_bench(tmp_path):
                 t["config"] == f"tiny b128 N={workers}" and t["target"].startswith(system[:-7])
                 for t in result["targets"]
             ), result["targets"]
+        # DDP over gloo and over the shmgrad backend took turns in the same ranks.
+        shm = paired["ddp-shmgrad-paired"]
+        assert shm["n"] == ddp["n"] == len(shm["paired_ratios"]), shm
+        assert shm["paired_ratios"] == [d / s for d, s in zip(ddp["times_s"], shm["times_s"])]
+        assert shm["grad_rel_err"] < 1e-4, shm
     for r in records:
         assert r["model"] == "tiny" and r["batch"] == 128
         assert r["times_s"] and all(_finite_positive(t) for t in r["times_s"]), r
@@ -83,8 +89,10 @@ def test_quick_tiny_bench(tmp_path):
         if r["system"] in ("shmgrad", "eager", "shmgrad-paired", "eager-paired"):
             assert math.isfinite(r["overhead_median"]) and r["overhead_median"] < 1.0
             assert _finite_positive(r["compute_max_median_s"])
-        if r["system"] == "ddp":
+        if r["system"] in ("ddp", "ddp-shmgrad"):
             assert _finite_positive(r["ratio_to_eager"]), r
+        if r["system"] == "ddp-shmgrad":
+            assert _finite_positive(r["ratio_to_ddp"]), r
         if r.get("grad_rel_err") is not None:
             # Same model, same batch: every system computes the same gradient.
             assert r["grad_rel_err"] < 1e-4, r
@@ -128,6 +136,10 @@ def test_help_documents_every_option():
         "--paired",
         "--pin",
         "--bucket-cap-mb",
+        "--collectives",
+        "--sizes",
+        "--ranks",
+        "ddp-shmgrad",
     ):
         assert opt in p.stdout, opt
 
@@ -294,3 +306,118 @@ def test_bf16_autocast_against_float32_eager(tmp_path):
     assert bf16["grad_rel_err"] < 5e-2
     with open(out / "results.md") as f:
         assert "vs eager" in f.read()
+
+
+def _bench(tmp_path, *args, timeout=240):
+    """Runs `shmgrad bench ARGS --out tmp_path/bench`; returns (results.json, results.md)."""
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [sys.executable, "-m", "shmgrad_tools.bench", *args, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=str(tmp_path),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(out / "results.json") as f:
+        result = json.load(f)
+    return result, (out / "results.md").read_text()
+
+
+def test_ddp_over_the_shmgrad_backend_beside_ddp_gloo(tmp_path):
+    """`--systems ddp,ddp-shmgrad` (and the single process, the gradient's reference):
+    DDP over the shmgrad backend computes the same gradient as DDP-gloo, and is reported
+    against it."""
+    result, table = _bench(
+        tmp_path, "--quick", "--tiny", "--workers", "2", "--systems", "single,ddp,ddp-shmgrad"
+    )
+    by_system = {r["system"]: r for r in result["results"] if r["workers"] == 2}
+    assert {"ddp", "ddp-shmgrad"} <= set(by_system), by_system
+    ddp, shm = by_system["ddp"], by_system["ddp-shmgrad"]
+    for r in (ddp, shm):
+        assert "error" not in r, r
+        assert r["n"] >= 2 and all(_finite_positive(t) for t in r["times_s"]), r
+        assert r["grad_rel_err"] < 1e-4, r
+    assert shm["ratio_to_ddp"] == shm["median_s"] / ddp["median_s"]
+    row = next(line for line in table.splitlines() if "| ddp-shmgrad |" in line)
+    assert f"vs ddp {shm['ratio_to_ddp']:.2f}x" in row, row
+
+
+def test_ddp_shmgrad_with_nodes_is_refused(tmp_path):
+    """--nodes stands for machines of their own: ddp-shmgrad is refused there, by name,
+    before anything runs (no output directory)."""
+    out = tmp_path / "never"
+    p = subprocess.run(
+        [sys.executable, "-m", "shmgrad_tools.bench", "--nodes", "2", "--systems", "ddp-shmgrad"]
+        + ["--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert p.returncode != 0 and "ddp-shmgrad does not run with --nodes" in p.stderr, p.stderr
+    assert not out.exists()
+
+
+def test_collectives_gloo_and_shmgrad_against_the_bound(tmp_path):
+    """`--collectives`: every collective at every size through both backends, each
+    first call right, every figure positive, the bound from the module's formulas."""
+    result, table = _bench(
+        tmp_path,
+        "--collectives",
+        "--ranks",
+        "2",
+        "--sizes",
+        "4K,1M",
+        "--repeats",
+        "3",
+        "--warmup",
+        "1",
+        "--budget",
+        "2",
+    )
+    (run,) = result["collective_runs"]
+    assert run["ranks"] == 2 and "error" not in run, run
+    assert _finite_positive(run["copy"]["all_gbps"]), run
+    assert _finite_positive(run["copy"]["alone_gbps"]), run
+    records = result["results"]
+    got = {(r["collective"], r["size"]) for r in records}
+    assert got == {(op, size) for op in OPS for size in (4096, 1 << 20)}, got
+    # (5 + 1/W) n, (2 + 2/W) n, (3 + 1/W) n at W = 2.
+    per_byte = {"all_reduce": 5.5, "all_gather": 3.0, "reduce_scatter": 3.5}
+    for r in records:
+        assert r["ranks"] == 2 and r["bytes"] == r["size"], r
+        assert r["traffic_bytes"] == per_byte[r["collective"]] * r["size"], r
+        assert r["copy_gbps"] == run["copy"]["all_gbps"] and _finite_positive(r["bound_s"]), r
+        assert math.isclose(r["bound_s"], r["traffic_bytes"] / (r["copy_gbps"] * 1e9))
+        for system in ("gloo", "shmgrad"):
+            s = r[system]
+            assert s["correct"] is True, (system, r)
+            assert s["n"] == len(s["times_s"]) == 3 and s["calls_per_sample"] >= 1, s
+            assert all(_finite_positive(t) for t in s["times_s"]), s
+            assert s["min_s"] <= s["median_s"] <= s["max_s"], s
+            assert math.isclose(s["gbps"], r["size"] / s["median_s"] / 1e9), s
+        assert r["gloo_over_shmgrad"] == r["gloo"]["median_s"] / r["shmgrad"]["median_s"]
+        assert r["shmgrad_over_bound"] == r["shmgrad"]["median_s"] / r["bound_s"]
+    rows = [line for line in table.splitlines() if line.startswith("| all_") or "| reduce_" in line]
+    assert len(rows) == len(records), table
+    assert "Process settings: heap MALLOC_" in table and "GLOO_SOCKET_IFNAME=lo" in table
+    assert result["process_settings"]["heap_environment"]["MALLOC_MMAP_MAX_"] == "0"
+
+
+def test_collective_options_are_checked(tmp_path):
+    """--collectives refuses the step matrix's options, and --sizes or --ranks alone ask
+    for --collectives, before anything runs (no output directory)."""
+    out = tmp_path / "never"
+    for args, said in (
+        (["--collectives", "--models", "tiny"], "--models choose(s) training steps"),
+        (["--sizes", "4K"], "--sizes measure(s) collectives: add --collectives"),
+        (["--collectives", "--sizes", "4x"], "expected comma-separated sizes"),
+    ):
+        p = subprocess.run(
+            [sys.executable, "-m", "shmgrad_tools.bench", *args, "--out", str(out)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert p.returncode != 0 and said in p.stderr, (args, p.stderr)
+    assert not out.exists()

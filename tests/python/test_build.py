@@ -355,7 +355,13 @@ def test_device_check_prepares_and_dry_runs(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     with open(out / "report.json") as f:
         report = json.load(f)
-    assert report["steps"] == {"build": 0, "tests": 0, "bench": 0, "adaptive": 0}
+    assert report["steps"] == {
+        "build": 0,
+        "tests": 0,
+        "collectives": 0,
+        "bench": 0,
+        "adaptive": 0,
+    }
     # The adaptive example ran shortened and compared arrival with arrival.
     adaptive = report["adaptive"]
     assert adaptive["exit"] in (0, 1) and adaptive["summary"]["exit_status"] == adaptive["exit"]
@@ -363,8 +369,13 @@ def test_device_check_prepares_and_dry_runs(tmp_path):
     assert adaptive["summary"]["fixed_at_end"]["epoch"] == 2
     with open(out / "bench" / "results.json") as f:
         systems = {r["system"] for r in json.load(f)["results"]}
-    assert {"single", "shmgrad", "ddp"} <= systems
+    assert {"single", "shmgrad", "ddp", "ddp-shmgrad"} <= systems
+    with open(out / "collectives" / "results.json") as f:
+        collectives = json.load(f)["results"]
+    assert {r["collective"] for r in collectives} == {"all_reduce", "all_gather", "reduce_scatter"}
+    assert all(r["gloo"]["correct"] and r["shmgrad"]["correct"] for r in collectives)
     report_md = (out / "report.md").read_text()
+    assert "## The shmgrad backend against gloo" in report_md
     assert "Process settings: alike" in report_md
     assert "## Adaptive batches, like for like" in report_md
     assert report["tests"]["counts"].get("passed", 0) > 0, report["tests"]
@@ -440,9 +451,10 @@ def test_device_check_prepares_and_dry_runs(tmp_path):
     assert short.returncode == 1, short.stdout[-3000:] + short.stderr[-3000:]
     with open(tmp_path / "device-check-out" / "report.json") as f:
         report = json.load(f)
-    assert report["steps"] == {"build": 0} and report["skipped"] == ["tests", "bench"]
+    assert report["steps"] == {"build": 0}
+    assert report["skipped"] == ["tests", "collectives", "bench"]
     assert (
-        "skipped for want of time: tests, bench"
+        "skipped for want of time: tests, collectives, bench"
         in (tmp_path / "device-check-out" / "report.md").read_text()
     )
 

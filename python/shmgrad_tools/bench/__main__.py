@@ -13,6 +13,9 @@
            float32), against the float32 eager workers (``vs eager``);
   ddp      PyTorch DistributedDataParallel, gloo backend, N processes on 127.0.0.1
            (torch.multiprocessing spawn), each computing its shard and all-reducing;
+  ddp-shmgrad  the same DDP, same ranks and settings, over the ``shmgrad``
+           torch.distributed backend (``init_process_group("shmgrad")``: this machine's
+           shared memory instead of TCP), against ``ddp`` (``vs ddp``) and the engine;
   dask     the task-scheduler approach shmgrad replaces: a Dask ``distributed`` client
            with processes=False and N threads; each step scatters the model, every
            gradient task deep-copies it and computes its shard, one task sums them;
@@ -30,7 +33,20 @@ With --nodes K, one run compares instead, on the same models and batches:
   shmgrad  one engine with K x workers workers (what one machine would run);
   single   the single process with 1 thread (the gradient reference).
 The table gives the all-reduce's share of the step, and the bytes each node sends per
-step (ring all-reduce of the buffer, and as the loopback interface counted them).
+step (ring all-reduce of the buffer, and as the loopback interface counted them). The
+nodes stand for machines of their own, which a shared-memory backend cannot span: there
+is no ddp-shmgrad with --nodes.
+
+With --collectives, one run measures instead the collectives themselves: all-reduce,
+all-gather (all_gather_into_tensor) and reduce-scatter (reduce_scatter_tensor) through
+gloo and through the shmgrad backend in the same W processes (--ranks, default 2), for
+each size (--sizes, default 4 KiB to 256 MiB in powers of 4), taking turns sample by
+sample: latency (median), bandwidth (the per-rank buffer's bytes per second), gloo /
+shmgrad, and shmgrad against the memory-traffic bound of its algorithm at this machine's
+copy bandwidth, measured in the same run (bench/collectives.py defines each figure).
+--repeats is then the samples per collective and size (default 20), --budget the seconds
+for both backends at one collective and size (default 10), --warmup the untimed calls,
+--timeout the seconds for one rank count.
 
 Each configuration runs warm-up steps first, then up to --repeats timed steps (fewer once
 --budget seconds are spent; at least 3). Reported per configuration: median, min, max and
@@ -57,11 +73,13 @@ import torch
 
 from shmgrad import heap_environment
 from shmgrad.testing import relative_error
-from . import models, report, runners
+from . import collectives, models, report, runners
 from .nodes import NodeRun
 from .timing import Budget, log, now, summarize
 
-SYSTEMS = ("single", "shmgrad", "eager", "compiled", "bf16", "ddp", "dask", "reduce")
+SYSTEMS = ("single", "shmgrad", "eager", "compiled", "bf16", "ddp", "ddp-shmgrad", "dask", "reduce")
+# DDP's systems and the process group backend of each.
+DDP_BACKENDS = {"ddp": "gloo", "ddp-shmgrad": "shmgrad"}
 # Compiling costs minutes; bf16 is a comparison of its own (--systems eager,bf16).
 DEFAULT_SYSTEMS = [s for s in SYSTEMS if s not in ("compiled", "bf16")]
 LARGE_REDUCE_FLOATS = 16 * 1024 * 1024  # 64 MiB a slot: larger than most last-level caches
@@ -134,6 +152,18 @@ def name_list(choices):
     return parse
 
 
+def size_list(text):
+    try:
+        vals = [collectives.parse_size(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated sizes such as 4K,1M,64M, got {text!r}"
+        ) from None
+    if not vals:
+        raise argparse.ArgumentTypeError(f"expected sizes, got {text!r}")
+    return sorted(set(vals))
+
+
 def build_parser():
     ap = argparse.ArgumentParser(
         prog="shmgrad bench",
@@ -187,12 +217,13 @@ def build_parser():
     ap.add_argument(
         "--systems",
         type=name_list(SYSTEMS),
-        default=list(DEFAULT_SYSTEMS),
+        default=None,
         help=f"what to measure, comma-separated (default "
-        f"{','.join(DEFAULT_SYSTEMS)}; also: compiled, eager workers running "
+        f"{','.join(DEFAULT_SYSTEMS)}; ddp-shmgrad is DDP over the shmgrad "
+        "torch.distributed backend; also: compiled, eager workers running "
         "torch.compile'd models, compile time in the warm-up steps; bf16, eager workers "
         "under torch.autocast bfloat16); "
-        "ratios need shmgrad",
+        "ratios need shmgrad (ddp-shmgrad's vs ddp needs ddp)",
     )
     ap.add_argument(
         "--reduce-floats",
@@ -237,7 +268,9 @@ def build_parser():
         "moments of a noisy machine; reported with the median of the per-step "
         "ratios DDP / shmgrad. On one machine: DDP's rank 0 is also the trainer "
         "of an engine of N workers (TorchScript, and eager workers if 'eager' is "
-        "measured): ddp-paired, shmgrad-paired, eager-paired. With --nodes: "
+        "measured): ddp-paired, shmgrad-paired, eager-paired; with ddp-shmgrad "
+        "measured, the same ranks also run DDP over a shmgrad group of themselves "
+        "(the default group stays gloo's): ddp-shmgrad-paired. With --nodes: "
         "each rank is both a shmgrad node and a DDP rank: shmgrad-nodes-paired "
         "and ddp-paired",
     )
@@ -249,6 +282,28 @@ def build_parser():
         "its own. By default all share every CPU, and the nodes' engines do "
         "not spin when all the nodes' processes outnumber the cores (the "
         "engine's own rule, which sees only its node)",
+    )
+    ap.add_argument(
+        "--collectives",
+        action="store_true",
+        help="measure the collectives instead of training steps (see above): "
+        "all-reduce, all-gather and reduce-scatter through gloo and the shmgrad "
+        "backend in the same processes, against the memory-traffic bound",
+    )
+    ap.add_argument(
+        "--sizes",
+        type=size_list,
+        default=None,
+        help="with --collectives: comma-separated sizes in bytes, K, M or G (binary), "
+        "the larger per-rank buffer of each collective (default 4K,16K,...,256M: 4 KiB "
+        "to 256 MiB in powers of 4)",
+    )
+    ap.add_argument(
+        "--ranks",
+        type=int_list,
+        default=None,
+        help="with --collectives: comma-separated rank counts W, one run of processes "
+        "each, e.g. 2,4,8,16 (default 2)",
     )
     ap.add_argument("--seed", type=int, default=0, help="seed of the weights and batches")
     ap.add_argument(
@@ -280,6 +335,22 @@ def build_parser():
 
 
 def resolve(args):
+    if args.collectives:
+        return resolve_collectives(args)
+    collective_only = [
+        opt for opt, v in (("--sizes", args.sizes), ("--ranks", args.ranks)) if v is not None
+    ]
+    if collective_only:
+        raise SystemExit(
+            f"shmgrad bench: {', '.join(collective_only)} measure(s) collectives: add --collectives"
+        )
+    if args.nodes is not None and args.systems is not None and "ddp-shmgrad" in args.systems:
+        raise SystemExit(
+            "shmgrad bench: ddp-shmgrad does not run with --nodes: the nodes stand for "
+            "machines of their own, which a shared-memory backend cannot span (use ddp)"
+        )
+    if args.systems is None:
+        args.systems = list(DEFAULT_SYSTEMS)
     quick = args.quick or args.tiny
     if args.models is None:
         args.models = (
@@ -317,6 +388,56 @@ def resolve(args):
         )
     if args.timeout <= 0:
         raise SystemExit("shmgrad bench: --timeout must be positive")
+    return args
+
+
+def resolve_collectives(args):
+    """--collectives: its defaults, and the step matrix's options refused by name."""
+    step_only = [
+        opt
+        for opt, given in (
+            ("--models", args.models is not None),
+            ("--batch-sizes", args.batch_sizes is not None),
+            ("--workers", args.workers is not None),
+            ("--systems", args.systems is not None),
+            ("--reduce-floats", args.reduce_floats is not None),
+            ("--reduce-repeats", args.reduce_repeats is not None),
+            ("--nodes", args.nodes is not None),
+            ("--bucket-cap-mb", args.bucket_cap_mb is not None),
+            ("--paired", args.paired),
+            ("--pin", args.pin),
+            ("--quick", args.quick),
+            ("--tiny", args.tiny),
+        )
+        if given
+    ]
+    if step_only:
+        raise SystemExit(
+            f"shmgrad bench: {', '.join(step_only)} choose(s) training steps, which "
+            "--collectives does not run: use --sizes, --ranks, --repeats, --budget, "
+            "--warmup and --timeout with it"
+        )
+    args.sizes = args.sizes or list(collectives.DEFAULT_SIZES)
+    args.ranks = args.ranks or [2]
+    if args.repeats is None:
+        args.repeats = collectives.DEFAULT_REPEATS
+    if args.budget is None:
+        args.budget = collectives.DEFAULT_BUDGET_S
+    if args.repeats < 1 or args.warmup < 0 or args.budget <= 0 or args.timeout <= 0:
+        raise SystemExit(
+            "shmgrad bench: --repeats, --budget and --timeout must be positive, --warmup >= 0"
+        )
+    small = [
+        f"{collectives.fmt_size(size)} at {w} ranks"
+        for w in args.ranks
+        for size in args.sizes
+        if collectives.elements(size, w) == 0
+    ]
+    if small:
+        raise SystemExit(
+            f"shmgrad bench: {', '.join(small)}: too small to split into one float32 "
+            "element per rank"
+        )
     return args
 
 
@@ -440,21 +561,29 @@ def measure(args):
                         ),
                         ref,
                     )
-            if "ddp" in systems:
-                est = next(
-                    (e["median_s"] for e in engines.values() if "median_s" in e),
-                    single_by_n.get(1, {}).get("median_s"),
-                )
-                reps = runners.ddp_repeats(budget, est)
-                record(
-                    base,
-                    "ddp",
-                    n,
-                    lambda: runners.run_ddp(
-                        model_name, batch, args.warmup, reps, n, args.seed, now() + args.timeout
-                    ),
-                    ref,
-                )
+            est = next(
+                (e["median_s"] for e in engines.values() if "median_s" in e),
+                single_by_n.get(1, {}).get("median_s"),
+            )
+            reps = runners.ddp_repeats(budget, est)
+            for system, backend in DDP_BACKENDS.items():
+                if system in systems:
+                    record(
+                        base,
+                        system,
+                        n,
+                        lambda backend=backend: runners.run_ddp(
+                            model_name,
+                            batch,
+                            args.warmup,
+                            reps,
+                            n,
+                            args.seed,
+                            now() + args.timeout,
+                            backend=backend,
+                        ),
+                        ref,
+                    )
             if args.paired:
                 measure_paired(args, records, base, model_name, batch, n, ref, budget)
             if "dask" in systems:
@@ -471,19 +600,25 @@ def measure(args):
 
     # Ratios to shmgrad (and DDP's to eager), same model, batch and N; a paired record's
     # to the paired shmgrad's (the steps it took turns with).
-    shm, eager, shm_paired = (
+    shm, eager, shm_paired, ddp_gloo = (
         {
             (r["model"], r["batch"], r["workers"]): r
             for r in records
             if r["system"] == system and "median_s" in r
         }
-        for system in ("shmgrad", "eager", "shmgrad-paired")
+        for system in ("shmgrad", "eager", "shmgrad-paired", "ddp")
     )
     for r in records:
         key = (r["model"], r["batch"], r["workers"])
         s = (shm_paired if r["system"].endswith("-paired") else shm).get(key)
-        if r["system"] in ("ddp", "compiled", "bf16") and key in eager and "median_s" in r:
+        if (
+            r["system"] in ("ddp", "ddp-shmgrad", "compiled", "bf16")
+            and key in eager
+            and "median_s" in r
+        ):
             r["ratio_to_eager"] = r["median_s"] / eager[key]["median_s"]
+        if r["system"] == "ddp-shmgrad" and key in ddp_gloo and "median_s" in r:
+            r["ratio_to_ddp"] = r["median_s"] / ddp_gloo[key]["median_s"]
         if s is not None and "median_s" in r:
             r["ratio_to_shmgrad"] = r["median_s"] / s["median_s"]
         elif r["system"] == "single-1t":
@@ -497,10 +632,11 @@ def measure(args):
 
 
 def measure_paired(args, records, base, model_name, batch, n, ref, budget):
-    """--paired on one machine: DDP and the engine systems of the run (shmgrad, eager)
-    in the same processes, every batch through each in turn (runners.run_local_paired);
-    recorded as ddp-paired, shmgrad-paired and eager-paired."""
-    systems = [s for s in ("shmgrad", "eager") if s in args.systems]
+    """--paired on one machine: DDP and the engine systems of the run (shmgrad, eager),
+    and DDP over the shmgrad backend if measured, in the same processes, every batch
+    through each in turn (runners.run_local_paired); recorded as ddp-paired,
+    shmgrad-paired, eager-paired and ddp-shmgrad-paired."""
+    systems = [s for s in ("shmgrad", "eager", "ddp-shmgrad") if s in args.systems]
     if not systems:
         return
     est = sum(
@@ -707,10 +843,28 @@ def settings_info(args) -> dict:
         "heap_environment": heap,
         "intra_op_threads_per_process": 1,
         "inter_op_threads_per_process": 1,
+        # What the process groups of DDP's ranks and of --collectives start with.
+        "backend_environment": {
+            "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+            "SHMGRAD_BACKEND_STAGING_MB": os.environ.get("SHMGRAD_BACKEND_STAGING_MB"),
+        },
     }
 
 
 def settings_line(args) -> str:
+    if args.collectives:
+        return (
+            "Process settings: "
+            + (
+                "heap "
+                + " ".join(f"{k}={v}" for k, v in heap_environment().items())
+                + " for every rank"
+                if args.settings == "alike"
+                else "glibc's default heap"
+            )
+            + "; one intra-op and one inter-op thread per rank; both backends in the same "
+            f"processes; GLOO_SOCKET_IFNAME={os.environ.get('GLOO_SOCKET_IFNAME', 'lo')}."
+        )
     if args.settings == "alike":
         return (
             "Process settings: alike for every system (heap: "
@@ -742,6 +896,26 @@ def main(argv=None):
             "warning: the 1-minute load average is above half the CPUs: if other work is "
             "running, the numbers will be noisy"
         )
+
+    def result(records, reductions, targets, **extra):
+        return {
+            "schema": 1,
+            "command": "shmgrad bench " + " ".join(sys.argv[1:] if argv is None else argv),
+            "started": started,
+            "duration_s": now() - t0,
+            "machine": info,
+            "process_settings": settings_info(args),
+            "load_average_before": list(load_before),
+            "load_average_after": list(os.getloadavg()),
+            "args": {k: v for k, v in vars(args).items()},
+            "results": records,
+            "reduction": reductions,
+            "targets": targets,
+            **extra,
+        }
+
+    if args.collectives:
+        return main_collectives(args, result)
     log(
         f"models {','.join(args.models)}, batch sizes {args.batch_sizes}, workers "
         f"{args.workers}, {args.warmup} warm-up + up to {args.repeats} timed steps "
@@ -758,24 +932,8 @@ def main(argv=None):
         targets = report.evaluate_targets(records, reductions)
         text = report.table(records, reductions, targets)
     text = settings_line(args) + "\n\n" + text
-    result = {
-        "schema": 1,
-        "command": "shmgrad bench " + " ".join(sys.argv[1:] if argv is None else argv),
-        "started": started,
-        "duration_s": now() - t0,
-        "machine": info,
-        "process_settings": settings_info(args),
-        "load_average_before": list(load_before),
-        "load_average_after": list(os.getloadavg()),
-        "args": {k: v for k, v in vars(args).items()},
-        "results": records,
-        "reduction": reductions,
-        "targets": targets,
-    }
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(report.jsonable(result), f, indent=1)
-    with open(os.path.join(args.out, "results.md"), "w") as f:
-        f.write(text)
+    res = result(records, reductions, targets)
+    write_results(args.out, res, text)
     try:
         if not args.nodes:
             report.plot(records, os.path.join(args.out, "bench.png"))
@@ -785,13 +943,86 @@ def main(argv=None):
     print(
         f"wrote {os.path.join(args.out, 'results.json')}, results.md"
         f"{'' if args.nodes else ', bench.png'} "
-        f"({result['duration_s']:.0f} s)"
+        f"({res['duration_s']:.0f} s)"
     )
     failed = [r for r in records + reductions if "error" in r]
     if failed:
         log(f"{len(failed)} configuration(s) failed")
         return 1
     return 0
+
+
+def write_results(out, result, text):
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(report.jsonable(result), f, indent=1)
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(text)
+
+
+def main_collectives(args, result):
+    """--collectives: every rank count in turn, results.json and results.md rewritten
+    after each (a run cut short keeps what it measured), then bench.png."""
+    log(
+        f"collectives {','.join(collectives.OPS)} through {' and '.join(collectives.SYSTEMS)}, "
+        f"ranks {args.ranks}, sizes {','.join(collectives.fmt_size(s) for s in args.sizes)}, "
+        f"{args.warmup} warm-up calls, up to {args.repeats} samples (budget {args.budget:g} s "
+        "per collective and size)"
+    )
+    text = ""
+
+    def save(records, runs):
+        nonlocal text
+        text = settings_line(args) + "\n\n" + report.collectives_table(records, runs)
+        write_results(args.out, result(records, [], [], collective_runs=runs), text)
+
+    records, runs = measure_collectives(args, save)
+    try:
+        report.plot_collectives(records, os.path.join(args.out, "bench.png"))
+    except Exception as exc:
+        log(f"plot failed: {type(exc).__name__}: {exc}")
+    print(text)
+    print(f"wrote {os.path.join(args.out, 'results.json')}, results.md, bench.png")
+    failed = [r for r in runs if "error" in r]
+    wrong = [
+        f"{r['collective']} {collectives.fmt_size(r['size'])} W={r['ranks']} {system}"
+        for r in records
+        for system in collectives.SYSTEMS
+        if not r[system]["correct"]
+    ]
+    if failed or wrong:
+        log(f"{len(failed)} rank count(s) failed; wrong results: {', '.join(wrong) or 'none'}")
+        return 1
+    return 0
+
+
+def measure_collectives(args, save):
+    """--collectives: one run of processes per rank count (runners.run_collectives);
+    ``save(records, runs)`` after each. Returns (records, runs)."""
+    plan = collectives.Plan(list(args.sizes), args.repeats, args.warmup, args.budget)
+    records, runs = [], []
+    for world in args.ranks:
+        log(f"collectives: {world} ranks")
+        t0 = now()
+        try:
+            recs, run = runners.run_collectives(world, plan, now() + args.timeout)
+        except Exception as exc:  # one failed rank count must not stop the others
+            runs.append(
+                {"ranks": world, "error": f"{type(exc).__name__}: {exc}", "seconds": now() - t0}
+            )
+            log(f"  {world} ranks: FAILED {runs[-1]['error']}")
+            traceback.print_exc(file=sys.stderr)
+        else:
+            records += recs
+            runs.append(run)
+            for r in recs:
+                log(
+                    f"  {r['collective']:14s} W={world} {collectives.fmt_size(r['size']):>8s}: "
+                    f"gloo {r['gloo']['median_s'] * 1e6:10.1f} us, shmgrad "
+                    f"{r['shmgrad']['median_s'] * 1e6:10.1f} us, bound "
+                    f"{r['bound_s'] * 1e6:10.1f} us"
+                )
+        save(records, runs)
+    return records, runs
 
 
 if __name__ == "__main__":

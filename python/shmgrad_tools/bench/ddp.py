@@ -1,5 +1,6 @@
 """The DistributedDataParallel side of ``shmgrad bench``: one rank of a gloo process group
-on 127.0.0.1, started by torch.multiprocessing (spawn). Kept apart from the runners so that
+on 127.0.0.1 (or of a ``shmgrad`` one: the backend over this machine's shared memory),
+started by torch.multiprocessing (spawn). Kept apart from the runners so that
 a spawned rank imports only this, the models and the clock, not Dask or the report."""
 
 import datetime
@@ -14,17 +15,20 @@ from . import models
 from .timing import loopback_bytes, now, pin_to_share
 
 
-def join_local_group(rank, world, port, timeout_s, pin):
-    """This rank joins a gloo group on 127.0.0.1 with one intra-op thread; with ``pin``,
-    it runs on its share of the CPUs only (``timing.pin_to_share``)."""
+def join_local_group(rank, world, port, timeout_s, pin, backend="gloo"):
+    """This rank joins a ``backend`` group ("gloo", or "shmgrad") on 127.0.0.1 with one
+    intra-op thread; with ``pin``, it runs on its share of the CPUs only
+    (``timing.pin_to_share``)."""
     if pin:
         pin_to_share(rank, world)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     models.set_threads(1)
+    if backend == "shmgrad":
+        import shmgrad  # noqa: F401  (registers the backend)
     dist.init_process_group(
-        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
+        backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
     )
 
 
@@ -61,13 +65,13 @@ def alternating_steps(batches, warmup, steps):
     return times
 
 
-def ddp_step(rank, world, model_name, batch, seed, out):
-    """A DDP model of ``model_name`` and its step on this rank's shard of a batch:
-    ``step(i, x, y)``; the first step's gradient of the sum goes into ``out["grad"]``
-    (rank 0)."""
+def ddp_step(rank, world, model_name, batch, seed, out, group=None):
+    """A DDP model of ``model_name`` over process group ``group`` (the default group if
+    None) and its step on this rank's shard of a batch: ``step(i, x, y)``; the first
+    step's gradient of the sum goes into ``out["grad"]`` (rank 0)."""
     model = models.make_model(model_name, seed)
     model.train()
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
     lo, hi = batch * rank // world, batch * (rank + 1) // world
     out["grad"] = None
 
@@ -83,11 +87,14 @@ def ddp_step(rank, world, model_name, batch, seed, out):
     return step
 
 
-def rank_main(rank, world, port, model_name, batch, warmup, repeats, seed, pin, queue, timeout_s):
-    """Runs ``warmup + repeats`` DDP steps on this rank's shard of each batch and puts
-    ``(rank, {"start": [...], "end": [...], "grad": ...})`` on ``queue`` (or an error)."""
+def rank_main(
+    rank, world, port, model_name, batch, warmup, repeats, seed, pin, backend, queue, timeout_s
+):
+    """Runs ``warmup + repeats`` DDP steps on this rank's shard of each batch over a
+    ``backend`` group and puts ``(rank, {"start": [...], "end": [...], "grad": ...})`` on
+    ``queue`` (or an error)."""
     try:
-        join_local_group(rank, world, port, timeout_s, pin)  # 1 thread, like a shmgrad worker
+        join_local_group(rank, world, port, timeout_s, pin, backend)  # 1 thread, as a worker
         try:
             out = {}
             step = ddp_step(rank, world, model_name, batch, seed, out)

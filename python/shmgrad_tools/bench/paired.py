@@ -2,9 +2,12 @@
 run of processes, every batch through each system in turn (the order reversed on every
 other batch, ``ddp.alternating_steps``), so that each pair of steps sees the same moments
 of a noisy machine. Rank 0 of the DDP group is also the trainer of a shmgrad engine of N
-workers (TorchScript, and eager workers with ``eager``); while one system steps, the other
-system's processes sleep (DDP's ranks in gloo's barrier, the engine's workers on their
-futex: an engine of N >= 2 workers on a machine with no spare core does not spin).
+workers (TorchScript, and eager workers with ``eager``); with ``ddp-shmgrad`` the same
+ranks also run a second DDP model over a ``shmgrad`` group of the same ranks
+(``dist.new_group(backend="shmgrad")``; the default group stays gloo's). While one system
+steps, the other system's processes sleep (DDP's ranks in gloo's barrier, the engine's
+workers on their futex: an engine of N >= 2 workers on a machine with no spare core does
+not spin).
 
 Kept apart from the runners so that a spawned rank imports only this, DDP's side, the
 models and the clock, not Dask or the report."""
@@ -19,6 +22,8 @@ from .ddp import alternating_steps, ddp_step, join_local_group
 
 # The engine systems a paired run may hold, and their worker mode.
 ENGINE_MODES = {"shmgrad": "script", "eager": "eager"}
+# The DDP system a paired run may hold beside DDP over gloo: DDP over the shmgrad backend.
+DDP_SHMGRAD = "ddp-shmgrad"
 
 
 @contextlib.contextmanager
@@ -71,17 +76,25 @@ def rank_main(
     queue,
     timeout_s,
 ):
-    """Runs ``warmup + repeats`` batches through DDP and each engine system in ``systems``
-    in turn and puts ``(rank, {system: {"start", "end", "grad", ...}})`` on ``queue`` (or
-    an error)."""
+    """Runs ``warmup + repeats`` batches through DDP and each system in ``systems`` (the
+    engine systems, and ``ddp-shmgrad``) in turn and puts ``(rank, {system: {"start",
+    "end", "grad", ...}})`` on ``queue`` (or an error)."""
     try:
         join_local_group(rank, world, port, timeout_s, False)  # 1 thread, like a worker
         try:
             batches = models.make_batches(model_name, batch, warmup + repeats, seed)
             outs = {"ddp": {}}
             steps = {"ddp": ddp_step(rank, world, model_name, batch, seed, outs["ddp"])}
+            if DDP_SHMGRAD in systems:
+                import shmgrad  # noqa: F401  (registers the backend)
+
+                group = dist.new_group(backend="shmgrad")
+                outs[DDP_SHMGRAD] = {}
+                steps[DDP_SHMGRAD] = ddp_step(
+                    rank, world, model_name, batch, seed, outs[DDP_SHMGRAD], group
+                )
             with contextlib.ExitStack() as stack:
-                for system in systems:
+                for system in (s for s in systems if s in ENGINE_MODES):
                     outs[system] = {}
                     steps[system] = stack.enter_context(
                         engine_step(

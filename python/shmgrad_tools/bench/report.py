@@ -1,7 +1,9 @@
 """What ``shmgrad bench`` reports: the issue's targets checked on the measurements, the
-Markdown tables, the plot, and the JSON-safe form of the records."""
+Markdown tables, the plots, and the JSON-safe form of the records."""
 
 import math
+
+from .collectives import OPS, SYSTEMS as COLLECTIVE_SYSTEMS, fmt_size
 
 LABELS = {
     "single-1t": "single process, 1 thread",
@@ -11,10 +13,12 @@ LABELS = {
     "compiled": "shmgrad eager, torch.compile'd, N workers",
     "bf16": "shmgrad eager, bfloat16 autocast, N workers",
     "ddp": "DDP gloo, N processes",
+    "ddp-shmgrad": "DDP over the shmgrad backend, N processes",
     "dask": "Dask deep-copy, N threads",
     "shmgrad-paired": "shmgrad, N workers, in turn with DDP",
     "eager-paired": "shmgrad eager, N workers, in turn with DDP",
     "ddp-paired": "DDP gloo, N processes, in turn with shmgrad",
+    "ddp-shmgrad-paired": "DDP over the shmgrad backend, N processes, in turn with DDP gloo",
 }
 
 
@@ -166,10 +170,12 @@ def table(records, reductions, targets):
         "compiled": 4,
         "bf16": 5,
         "ddp": 6,
-        "dask": 7,
-        "shmgrad-paired": 8,
-        "eager-paired": 9,
-        "ddp-paired": 10,
+        "ddp-shmgrad": 7,
+        "dask": 8,
+        "shmgrad-paired": 9,
+        "eager-paired": 10,
+        "ddp-paired": 11,
+        "ddp-shmgrad-paired": 12,
     }
     rows = sorted(
         records, key=lambda r: (r["model"], r["batch"], r["workers"], order.get(r["system"], 9))
@@ -204,10 +210,15 @@ def table(records, reductions, targets):
             notes.append(f"overhead {r['overhead_median'] * 100:.1f}%")
             notes.append(f"slowest worker f+b {fmt_ms(r['compute_max_median_s'])} ms")
             notes.append(f"per-step DDP / this: median {r['paired_ratio_median']:.3f}x")
+        if r["system"] == "ddp-shmgrad-paired":
+            notes.append("in turn with ddp-paired in the same ranks")
+            notes.append(f"per-step DDP-gloo / this: median {r['paired_ratio_median']:.3f}x")
         if r["system"] == "ddp-paired":
-            notes.append("in turn with shmgrad-paired (and eager-paired), step by step")
+            notes.append("in turn with the other -paired systems, step by step")
         if r["system"] in ("single", "single-1t"):
             notes.append(f"{r['threads']} thread{'s' if r['threads'] > 1 else ''}")
+        if "ratio_to_ddp" in r:
+            notes.append(f"vs ddp {r['ratio_to_ddp']:.2f}x")
         if "ratio_to_eager" in r:
             notes.append(f"vs eager {r['ratio_to_eager']:.2f}x")
         if r.get("grad_rel_err") is not None and r["system"] != "single-1t":
@@ -330,6 +341,105 @@ def nodes_table(records, targets):
     return "\n".join(lines + targets_table(targets)) + "\n"
 
 
+def fmt_us(s):
+    """Seconds as microseconds, three significant figures below 100 us."""
+    us = s * 1e6
+    return f"{us:,.0f}" if us >= 100 else f"{us:.3g}"
+
+
+def collectives_table(records, runs):
+    """--collectives: the results as Markdown (bench/collectives.py defines each figure)."""
+    lines = [
+        "Collectives, float32, SUM, gloo and shmgrad in the same processes, taking turns. "
+        "us: the median over samples of k back-to-back calls (first rank's start to last "
+        "rank's end, over k). GB/s: the size (the larger per-rank buffer) over that time. "
+        "bound: the bytes each rank moves in shmgrad's algorithm (all_reduce (5 + 1/W) n, "
+        "all_gather (2 + 2/W) n, reduce_scatter (3 + 1/W) n) at the copy bandwidth per "
+        "rank with every rank copying at once (below); under 1x where the data stays in "
+        "the caches.",
+        "",
+    ]
+    for run in runs:
+        if "error" in run:
+            lines.append(f"- {run['ranks']} ranks: FAILED ({run['error'][:200]})")
+            continue
+        c = run["copy"]
+        lines.append(
+            f"- {run['ranks']} ranks ({run['seconds']:.0f} s): copy bandwidth per rank, "
+            f"every rank copying {fmt_size(c['bytes'])} at once: {c['all_gbps']:.2f} GB/s "
+            f"read and written; one process alone: {c['alone_gbps']:.2f} GB/s"
+        )
+    lines += [
+        "",
+        "| collective | W | size | gloo us | shmgrad us | gloo GB/s | shmgrad GB/s "
+        "| gloo / shmgrad | bound us | shmgrad / bound | samples x calls (gloo; shmgrad) "
+        "| notes |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for r in sorted(records, key=lambda r: (OPS.index(r["collective"]), r["ranks"], r["size"])):
+        g, s = r["gloo"], r["shmgrad"]
+        wrong = [system for system in COLLECTIVE_SYSTEMS if not r[system]["correct"]]
+        notes = f"WRONG RESULT: {', '.join(wrong)}" if wrong else ""
+        lines.append(
+            f"| {r['collective']} | {r['ranks']} | {fmt_size(r['size'])} | "
+            f"{fmt_us(g['median_s'])} | {fmt_us(s['median_s'])} | {g['gbps']:.3g} | "
+            f"{s['gbps']:.3g} | {r['gloo_over_shmgrad']:.2f}x | {fmt_us(r['bound_s'])} | "
+            f"{r['shmgrad_over_bound']:.2f}x | "
+            f"{g['n']} x {g['calls_per_sample']}; {s['n']} x {s['calls_per_sample']} | "
+            f"{notes} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot_collectives(records, path):
+    """--collectives: latency against size, one panel per collective; gloo, shmgrad and
+    the bound for each rank count."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(OPS), squeeze=False, figsize=(5.0 * len(OPS), 4.6))
+    colors = {"gloo": "tab:green", "shmgrad": "tab:red", "bound": "tab:gray"}
+    dashes = ["-", "--", ":", "-."]
+    ranks = sorted({r["ranks"] for r in records})
+    for ax, op in zip(axes[0], OPS):
+        for i, w in enumerate(ranks):
+            rs = sorted(
+                (r for r in records if r["collective"] == op and r["ranks"] == w),
+                key=lambda r: r["size"],
+            )
+            if not rs:
+                continue
+            xs = [r["size"] for r in rs]
+            series = {
+                system: [r[system]["median_s"] * 1e6 for r in rs] for system in COLLECTIVE_SYSTEMS
+            }
+            series["bound"] = [r["bound_s"] * 1e6 for r in rs]
+            for name, ys in series.items():
+                ax.plot(
+                    xs,
+                    ys,
+                    color=colors[name],
+                    ls=dashes[i % len(dashes)],
+                    marker="" if name == "bound" else "o",
+                    ms=3,
+                    label=f"{name}, W={w}",
+                )
+        ax.set_title(op)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("size, bytes (per-rank buffer)")
+        ax.set_ylabel("latency, us (median)")
+        ax.grid(True, which="both", alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(6, max(1, len(labels))), fontsize=8)
+    rows = math.ceil(len(labels) / 6) if labels else 1
+    fig.tight_layout(rect=(0, 0.05 * rows + 0.03, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot(records, path):
     import matplotlib
 
@@ -349,6 +459,7 @@ def plot(records, path):
         "compiled": ("tab:brown", "-", "^"),
         "bf16": ("tab:pink", "-", "x"),
         "ddp": ("tab:green", "-", "^"),
+        "ddp-shmgrad": ("tab:olive", "-", "P"),
         "dask": ("tab:purple", "-", "D"),
     }
     for i, m in enumerate(models):

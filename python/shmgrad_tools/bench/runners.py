@@ -1,6 +1,7 @@
 """The systems ``shmgrad bench`` measures, one runner each: a single process, a shmgrad
-engine (TorchScript or eager workers), DDP over gloo, shmgrad engines on several nodes
-(``--nodes``), Dask with a deep copy per task, and the reduction alone.
+engine (TorchScript or eager workers), DDP over gloo or over the shmgrad backend, shmgrad
+engines on several nodes (``--nodes``), Dask with a deep copy per task, the reduction
+alone, and the collectives of gloo and the shmgrad backend (``--collectives``).
 
 Every runner of a training step takes the same batches and returns ``(record, grad)``:
 the step times and what else it measured, and the gradient of batch 0 as one float64
@@ -22,10 +23,10 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from shmgrad import program
-from . import ddp, models
+from . import collectives, ddp, models
 from . import nodes as nodes_rank
 from . import paired as paired_rank
-from .timing import now, timed_steps
+from .timing import now, summarize, timed_steps
 
 
 # -- 1. single process ----------------------------------------------------------------
@@ -150,7 +151,7 @@ def run_shmgrad(
             engine.close()
 
 
-# -- 3. DDP (gloo) --------------------------------------------------------------------
+# -- 3. DDP (gloo, or the shmgrad backend) ----------------------------------------------
 def _free_port():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -211,7 +212,9 @@ def _step_times(results):
     return [max(e[i] for e in ends) - min(s[i] for s in starts) for i in range(len(starts[0]))]
 
 
-def run_ddp(model_name, batch, warmup, repeats, workers, seed, deadline, pin=False):
+def run_ddp(model_name, batch, warmup, repeats, workers, seed, deadline, pin=False, backend="gloo"):
+    """DDP with ``workers`` ranks whose process group is ``backend``'s: "gloo" (TCP on
+    127.0.0.1) or "shmgrad" (the backend over this machine's shared memory)."""
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     port = _free_port()
@@ -219,9 +222,9 @@ def run_ddp(model_name, batch, warmup, repeats, workers, seed, deadline, pin=Fal
     results, total = _run_ranks(
         ddp.rank_main,
         workers,
-        (workers, port, model_name, batch, warmup, repeats, seed, pin),
+        (workers, port, model_name, batch, warmup, repeats, seed, pin, backend),
         deadline,
-        "DDP",
+        f"DDP ({backend})",
     )
     times = _step_times(results)
     return {
@@ -313,10 +316,12 @@ def run_local_paired(
     model_name, batch, warmup, repeats, workers, seed, deadline, engine_prefix, systems
 ):
     """``--paired`` on one machine: DDP with ``workers`` ranks and, in its rank 0, an
-    engine of ``workers`` workers for each of ``systems`` ("shmgrad", "eager"), every
+    engine of ``workers`` workers for each engine system of ``systems`` ("shmgrad",
+    "eager"), and with "ddp-shmgrad" DDP over a shmgrad group of the same ranks, every
     batch through each in turn (bench/paired.py). Returns ``{system + "-paired": (record,
-    grad)}`` for "ddp" and each of ``systems``; each engine's record carries the per-step
-    ratios DDP / engine (``paired_ratios``) of steps a moment apart, and their median."""
+    grad)}`` for "ddp" and each of ``systems``; each record but DDP-gloo's carries the
+    per-step ratios DDP / this (``paired_ratios``) of steps a moment apart, and their
+    median."""
     results, total = _run_ranks(
         paired_rank.rank_main,
         workers,
@@ -332,6 +337,20 @@ def run_local_paired(
         )
     }
     for system in systems:
+        if system == paired_rank.DDP_SHMGRAD:  # timed across the ranks, like DDP-gloo
+            times = _step_times({r: res[system] for r, res in results.items()})
+            ratios = [d / s for d, s in zip(ddp_times, times)]
+            out[f"{system}-paired"] = (
+                {
+                    "times_s": times,
+                    "threads": 1,
+                    "total_s": total,
+                    "paired_ratios": ratios,
+                    "paired_ratio_median": statistics.median(ratios),
+                },
+                results[0][system]["grad"],
+            )
+            continue
         res = results[0][system]  # the engine's trainer is rank 0
         times = [e - s for s, e in zip(res["start"], res["end"])]
         ratios = [d / s for d, s in zip(ddp_times, times)]
@@ -455,3 +474,76 @@ def run_reduce(workers, floats, repeats, timeout):
     if p.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {p.returncode}: {p.stderr.strip()}")
     return json.loads(p.stdout)
+
+
+# -- 6. the collectives of gloo and the shmgrad backend ------------------------------
+def run_collectives(world, plan: collectives.Plan, deadline):
+    """``world`` ranks measuring every size of ``plan`` through gloo and the shmgrad
+    backend in the same processes (bench/collectives.py). Returns ``(records, run)``: one
+    record per collective and size, and what the run measured once (the copy bandwidth,
+    its seconds)."""
+    results, total = _run_ranks(
+        collectives.rank_main, world, (world, _free_port(), plan), deadline, "collectives"
+    )
+    copy = _copy_bandwidth(results, world)
+    records = []
+    for i, size in enumerate(plan.sizes):
+        entries = [results[r]["sizes"][i] for r in range(world)]
+        n = entries[0]["bytes"]
+        for op in collectives.OPS:
+            traffic = collectives.traffic_bytes(op, n, world)
+            rec = {
+                "collective": op,
+                "ranks": world,
+                "size": size,
+                "bytes": n,
+                "dtype": "float32",
+                "traffic_bytes": traffic,
+                "copy_gbps": copy["all_gbps"],
+                "bound_s": traffic / (copy["all_gbps"] * 1e9),
+            }
+            for system in collectives.SYSTEMS:
+                parts = [e["ops"][op][system] for e in entries]
+                times = _sample_times(parts)
+                rec[system] = dict(
+                    summarize(times),
+                    times_s=times,
+                    calls_per_sample=parts[0]["calls_per_sample"],
+                    correct=all(p["correct"] for p in parts),
+                )
+                rec[system]["gbps"] = n / rec[system]["median_s"] / 1e9
+            rec["gloo_over_shmgrad"] = rec["gloo"]["median_s"] / rec["shmgrad"]["median_s"]
+            rec["shmgrad_over_bound"] = rec["shmgrad"]["median_s"] / rec["bound_s"]
+            records.append(rec)
+    return records, {"ranks": world, "seconds": total, "copy": copy}
+
+
+def _copy_bandwidth(results, world):
+    """The copy bandwidth of the bound from the ranks' copies before and after the
+    collectives (collectives.copy_bandwidth): per rank with every rank copying at once,
+    and of one process alone; bytes read and written per second (GB/s), medians over the
+    samples of both."""
+    moved = 2 * collectives.COPY_BYTES
+
+    def times(key, ranks):
+        return [
+            t
+            for when in ("copy_before", "copy_after")
+            for t in _step_times({r: results[r][when][key] for r in ranks})
+        ]
+
+    every, alone = summarize(times("all", range(world))), summarize(times("alone", [0]))
+    return {
+        "bytes": collectives.COPY_BYTES,
+        "all": every,
+        "alone": alone,
+        "all_gbps": moved / every["median_s"] / 1e9,
+        "alone_gbps": moved / alone["median_s"] / 1e9,
+    }
+
+
+def _sample_times(parts):
+    """Per sample of k calls, from the first rank's start to the last rank's end, over k:
+    ``parts`` are the ranks' {"calls_per_sample", "start", "end"}."""
+    k = parts[0]["calls_per_sample"]
+    return [t / k for t in _step_times(dict(enumerate(parts)))]
