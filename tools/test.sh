@@ -7,7 +7,10 @@
 # left out: the C++ tests are built once, with the sanitizers, which is what keeps CI
 # under 40 minutes).
 #   SHMGRAD_SKIP_OLDEST=1   leave out the torch 2.11 environment
+#   --full                  also the long Python tests (marked `full`: several ranks,
+#                           nodes, restarts), which CI leaves out to stay under 40 minutes
 set -euo pipefail
+if [ "${1:-}" = "--full" ]; then export SHMGRAD_TEST_FULL=1; fi
 cd "$(dirname "$0")/.."
 ROOT="$(pwd)"
 SECONDS=0

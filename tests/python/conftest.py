@@ -282,6 +282,18 @@ def case_outcome(reports):
     }
 
 
+FULL = os.environ.get("SHMGRAD_TEST_FULL") == "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    if FULL:
+        return
+    skip = pytest.mark.skip(reason="long: tools/test.sh --full runs it (CI does not)")
+    for item in items:
+        if item.get_closest_marker("full"):
+            item.add_marker(skip)
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers",
@@ -292,6 +304,11 @@ def pytest_configure(config):
         "markers",
         "gpu: needs a GPU; skips with the reason without one, fails so under "
         "SHMGRAD_REQUIRE_GPU=1 (tools/device-check --run --gpu runs these: -m gpu)",
+    )
+    config.addinivalue_line(
+        "markers",
+        "full: long (several ranks, nodes or restarts); skipped unless SHMGRAD_TEST_FULL=1 "
+        "(tools/test.sh --full), so CI stays under 40 minutes",
     )
     path = config.getoption("--outcomes-log")
     if path:

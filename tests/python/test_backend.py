@@ -381,6 +381,7 @@ def test_ddp_gives_the_parameters_of_ddp_with_gloo():
         assert np.array_equal(a, b)
 
 
+@pytest.mark.full
 def test_ddp_with_four_ranks_within_rounding_of_gloo():
     ranks = launch(_ddp_params, world=4)
     # Four ranks: shmgrad adds in rank order, gloo's ring in another; the parameters after
@@ -608,6 +609,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.full
 def test_torchrun_restarts_a_fresh_group_after_a_killed_rank(tmp_path):
     import subprocess
     import sys
@@ -723,6 +725,7 @@ def _two_nodes(tmp_path, backend):
     return params
 
 
+@pytest.mark.full
 def test_two_nodes_through_torchrun_reduce_within_and_between(tmp_path):
     shm = _two_nodes(tmp_path, "shmgrad")
     gloo = _two_nodes(tmp_path, "gloo")

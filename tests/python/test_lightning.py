@@ -462,7 +462,7 @@ if trainer.global_rank == 0:
 """
 
 
-@pytest.mark.parametrize("mode", ["word", "class"])
+@pytest.mark.parametrize("mode", ["word", pytest.param("class", marks=pytest.mark.full)])
 def test_ddp_over_the_shmgrad_backend_trains_as_one_process(tmp_path, mode):
     """strategy="ddp_shmgrad" and DDPStrategy(process_group_backend="shmgrad"): two DDP
     processes (Lightning launches them) on interleaved halves of each batch end where one
