@@ -285,7 +285,7 @@ namespace {
 constexpr uint64_t kMagic = 0x7367706731707368ull;  // "hsp1gpgs"
 constexpr uint32_t kVersion = 1;
 constexpr uint64_t kPage = 4096;
-constexpr uint64_t kLine = 64;
+constexpr uint64_t kLine = ipc::kAlign;  // a cache line
 constexpr uint64_t kMinStaging = 256 << 10;
 constexpr uint64_t kMaxStaging = 8 << 20;
 constexpr uint64_t kDefaultStagingTotal = 64 << 20;
@@ -314,7 +314,7 @@ const char* opName(uint32_t op) {
   return op < std::size(kNames) ? kNames[op] : "?";
 }
 
-uint64_t alignUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+using ipc::alignUp;
 
 }  // namespace
 

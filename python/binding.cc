@@ -386,15 +386,6 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"), py::arg("key_prefix"),
       py::arg("node_of_rank"), py::arg("leaders"), py::arg("everyone"));
-  // All ranks on one node (the first release's signature).
-  m.def(
-      "create_process_group_backend",
-      [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-         const std::chrono::duration<float>& timeout) {
-        return shmgrad::backend::ProcessGroupShm::create(store, rank, size, timeout, "shmgrad/",
-                                                         std::vector<int64_t>(size, 0), {}, {});
-      },
-      py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"));
   m.def("segment_path", &shmgrad::ipc::segmentPath, py::arg("name"));
   m.def("segment_exists", &shmgrad::ipc::Segment::exists, py::arg("name"));
   m.def("check_engine_name", &shmgrad::ipc::checkEngineName, py::arg("name"));
