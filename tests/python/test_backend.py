@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import shmgrad  # noqa: F401  (registers the backend)
-from test_multinode import _free_port
+from helpers import free_port
 
 TIMEOUT_S = 120
 
@@ -47,7 +47,7 @@ def launch(fn, world=2, args=(), env=None, timeout=TIMEOUT_S, expect_dead=()):
     Ranks in expect_dead may die (their result is their exit code)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_entry, args=(fn, r, world, port, env or {}, queue, args))
         for r in range(world)
@@ -487,7 +487,7 @@ def _cuda(rank, world):
             "cpu:shmgrad,cuda:nccl",
             rank=0,
             world_size=1,
-            init_method=f"tcp://127.0.0.1:{_free_port()}",
+            init_method=f"tcp://127.0.0.1:{free_port()}",
         )
         cpu, gpu = torch.ones(3), torch.ones(3, device="cuda")
         dist.all_reduce(cpu)
@@ -688,7 +688,7 @@ def _two_nodes(tmp_path, backend):
     script = tmp_path / "nodes.py"
     script.write_text(NODES_SCRIPT)
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     procs = [
         subprocess.Popen(

@@ -12,7 +12,7 @@ from torch import nn
 
 import shmgrad
 from conftest import relative_error, segments
-from test_faults import GradientCall, wait_until_busy
+from helpers import GradientCall, wait_until_busy
 
 
 class Unscriptable(nn.Module):

@@ -33,7 +33,7 @@ from conftest import (
     relative_error,
     skip_for_fewer_gpus,
 )
-from test_faults import STEP_TIMEOUT_S, GradientCall, wait_for, wait_until_busy
+from helpers import STEP_TIMEOUT_S, GradientCall, wait_for, wait_until_busy
 
 # After a GPU case, the device's free memory is back to what it was before, within what
 # this process's own CUDA context may take meanwhile (an NCCL communicator's leftovers):

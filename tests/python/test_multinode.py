@@ -12,7 +12,6 @@ import logging
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ import torch.multiprocessing as mp
 
 import shmgrad
 from conftest import Branchy, Cnn, Mlp, reference_gradient, relative_error, shard_gradients
+from helpers import free_port
 from shmgrad.multinode import shard
 
 NODES = 2
@@ -38,12 +38,6 @@ _tags = itertools.count()
 
 
 # -- running ranks -----------------------------------------------------------------------
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_entry(rank, scenario, port, out_dir, timeout_s, kwargs):
     """One spawned rank: a gloo group on 127.0.0.1, the scenario, its result saved."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -74,7 +68,7 @@ class Ranks:
             nprocs=NODES,
             join=False,
             start_method="spawn",
-            args=(scenario, _free_port(), self.out, timeout_s, kwargs),
+            args=(scenario, free_port(), self.out, timeout_s, kwargs),
         )
         self.procs = self.ctx.processes
 
@@ -824,7 +818,7 @@ def test_docs_dask_recipe_runs_as_written(tmp_path):
     block = block[block.index("```sh\n") + 6 : block.index("```\n", block.index("```sh\n") + 6)]
     commands = [line.split("#")[0].strip() for line in block.strip().splitlines()]
     assert len(commands) == 3 and "dask scheduler" in commands[0], commands
-    port = str(_free_port())
+    port = str(free_port())
     commands = [c.replace("8786", port).replace("SCHEDULER", "127.0.0.1") for c in commands]
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
     started = []

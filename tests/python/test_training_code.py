@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import shmgrad
 from conftest import AUX, Branchy, Cnn, Mlp, relative_error, reference_gradient, shard_gradients
-from test_faults import STEP_TIMEOUT_S, GradientCall, SlowCnn, wait_until_busy
+from helpers import STEP_TIMEOUT_S, GradientCall, SlowCnn, wait_until_busy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
