@@ -27,7 +27,6 @@
 #include "ipc/segment.h"
 #include "ipc/step.h"
 #include "engine/model_file.h"
-#include "worker/step_protocol.h"
 
 namespace shmgrad::engine {
 namespace {
@@ -480,9 +479,9 @@ class Coordinator {
       return std::string("killed by signal ") + std::to_string(WTERMSIG(status));
     if (WIFEXITED(status)) {
       const int code = WEXITSTATUS(status);
-      const char* meaning = code == worker::kExitStartupFailed     ? " (start-up failed)"
-                            : code == worker::kExitCoordinatorGone ? " (coordinator gone)"
-                            : code == worker::kExitDeviceFault
+      const char* meaning = code == config::kExitWorkerStartupFailed     ? " (start-up failed)"
+                            : code == config::kExitWorkerCoordinatorGone ? " (coordinator gone)"
+                            : code == config::kExitWorkerDeviceFault
                                 ? " (a CUDA kernel fault left its context unusable)"
                             : code == kExitExecFailed ? " (could not exec the worker binary)"
                                                       : "";

@@ -155,10 +155,7 @@ void convert(const Npy& a, const std::string& path, std::vector<T>* out) {
 
 }  // namespace
 
-std::string fashionMnistDir() {
-  const char* env = config::tunable("SHMGRAD_FASHION_MNIST_DIR");
-  return env != nullptr && *env != '\0' ? env : "/usr/share/datasets/fashion-mnist";
-}
+std::string fashionMnistDir() { return config::tunableValue("SHMGRAD_FASHION_MNIST_DIR"); }
 
 Dataset loadFashionMnist(const std::string& dir, const std::string& split) {
   SHMGRAD_CHECK(split == "train" || split == "test", ErrorKind::kInvalidArgument,

@@ -19,7 +19,7 @@
 #include "ipc/reduce.h"
 #include "ipc/segment.h"
 #include "ipc/step.h"
-#include "worker/buffer_views.h"
+#include "views/segment_views.h"
 
 namespace shmgrad {
 
@@ -33,9 +33,8 @@ constexpr auto kAwaitSlice = std::chrono::milliseconds(100);  // liveness checks
 // when every one of them has a core (StepRequest::spin_ns; at the barriers, when the
 // participants have, StepRequest::barrier_spin_ns). Long enough to cover a short
 // step's compute and the gap between two steps, so neither side pays a wake-up; bounded,
-// so a long step costs a spare core for no longer than this. SHMGRAD_SPIN_US overrides it
-// (0 disables spinning).
-constexpr uint64_t kDefaultSpinNs = 1000000;
+// so a long step costs a spare core for no longer than this: SHMGRAD_SPIN_US, whose
+// default (1 ms) ipc/config.h's kTunables declares (0 disables spinning).
 constexpr auto kIdlePoll = std::chrono::milliseconds(1);      // stale workers after an abort
 constexpr auto kNoWorkerPoll = std::chrono::milliseconds(5);  // every worker being replaced
 constexpr auto kAttachPoll = std::chrono::milliseconds(20);   // engine not serving yet
@@ -133,9 +132,9 @@ std::unique_ptr<Trainer> Trainer::attach(const std::string& name, const AttachOp
 Trainer::Trainer(std::string name, std::shared_ptr<ipc::Segment> seg, const AttachOptions& o)
     : name_(std::move(name)), seg_(std::move(seg)), lease_(o.lease) {
   cores_ = physicalCores();
-  spin_ns_ = kDefaultSpinNs;
   await_spin_ = std::make_unique<ipc::AdaptiveSpin>();
-  if (const char* env = config::tunable("SHMGRAD_SPIN_US")) {
+  {
+    const char* env = config::tunableValue("SHMGRAD_SPIN_US");  // the default, when unset
     char* end = nullptr;
     const double us = std::strtod(env, &end);
     SHMGRAD_CHECK(end != env && *end == '\0' && us >= 0 && us * 1000 <= ipc::kMaxSpinNs,
@@ -220,7 +219,7 @@ int Trainer::coordinatorPid() const { return segment().header()->coordinator_pid
 std::vector<torch::Tensor> Trainer::views(float* base) const {
   auto keep = seg_;
   auto mem = mem_;
-  return worker::parameterShapedViews(
+  return views::parameterShapedViews(
       *seg_, base, [keep, mem](void*) {}, device());
 }
 
@@ -229,7 +228,7 @@ torch::Tensor Trainer::flatView(float* base) const {
   auto mem = mem_;
   return torch::from_blob(
       base, {static_cast<int64_t>(seg_->header()->param_floats)}, [keep, mem](void*) {},
-      worker::floatOptions(device()));
+      views::floatOptions(device()));
 }
 
 bool Trainer::onDevice() const { return mem_ != nullptr && mem_->onDevice(); }
@@ -269,18 +268,18 @@ torch::Tensor Trainer::parameterBuffer() const {
 torch::Tensor Trainer::bufferBlock() const {
   checkUsable();
   auto keep = seg_;
-  return worker::bufferBlockView(*seg_, [keep](void*) {});
+  return views::bufferBlockView(*seg_, [keep](void*) {});
 }
 
 std::vector<torch::Tensor> Trainer::bufferViewsOf(const torch::Tensor& block) const {
   checkUsable();
-  return worker::bufferViewsOf(*seg_, block);
+  return views::bufferViewsOf(*seg_, block);
 }
 
 std::vector<std::pair<std::string, torch::Tensor>> Trainer::bufferViews() const {
   checkUsable();
   auto keep = seg_;
-  return worker::sharedBufferViews(*seg_, [keep](void*) {});
+  return views::sharedBufferViews(*seg_, [keep](void*) {});
 }
 
 torch::Tensor Trainer::gradientBuffer() const {
@@ -436,7 +435,7 @@ GradientStats Trainer::gradient(const std::vector<torch::Tensor>& leaves,
     SHMGRAD_CHECK(t.size(0) == B, ErrorKind::kInvalidArgument, "batch tensor ", k, " has ",
                   t.size(0), " rows but the first has ", B,
                   ": every tensor of a batch has the examples along its first dimension");
-    SHMGRAD_CHECK(worker::leafTypeOf(t.scalar_type()) != 0, ErrorKind::kInvalidArgument,
+    SHMGRAD_CHECK(views::leafTypeOf(t.scalar_type()) != 0, ErrorKind::kInvalidArgument,
                   "batch tensor ", k, " has dtype ", t.scalar_type(),
                   ", which shmgrad cannot carry (float32/64, float16, bfloat16, "
                   "int64/32/16/8, uint8, bool)");
@@ -461,7 +460,7 @@ GradientStats Trainer::gradient(const std::vector<torch::Tensor>& leaves,
                 static_cast<uint64_t>(t.numel()) * t.element_size());
     ipc::LeafEntry& leaf = r.leaves[k];
     std::memset(&leaf, 0, sizeof(leaf));
-    leaf.type = worker::leafTypeOf(t.scalar_type());
+    leaf.type = views::leafTypeOf(t.scalar_type());
     leaf.example_shape.ndim = static_cast<uint32_t>(t.dim() - 1);
     for (int64_t d = 1; d < t.dim(); ++d) leaf.example_shape.dims[d - 1] = t.size(d);
     leaf.offset = offsets[k];

@@ -6,7 +6,11 @@ import os
 import numpy as np
 import torch
 
-DATA_DIR = os.environ.get("SHMGRAD_FASHION_MNIST_DIR", "/usr/share/datasets/fashion-mnist")
+from shmgrad._native import tunable_value
+
+# The folder the engine's dataset="fashion-mnist" reads too: $SHMGRAD_FASHION_MNIST_DIR, else the
+# default ipc/config.h declares (Debian's dataset-fashion-mnist package).
+DATA_DIR = tunable_value("SHMGRAD_FASHION_MNIST_DIR")
 
 
 class FashionCNN(torch.nn.Module):

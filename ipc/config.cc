@@ -7,12 +7,27 @@
 
 namespace shmgrad::config {
 
-const char* tunable(const char* name) {
+namespace {
+
+const Tunable& declared(const char* name) {
   for (const Tunable& t : kTunables) {
-    if (std::strcmp(t.name, name) == 0) return std::getenv(name);
+    if (std::strcmp(t.name, name) == 0) return t;
   }
   raise(ErrorKind::kInvalidArgument, "tunable ", name,
         " is not declared in ipc/config.h's kTunables: declare it there, with its default");
+}
+
+}  // namespace
+
+const char* tunable(const char* name) { return std::getenv(declared(name).name); }
+
+const char* tunableValue(const char* name) {
+  const Tunable& t = declared(name);
+  SHMGRAD_CHECK(t.value != nullptr, ErrorKind::kInvalidArgument, "tunable ", name,
+                " has no declared value (its default is ", t.default_doc,
+                "): read it with config::tunable");
+  const char* env = std::getenv(name);
+  return env != nullptr && *env != '\0' ? env : t.value;
 }
 
 }  // namespace shmgrad::config

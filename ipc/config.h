@@ -37,36 +37,54 @@ constexpr int kExitCannotExec = 127;
 // TorchScript, a torch that cannot read it, a parameter that is not float32); its message
 // on stderr is then the error `shmgrad serve` reports.
 constexpr int kExitDescribeRejected = 2;
+// A worker process's exit codes (worker/step_protocol.h exits with them; the coordinator
+// names them in its log).
+constexpr int kExitWorkerStopped = 0;          // stop request, retired slot, engine stopping
+constexpr int kExitWorkerCoordinatorGone = 2;  // the parent (coordinator) died
+constexpr int kExitWorkerStartupFailed = 3;    // could not map the segment or build the model
+// A sticky CUDA error (a kernel fault): the process's context is unusable, so every later
+// step would fail; the worker exits after reporting the step's error, and is replaced.
+constexpr int kExitWorkerDeviceFault = 4;
 
 // -- environment tunables (NCCL_PARAM's model: declared once, with the default) ------------
 struct Tunable {
-  const char* name;           // the environment variable
-  const char* default_value;  // what applies when it is unset, in words
+  const char* name;         // the environment variable
+  const char* value;        // the value that applies when it is unset, as the environment would
+                            // give it; nullptr where the default is not one value (then: default)
+  const char* default_doc;  // the default in words, where value is nullptr
   const char* meaning;
 };
 
 inline constexpr Tunable kTunables[] = {
-    {"SHMGRAD_SPIN_US", "adaptive, at most 10000",
-     "microseconds a trainer spins before it sleeps on a futex while workers compute"},
-    {"SHMGRAD_FASHION_MNIST_DIR", "/usr/share/datasets/fashion-mnist",
+    {"SHMGRAD_SPIN_US", "1000", nullptr,
+     "microseconds a trainer spins before it sleeps on a futex while workers compute (0 to "
+     "10000; the workers' spin adapts to how long they waited before)"},
+    {"SHMGRAD_FASHION_MNIST_DIR", "/usr/share/datasets/fashion-mnist", nullptr,
      "the folder of the Fashion-MNIST files (dataset='fashion-mnist')"},
-    {"SHMGRAD_PYTHON", "python3",
+    {"SHMGRAD_PYTHON", "python3", nullptr,
      "the interpreter `shmgrad` runs for serve --eager, stress and bench, and eager workers"},
-    {"SHMGRAD_BINARY", "the shmgrad program inside the package",
+    {"SHMGRAD_BINARY", nullptr, "the shmgrad program inside the package",
      "the `shmgrad` program the Python package starts engines with"},
-    {"SHMGRAD_REDUCE_BENCH", "the reduce_bench program inside the package",
+    {"SHMGRAD_REDUCE_BENCH", nullptr, "the reduce_bench program inside the package",
      "the reduction benchmark `shmgrad bench` runs"},
-    {"SHMGRAD_STRESS_DEBUG", "unset", "`shmgrad stress` prints the engine's status at a hang"},
-    {"SHMGRAD_CUDA_LIBRARY", "libshmgrad_cuda.so inside the package",
+    {"SHMGRAD_STRESS_DEBUG", nullptr, "unset",
+     "`shmgrad stress` prints the engine's status at a hang"},
+    {"SHMGRAD_CUDA_LIBRARY", nullptr, "libshmgrad_cuda.so inside the package",
      "the CUDA path's library an engine with devices loads (docs/GPU.md)"},
-    {"SHMGRAD_BACKEND_STAGING_MB", "64 MiB over the ranks, 0.25 to 8 MiB a buffer",
+    {"SHMGRAD_BACKEND_STAGING_MB", nullptr, "64 MiB over the ranks, 0.25 to 8 MiB a buffer",
      "the `shmgrad` torch.distributed backend's staging buffer per rank (two each)"},
-    {"SHMGRAD_REQUIRE_GPU", "unset",
+    {"SHMGRAD_REQUIRE_GPU", nullptr, "unset",
      "the test suite fails a GPU case that would skip (tools/device-check --run --gpu sets it)"},
+    {"SHMGRAD_TEST_FULL", nullptr, "unset",
+     "the test suite also runs its long tests, marked full (tools/test.sh --full sets it)"},
 };
 
 // The value of a declared tunable from the environment, or nullptr when it is unset.
 // Reading a name that kTunables does not declare is a bug: it throws.
 const char* tunable(const char* name);
+
+// The environment's value of a declared tunable when it is set and not empty, else its
+// declared value. A tunable declared without a value is a bug here: it throws.
+const char* tunableValue(const char* name);
 
 }  // namespace shmgrad::config

@@ -70,6 +70,10 @@ constexpr uint64_t kAbandonGraceNs = 2000000000;
 enum class LossKind : uint32_t { kCrossEntropy = 1, kNll = 2, kMse = 3 };
 constexpr const char* kLossNames[] = {nullptr, "cross_entropy", "nll", "mse"};
 constexpr uint32_t kNumLossKinds = 3;
+// The torch.nn.functional function each loss is, summed over the batch: the TorchScript
+// worker calls it in C++ (worker/replica.cc), the eager workers by this name.
+constexpr const char* kLossFunctions[] = {nullptr, "cross_entropy", "nll_loss", "mse_loss"};
+static_assert(sizeof(kLossFunctions) == sizeof(kLossNames), "a function for every loss");
 
 // What the job's loss returns for a batch, so that a trainer's gradient() takes, by
 // default, what loss.backward() would give: the batch's sum, its mean over the examples,

@@ -26,6 +26,23 @@ inline void shardBounds(int64_t total, uint32_t parts, uint32_t rank, int64_t* b
 // examples, or a weight that need not be a whole number (tokens in a mean over tokens).
 inline float meanScale(double count) { return static_cast<float>(1.0 / count); }
 
+// How a micro-batch's result joins the accumulated one: acc = prev * acc + fresh * new
+// (gradient accumulation; the workers on one node, the trainer across nodes). A sum adds
+// (1, 1). A mean weights by what each counted: the accumulated result is a mean over
+// prev_count, the new one a sum divided by `divisor` (its own count, where it is a mean
+// over it; the step's examples, where the slots were scaled by them), and the result is
+// the mean over prev_count + count. (0, 0) when nothing was counted.
+struct AccumulationWeights {
+  double prev, fresh;
+};
+inline AccumulationWeights accumulationWeights(bool mean, double prev_count, double count,
+                                               double divisor) {
+  if (!mean) return {1.0, 1.0};
+  const double total = prev_count + count;
+  if (!(total > 0)) return {0.0, 0.0};
+  return {prev_count / total, divisor / total};
+}
+
 // out[i] = scale * (in[0][i] + ... + in[n-1][i]) for i in [begin, end). n >= 1. The
 // inputs are added in list order, one rounding each, then scaled; accumulateSlice then adds
 // a * prev[i] (one rounding for the product, one for the sum): libshmgrad_cuda.so's kernel

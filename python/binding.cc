@@ -19,7 +19,7 @@
 #include "ipc/layout.h"
 #include "ipc/reduce.h"
 #include "ipc/segment.h"
-#include "worker/buffer_views.h"
+#include "views/segment_views.h"
 
 namespace py = pybind11;
 
@@ -98,6 +98,15 @@ py::list lossNames() {
     if (name != nullptr) names.append(name);
   }
   return names;
+}
+
+// Each loss name's torch.nn.functional function (ipc::kLossFunctions).
+py::dict lossFunctions() {
+  py::dict functions;
+  for (uint32_t i = 1; i <= shmgrad::ipc::kNumLossKinds; ++i) {
+    functions[shmgrad::ipc::kLossNames[i]] = shmgrad::ipc::kLossFunctions[i];
+  }
+  return functions;
 }
 
 shmgrad::GradientOptions makeOptions(bool mean, double timeout, int max_retries,
@@ -311,6 +320,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("name"), py::arg("timeout") = shmgrad::engine::kDefaultStopTimeoutS);
   m.def("request_resize", &shmgrad::engine::requestResize, py::arg("name"), py::arg("workers"));
   m.def("loss_names", &lossNames);
+  m.def("loss_functions", &lossFunctions);
   m.def(
       "shard_bounds",
       [](int64_t total, uint32_t parts, uint32_t rank) {
@@ -320,6 +330,13 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("total"), py::arg("parts"), py::arg("rank"));
   m.def("mean_scale", &shmgrad::ipc::meanScale, py::arg("count"));
+  m.def(
+      "accumulation_weights",
+      [](bool mean, double prev_count, double count, double divisor) {
+        const auto w = shmgrad::ipc::accumulationWeights(mean, prev_count, count, divisor);
+        return py::make_tuple(w.prev, w.fresh);
+      },
+      py::arg("mean"), py::arg("prev_count"), py::arg("count"), py::arg("divisor"));
   // A model's description for the coordinator (engine/model_file.h): parameters are
   // float32, shared buffers float32 or int64; every tensor contiguous on the CPU.
   m.def(
@@ -332,8 +349,8 @@ PYBIND11_MODULE(_C, m) {
                         shmgrad::ErrorKind::kInvalidArgument, "parameter ", name,
                         " must be a float32 CPU tensor");
           // Its elements as they lie in memory: a channels_last weight keeps its layout.
-          const auto format = shmgrad::worker::memoryFormatOf(t);
-          const torch::Tensor v = shmgrad::worker::inMemoryFormat(t, format);
+          const auto format = shmgrad::views::memoryFormatOf(t);
+          const torch::Tensor v = shmgrad::views::inMemoryFormat(t, format);
           d.params.push_back({name, t.sizes().vec(), format});
           const float* p = v.data_ptr<float>();
           d.param_values.emplace_back(p, p + v.numel());
@@ -362,11 +379,17 @@ PYBIND11_MODULE(_C, m) {
     d["threads_per_worker"] = config::kDefaultThreadsPerWorker;
     d["resize_timeout"] = config::kDefaultResizeTimeoutS;
     m.attr("DEFAULTS") = d;
+    // TUNABLES: (name, the default in words, meaning); TUNABLE_VALUES: name -> the value
+    // that applies when unset, for those declared with one.
     py::list tunables;
+    py::dict values;
     for (const config::Tunable& t : config::kTunables) {
-      tunables.append(py::make_tuple(t.name, t.default_value, t.meaning));
+      tunables.append(
+          py::make_tuple(t.name, t.value != nullptr ? t.value : t.default_doc, t.meaning));
+      if (t.value != nullptr) values[t.name] = t.value;
     }
     m.attr("TUNABLES") = tunables;
+    m.attr("TUNABLE_VALUES") = values;
   }
   shmgrad::bindEagerWorker(m);
   // The `shmgrad` torch.distributed backend's creator (python/shmgrad/_backend.py

@@ -11,7 +11,7 @@
 #include "ipc/error.h"
 #include "ipc/layout.h"
 #include "ipc/segment.h"
-#include "worker/buffer_views.h"
+#include "views/segment_views.h"
 #include "worker/process.h"
 #include "worker/step_protocol.h"
 
@@ -91,12 +91,12 @@ class PyShardComputer : public worker::ShardComputer {
       shard_.kind = "structured";
       shard_.structure = s.structure;
       for (uint32_t k = 0; k < s.num_leaves; ++k) {
-        shard_.leaves.push_back(worker::leafView(s.leaf_data[k], s.size(), s.leaves[k]));
+        shard_.leaves.push_back(views::leafView(s.leaf_data[k], s.size(), s.leaves[k]));
       }
     } else {
       shard_.kind = "explicit";
-      shard_.inputs = worker::examplesView(s.inputs, s.size(), *s.example_shape, s.input_dtype);
-      shard_.targets = worker::examplesView(s.targets, s.size(), *s.target_shape, s.target_dtype);
+      shard_.inputs = views::examplesView(s.inputs, s.size(), *s.example_shape, s.input_dtype);
+      shard_.targets = views::examplesView(s.targets, s.size(), *s.target_shape, s.target_dtype);
     }
     py::gil_scoped_acquire gil;
     call(begin_, py::cast(&shard_, py::return_value_policy::reference));
@@ -148,7 +148,7 @@ class EagerParticipant {
   // Over this worker's step memory: the segment's, or a device's (engines with devices).
   std::vector<torch::Tensor> views(float* base, int tensor_device) const {
     auto keep = seg_;
-    return worker::parameterShapedViews(
+    return views::parameterShapedViews(
         *seg_, base, [keep](void*) {}, tensor_device);
   }
   const gpu::EngineMemory& memory() const { return participant_->memory(); }
@@ -258,7 +258,7 @@ void bindEagerWorker(py::module_& m) {
           "dataset_views",
           [](const EagerParticipant& p) -> py::object {
             auto keep = p.seg_;
-            auto [inputs, targets] = worker::datasetViews(*p.seg_, [keep](void*) {});
+            auto [inputs, targets] = views::datasetViews(*p.seg_, [keep](void*) {});
             if (!inputs.defined()) return py::none();
             return py::make_tuple(inputs, targets);
           },
@@ -267,27 +267,27 @@ void bindEagerWorker(py::module_& m) {
       .def("buffer_views",
            [](const EagerParticipant& p) {
              auto keep = p.seg_;
-             return worker::sharedBufferViews(*p.seg_, [keep](void*) {});
+             return views::sharedBufferViews(*p.seg_, [keep](void*) {});
            })
       .def(
           "buffer_block",
           [](const EagerParticipant& p) {
             auto keep = p.seg_;
-            return worker::bufferBlockView(*p.seg_, [keep](void*) {});
+            return views::bufferBlockView(*p.seg_, [keep](void*) {});
           },
           "the shared buffers' region as one uint8 tensor")
       .def(
           "slot_buffer_block",
           [](const EagerParticipant& p) {
             auto keep = p.seg_;
-            return worker::bufferBlockView(
+            return views::bufferBlockView(
                 *p.seg_, [keep](void*) {}, p.seg_->slotBuffers(p.slot_));
           },
           "this slot's copy of the shared buffers as one uint8 tensor")
       .def(
           "buffer_views_of",
           [](const EagerParticipant& p, const torch::Tensor& block) {
-            return worker::bufferViewsOf(*p.seg_, block);
+            return views::bufferViewsOf(*p.seg_, block);
           },
           py::arg("block"), "views of the buffers over a uint8 tensor laid out as that region")
       .def("serve", &EagerParticipant::serve, py::arg("begin"), py::arg("compute_pass"),

@@ -18,7 +18,7 @@
 #include "ipc/segment.h"
 #include "tests/segment_testing.h"
 #include "tests/test_util.h"
-#include "worker/buffer_views.h"
+#include "views/segment_views.h"
 #include "worker/replica.h"
 
 namespace shmgrad::testing {
@@ -79,8 +79,7 @@ std::vector<torch::Tensor> readBuffer(const ipc::Segment& seg, const float* buf)
   std::vector<torch::Tensor> out;
   const ipc::ParamEntry* table = seg.paramTable();
   for (uint32_t i = 0; i < seg.header()->num_params; ++i) {
-    out.push_back(
-        worker::parameterView(const_cast<float*>(buf), table[i], torch::kFloat32).clone());
+    out.push_back(views::parameterView(const_cast<float*>(buf), table[i], torch::kFloat32).clone());
   }
   return out;
 }
@@ -165,7 +164,7 @@ TEST_P(ReplicaTest, GradientsAreWrittenIntoTheSharedSlot) {
       ASSERT_TRUE(p.requires_grad());
       ASSERT_EQ(p.sizes().vec(), shapeOf(table[i]));
       // In the model's memory format, as the table says; .grad alike.
-      ASSERT_EQ(worker::memoryFormatOf(p), static_cast<ipc::MemoryFormat>(table[i].memory_format));
+      ASSERT_EQ(views::memoryFormatOf(p), static_cast<ipc::MemoryFormat>(table[i].memory_format));
       ASSERT_TRUE(p.is_non_overlapping_and_dense());
       const float* pd = p.data_ptr<float>();
       EXPECT_EQ(pd, pbegin + table[i].offset);
@@ -187,7 +186,7 @@ TEST_P(ReplicaTest, GradientsAreWrittenIntoTheSharedSlot) {
   for (uint32_t i = 0; i < h->num_params; ++i) {
     channels_last +=
         table[i].memory_format == static_cast<uint32_t>(ipc::MemoryFormat::kChannelsLast);
-    EXPECT_EQ(worker::memoryFormatOf(model.values[i]),
+    EXPECT_EQ(views::memoryFormatOf(model.values[i]),
               static_cast<ipc::MemoryFormat>(table[i].memory_format));
   }
   EXPECT_EQ(channels_last, kind == "cnn_cl" ? 1 : 0);
@@ -266,7 +265,7 @@ TEST_P(ReplicaTest, GradientsAreWrittenIntoTheSharedSlot) {
   for (uint32_t i = 0; i < h->num_params; ++i) {
     torch::Tensor v = model.values[i] - 0.1 * ref[i] + 0.25;
     updated.push_back(v);
-    v = worker::inMemoryFormat(v, static_cast<ipc::MemoryFormat>(table[i].memory_format));
+    v = views::inMemoryFormat(v, static_cast<ipc::MemoryFormat>(table[i].memory_format));
     std::memcpy(seg->params() + table[i].offset, v.data_ptr<float>(),
                 table[i].numel * sizeof(float));
   }

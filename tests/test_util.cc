@@ -12,6 +12,7 @@
 #include <stdexcept>
 #include <thread>
 
+#include "ipc/config.h"
 #include "ipc/futex.h"
 #include "ipc/segment.h"
 
@@ -124,7 +125,7 @@ double relativeError(const std::vector<torch::Tensor>& a, const std::vector<torc
 }
 
 std::string shmgradBinary() {
-  const char* env = std::getenv("SHMGRAD_BINARY");
+  const char* env = shmgrad::config::tunable("SHMGRAD_BINARY");
   if (env != nullptr) return env;
   return "tools/shmgrad";  // bazel test runs in the runfiles root
 }

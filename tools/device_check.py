@@ -103,6 +103,7 @@ import glob
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -130,7 +131,19 @@ WHEEL_TARGET = ["--python-version", "3.12", "--implementation", "cp", "--only-bi
 ]
 DEVICE_WHEELS = ["distributed"]  # what the machine lacks of tools/requirements.txt
 HEADERS = ("boost/interprocess/shared_memory_object.hpp", "CLI/CLI.hpp", "zlib.h")
-FASHION_MNIST = "/usr/share/datasets/fashion-mnist"
+
+
+def _declared_value(name):
+    """A tunable's declared value, read from ipc/config.h's kTunables (shmgrad is not
+    installed yet when --run starts on the lent machine)."""
+    with open(os.path.join(ROOT, "ipc", "config.h")) as f:
+        m = re.search(r'\{"' + name + r'",\s*"([^"]*)"', f.read())
+    if m is None:
+        raise SystemExit(f"device-check: {name} has no declared value in ipc/config.h")
+    return m.group(1)
+
+
+FASHION_MNIST = _declared_value("SHMGRAD_FASHION_MNIST_DIR")
 GPU_TESTS = ["test_gpu.py", "test_gpu_workers.py"]
 # The variable that turns a GPU case's skip into a failure (tests/python/conftest.py).
 REQUIRE_GPU_VARIABLE = "SHMGRAD_REQUIRE_GPU"

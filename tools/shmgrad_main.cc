@@ -44,7 +44,6 @@ constexpr double kMaxStartupTimeoutS = 86400;
 // The interpreter that runs `stress`, `bench` and `serve --eager`: the one the
 // environment names (the installed `shmgrad` command, python/shmgrad_tools/cli.py, names its
 // own), else python3 on the PATH.
-constexpr char kDefaultPython[] = "python3";
 constexpr char kPythonEnv[] = "SHMGRAD_PYTHON";
 
 const char* kDescription =
@@ -98,6 +97,15 @@ void reportServeFailure(const engine::ServeOptions& o, const char* kind, const c
 // `serve --eager MODULE:FUNCTION`: Python builds the job (it must import the user's
 // module), then execs `shmgrad serve` again with --eager-job and the rest of the options.
 std::string g_eager_spec;
+
+// "cross_entropy | nll | mse" (ipc::kLossNames: the help names what the segment accepts).
+std::string lossChoices() {
+  std::string out;
+  for (uint32_t i = 1; i <= shmgrad::ipc::kNumLossKinds; ++i) {
+    out += (i > 1 ? " | " : "") + std::string(shmgrad::ipc::kLossNames[i]);
+  }
+  return out;
+}
 std::vector<std::string> g_serve_args;  // the arguments after "serve", as given
 
 int execPython(const char* module, const std::vector<std::string>& rest);
@@ -170,8 +178,8 @@ Command addServe(CLI::App& app, engine::ServeOptions* o) {
                 ->type_name("N"),
             uint32_t{0}, shmgrad::ipc::kMaxWorkers);
   cmd->add_option("--loss", o->loss,
-                  "cross_entropy | nll | mse (default cross_entropy); the loss\n"
-                  "is summed over the batch")
+                  lossChoices() + " (default " + shmgrad::ipc::kLossNames[1] +
+                      "); the loss\nis summed over the batch")
       ->type_name("LOSS");
   cmd->add_option("--dataset", o->dataset,
                   "load a dataset once into shared memory: fashion-mnist\n"
@@ -283,9 +291,7 @@ Command addResize(CLI::App& app, ResizeArgs* a) {
 // PyTorch). Every argument after the command, --help included, goes to Python as is.
 
 int execPython(const char* module, const std::vector<std::string>& rest) {
-  std::vector<std::string> args = {kDefaultPython, "-m", module};
-  const char* py = shmgrad::config::tunable(kPythonEnv);
-  if (py != nullptr && *py != '\0') args[0] = py;
+  std::vector<std::string> args = {shmgrad::config::tunableValue(kPythonEnv), "-m", module};
   args.insert(args.end(), rest.begin(), rest.end());
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());

@@ -8,9 +8,16 @@
 
 #include "ipc/error.h"
 #include "ipc/layout.h"
-#include "worker/buffer_views.h"
+#include "views/segment_views.h"
 
 namespace shmgrad::worker {
+
+using views::bufferBlockView;
+using views::bufferViewsOf;
+using views::floatOptions;
+using views::inMemoryFormat;
+using views::memoryFormatOf;
+using views::parameterView;
 
 void applyNumerics(const ipc::Numerics& shared) {
   const ipc::Numerics n = ipc::checkedNumerics(shared);

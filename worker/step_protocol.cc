@@ -451,10 +451,10 @@ void StepParticipant::reducePhase(const Shard& shard) {
     const float* prev = into_accum ? mem_->reduced() : mem_->accum();
     out = into_accum ? mem_->accum() : mem_->reduced();
     float a = 1.0f, s = rescale;
-    if (mean) {
-      const double total = r.prev_count + count;
-      a = total > 0 ? static_cast<float>(r.prev_count / total) : 0.0f;
-      s = total > 0 ? static_cast<float>(r.num_examples / total) : 0.0f;  // slots are / B
+    if (mean) {  // the slots hold sums divided by the step's examples
+      const auto w = ipc::accumulationWeights(true, r.prev_count, count, r.num_examples);
+      a = static_cast<float>(w.prev);
+      s = static_cast<float>(w.fresh);
     }
     mem_->reduce(dev, out, prev, a, ins, n, b, end, s);
   }

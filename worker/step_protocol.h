@@ -16,19 +16,18 @@
 
 #include "gpu/engine_memory.h"
 
+#include "ipc/config.h"
 #include "ipc/futex.h"
 #include "ipc/layout.h"
 #include "ipc/segment.h"
 
 namespace shmgrad::worker {
 
-// Exit codes of a worker process; the coordinator names them in its log.
-inline constexpr int kExitStopped = 0;          // stop request, retired slot, engine stopping
-inline constexpr int kExitCoordinatorGone = 2;  // the parent (coordinator) died
-inline constexpr int kExitStartupFailed = 3;    // could not map the segment or build the model
-// A sticky CUDA error (a kernel fault): the process's context is unusable, so every later
-// step would fail; the worker exits after reporting the step's error, and is replaced.
-inline constexpr int kExitDeviceFault = 4;
+// Exit codes of a worker process, declared in ipc/config.h (the coordinator reads them).
+inline constexpr int kExitStopped = config::kExitWorkerStopped;
+inline constexpr int kExitCoordinatorGone = config::kExitWorkerCoordinatorGone;
+inline constexpr int kExitStartupFailed = config::kExitWorkerStartupFailed;
+inline constexpr int kExitDeviceFault = config::kExitWorkerDeviceFault;
 
 // How often an idle worker (no step for this long) checks that its coordinator lives:
 // getppid() is a system call, so it never runs between steps that follow each other.

@@ -15,12 +15,15 @@
 
 #include "ipc/error.h"
 #include "ipc/segment.h"
-#include "worker/buffer_views.h"
+#include "views/segment_views.h"
 #include "worker/process.h"
 #include "worker/replica.h"
 #include "worker/step_protocol.h"
 
 namespace shmgrad::worker {
+
+using views::datasetViews;
+using views::examplesView;
 namespace {
 
 // The compute phase of a TorchScript worker: the replica's forward, built-in loss and

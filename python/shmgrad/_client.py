@@ -697,13 +697,13 @@ class Client:
         if self._buffer_mirrors:
             self._pull_buffers()
         if onto_nodes:
-            # accum = a * accum + b * (this micro-batch's global result): a = b = 1 for a
-            # sum; for a mean, weights by the previous count P and this one's C.
+            # accum = a * accum + b * (this micro-batch's global result), weighted as the
+            # workers weigh accumulation on one node (ipc/reduce.h's accumulationWeights).
             acc, fresh = self._grad_sets[1], self._grad_sets[0]
             if mean:
-                total = prev_count + count
-                torch._foreach_mul_(acc, prev_count / total)
-                torch._foreach_add_(acc, fresh, alpha=count / total)
+                a, b = _C.accumulation_weights(True, prev_count, count, count)
+                torch._foreach_mul_(acc, a)
+                torch._foreach_add_(acc, fresh, alpha=b)
             else:
                 torch._foreach_add_(acc, fresh)
             self._current, self._last_count = 1, prev_count + count

@@ -95,13 +95,11 @@ def example_batch(dataset, indices, seed: int, collate_fn=None):
 
 # -- losses ------------------------------------------------------------------------
 def _named_loss(name):
-    f = torch.nn.functional
-    table = {
-        "cross_entropy": lambda out, y: f.cross_entropy(out, y, reduction="sum"),
-        "nll": lambda out, y: f.nll_loss(out, y, reduction="sum"),
-        "mse": lambda out, y: f.mse_loss(out, y, reduction="sum"),
-    }
-    return table[name]
+    """A loss name's function, summed over the batch (ipc/layout.h's kLossFunctions)."""
+    from ._native import _C
+
+    fn = getattr(torch.nn.functional, _C.loss_functions()[name])
+    return functools.partial(fn, reduction="sum")
 
 
 REDUCTIONS = ("sum", "mean")  # what a loss returns for a batch, and gradient()'s reduction
@@ -502,6 +500,24 @@ def choose_mode(
 
 
 # -- the job -----------------------------------------------------------------------
+class WorkerJob(NamedTuple):
+    """What every eager worker of an engine runs: prepare_job checks it and pickles it once,
+    each worker loads it (_eager_worker.ShardRunner). A ``shmgrad serve --eager
+    MODULE:FUNCTION`` job function returns a dict of these keys, but ``compile``
+    (SERVE_JOB_KEYS)."""
+
+    model: torch.nn.Module
+    loss: object  # a loss name, or a callable (loss_sum or mean, see loss_reduction)
+    dataset: object = None  # a map-style Dataset, or None (a spec string stays in serve)
+    collate_fn: Optional[Callable] = None
+    forward: Optional[Callable] = None  # forward(model, batch) -> loss, instead of loss
+    compile: Optional[dict] = None  # torch.compile's options, each worker compiles its copy
+    loss_reduction: Optional[str] = None  # "sum", "mean", "weighted"; None: found out
+
+
+SERVE_JOB_KEYS = tuple(k for k in WorkerJob._fields if k != "compile")
+
+
 class EagerJob(NamedTuple):
     directory: str  # private (0700), removed with the engine
     holder_path: str  # the model's parameters (write_params), for serve
@@ -776,15 +792,7 @@ def prepare_job(
         )
     blob = _pickle(
         "job",
-        {
-            "model": model,
-            "loss": loss,
-            "dataset": dataset,
-            "collate_fn": collate_fn,
-            "forward": forward,
-            "compile": compile,
-            "loss_reduction": loss_reduction,
-        },
+        WorkerJob(model, loss, dataset, collate_fn, forward, compile, loss_reduction),
         cloudpickle,
     )
     directory = tempfile.mkdtemp(prefix="shmgrad-eager-")  # mode 0700
@@ -833,7 +841,7 @@ class _JobUnpickler(pickle.Unpickler):
             ) from exc
 
 
-def load_job(path: str) -> dict:
+def load_job(path: str) -> WorkerJob:
     with open(path, "rb") as f:
         return _JobUnpickler(f).load()
 

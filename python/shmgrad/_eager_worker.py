@@ -36,16 +36,16 @@ class ShardRunner:
 
         self._torch = torch
         self._eager = eager
-        self.model = job["model"]
-        self.loss = eager.resolve_loss(job["loss"])
+        self.model = job.model
+        self.loss = eager.resolve_loss(job.loss)
         # "sum", "mean", "weighted" (forward returns (loss_sum, count)), or None: found
         # out on this worker's first pass (eager.probe_reduction).
-        self.loss_reduction = job.get("loss_reduction")
-        self.dataset = job["dataset"]
+        self.loss_reduction = job.loss_reduction
+        self.dataset = job.dataset
         # A dataset spec string (dataset="fashion-mnist"): tensors over the segment.
         self.segment_data = participant.dataset_views()
-        self.forward = job["forward"]
-        collate = job["collate_fn"]
+        self.forward = job.forward
+        collate = job.collate_fn
         if collate is None:
             from torch.utils.data import default_collate
 
@@ -68,8 +68,8 @@ class ShardRunner:
         if self.device is not None:
             torch.cuda.set_device(self.device)
             self.model.to(self.device)
-            if isinstance(job["loss"], torch.nn.Module):  # its class weights, as criterion.cuda()
-                job["loss"].to(self.device)
+            if isinstance(job.loss, torch.nn.Module):  # its class weights, as criterion.cuda()
+                job.loss.to(self.device)
         self.slot_grads = participant.slot_views()
         # Views of the reduced buffer, made when first needed: only a worker alone in a
         # step on the trainer's device computes into it (its memory is that device's).
@@ -106,7 +106,7 @@ class ShardRunner:
         self.model.train()
         # torch.compile'd in this worker: the compiled module runs the same parameters
         # (their .data and .grad are the shared views set above).
-        options = job.get("compile")
+        options = job.compile
         self.run_model = self.model if options is None else torch.compile(self.model, **options)
 
     def _bind_grads(self, in_reduced: bool):

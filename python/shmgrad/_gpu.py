@@ -14,7 +14,7 @@ from typing import List, Optional
 import torch
 
 from . import errors
-from ._native import _C, build_info
+from ._native import _C, build_info, tunable
 
 LIBRARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libshmgrad_cuda.so")
 
@@ -135,7 +135,7 @@ def placement(workers: int, ordinals: List[int]) -> List[int]:
 def _library_path() -> str:
     """$SHMGRAD_CUDA_LIBRARY (as for the engine's own processes), else LIBRARY, or the
     error naming why this installation has none."""
-    override = os.environ.get("SHMGRAD_CUDA_LIBRARY")
+    override = tunable("SHMGRAD_CUDA_LIBRARY")
     if override:
         return override
     if not build_info()["cuda"]:

@@ -29,7 +29,11 @@ if _release(_built["torch"]) != _release(torch.__version__):  # pragma: no cover
 
 # The engine's defaults and environment tunables, declared once in ipc/config.h.
 DEFAULTS = dict(_C.DEFAULTS)
-TUNABLES = {name: (default, meaning) for name, default, meaning in _C.TUNABLES}
+# TUNABLES: name -> (value, default, meaning): the value that applies when it is unset (None
+# where the default is not one value), the default in words, and what it tunes.
+TUNABLES = {
+    name: (_C.TUNABLE_VALUES.get(name), default, meaning) for name, default, meaning in _C.TUNABLES
+}
 
 
 def tunable(name: str):
@@ -40,6 +44,16 @@ def tunable(name: str):
     if name not in TUNABLES:
         raise KeyError(f"{name} is not declared in ipc/config.h's kTunables: declare it there")
     return os.environ.get(name) or None
+
+
+def tunable_value(name: str) -> str:
+    """A declared tunable's value from the environment when set, else its declared value."""
+    value = tunable(name)
+    if value is not None:
+        return value
+    if TUNABLES[name][0] is None:
+        raise KeyError(f"{name} has no declared value ({TUNABLES[name][1]}): read it with tunable")
+    return TUNABLES[name][0]
 
 
 def build_info() -> dict:

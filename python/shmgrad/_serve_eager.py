@@ -16,7 +16,6 @@ import os
 import sys
 
 EXIT_FAILURE = 1
-JOB_KEYS = ("model", "loss", "dataset", "collate_fn", "forward", "loss_reduction")
 
 
 def _split_arguments(args):
@@ -35,6 +34,7 @@ def _split_arguments(args):
 
 def load_job_function(spec: str) -> dict:
     from . import errors
+    from ._eager import SERVE_JOB_KEYS as JOB_KEYS
 
     module_name, sep, func_name = spec.partition(":")
     if not sep or not module_name or not func_name:
@@ -87,13 +87,7 @@ def main(argv) -> int:
             raise errors.InvalidArgumentError("give --eager or --model, not both")
         job = load_job_function(spec)
         prepared = eager.prepare_job(
-            model=job["model"],
-            loss=job["loss"],
-            dataset=job.get("dataset"),
-            collate_fn=job.get("collate_fn"),
-            forward=job.get("forward"),
-            loss_names=_C.loss_names(),
-            loss_reduction=job.get("loss_reduction"),
+            **{**dict.fromkeys(eager.SERVE_JOB_KEYS), **job}, loss_names=_C.loss_names()
         )
         serve = [
             installed_binary("shmgrad", "SHMGRAD_BINARY"),

@@ -27,6 +27,7 @@ import torch
 # The `shmgrad` command of the environment under test (its bin/, as an activated virtual
 # environment would put it on the PATH).
 os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+from shmgrad._native import tunable
 from shmgrad.testing import relative_error  # noqa: F401  (the tests' one comparison)
 
 
@@ -190,7 +191,7 @@ def npy_dataset(tmp_path):
 
 
 # -- GPU cases: skipped with the reason, or failed where a GPU is required ------------
-REQUIRE_GPU = os.environ.get("SHMGRAD_REQUIRE_GPU") == "1"
+REQUIRE_GPU = tunable("SHMGRAD_REQUIRE_GPU") == "1"
 # The one skip a GPU case may take under SHMGRAD_REQUIRE_GPU=1: the machine has a GPU,
 # but fewer than the case places workers on (the GPU machine has one).
 FEWER_GPUS = "needs more GPUs than this machine has"
@@ -282,7 +283,24 @@ def case_outcome(reports):
     }
 
 
-FULL = os.environ.get("SHMGRAD_TEST_FULL") == "1"
+FULL = tunable("SHMGRAD_TEST_FULL") == "1"
+
+
+def ci_runs(values, keep, ids=None):
+    """A parametrised test's cases where CI runs only those in ``keep`` (ids) and the full
+    tier all: the others are marked ``full``. ``values`` are single values or tuples (a
+    tuple is one case's arguments); ``ids`` default to the values themselves."""
+    ids = ids or [str(v) for v in values]
+    unknown = set(keep) - set(ids)
+    assert not unknown, f"ci_runs: no case {unknown}"
+    return [
+        pytest.param(
+            *(v if isinstance(v, tuple) else (v,)),
+            id=i,
+            marks=() if i in keep else pytest.mark.full,
+        )
+        for v, i in zip(values, ids)
+    ]
 
 
 def pytest_collection_modifyitems(config, items):

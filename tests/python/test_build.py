@@ -508,28 +508,58 @@ def test_an_extension_with_its_own_libstdcxx_fails_the_build(tmp_path):
 
 
 def test_defaults_and_tunables_are_declared_once():
-    # ipc/config.h declares every environment variable shmgrad reads; docs/DESIGN.md's
-    # table and every read in the sources agree with it, and Python's defaults come from it.
+    # ipc/config.h declares every environment variable shmgrad reads, with its value where
+    # the default is one; docs/DESIGN.md's table agrees with it, every read in the sources
+    # goes through config::tunable(Value) or shmgrad._native.tunable(_value), and Python's
+    # defaults come from it.
     import inspect
 
-    from shmgrad._native import DEFAULTS, TUNABLES, _C, tunable
+    from shmgrad._native import DEFAULTS, TUNABLES, _C, tunable, tunable_value
 
-    declared = {name: (default, meaning) for name, default, meaning in _C.TUNABLES}
+    declared = {name: (_C.TUNABLE_VALUES.get(name), d, m) for name, d, m in _C.TUNABLES}
     assert declared == TUNABLES
+    for name, (value, default, _) in declared.items():
+        assert value is None or value == default, name  # a value is its own default's words
     with open(os.path.join(ROOT, "docs", "DESIGN.md")) as f:
         rows = re.findall(r"^\| `(SHMGRAD_[A-Z_]+)` \| (.*?) \| (.*?) \|$", f.read(), re.M)
-    assert {n: (d, m) for n, d, m in rows} == declared
-    read = re.compile(r"""(?:getenv|tunable|environ\.get|environ\[)\(?\s*["'](SHMGRAD_[A-Z_]+)""")
-    found = set()
-    for folder in ("engine", "ipc", "worker", "tools", "python"):
+    assert {n: (d, m) for n, d, m in rows} == {n: (d, m) for n, (_, d, m) in declared.items()}
+    through = re.compile(r"""(?:tunable|tunableValue|tunable_value)\(\s*["'](SHMGRAD_[A-Z_]+)""")
+    # Reads that bypass the declaration (writes for child processes, os.environ[...] = or
+    # env dicts, are not reads).
+    direct = re.compile(
+        r"""(?:getenv\(|environ\.get\(|environ\.pop\()\s*["'](SHMGRAD_[A-Z_]+)"""
+        r"""|environ\[\s*["'](SHMGRAD_[A-Z_]+)["']\](?!\s*=[^=])"""
+    )
+    found, bypass = set(), []
+    for folder in (
+        "backend",
+        "engine",
+        "examples",
+        "gpu",
+        "ipc",
+        "python",
+        "tests",
+        "tools",
+        "worker",
+    ):
         for dirpath, _, files in os.walk(os.path.join(ROOT, folder)):
             for name in files:
-                if name.endswith((".cc", ".h", ".py")):
-                    with open(os.path.join(dirpath, name)) as f:
-                        found |= set(read.findall(f.read()))
+                if name.endswith((".cc", ".h", ".cu", ".py")) and name != "test_build.py":
+                    path = os.path.join(dirpath, name)
+                    with open(path) as f:
+                        text = f.read()
+                    found |= set(through.findall(text))
+                    bypass += [
+                        f"{os.path.relpath(path, ROOT)}: {a or b}" for a, b in direct.findall(text)
+                    ]
+    assert not bypass, f"read these through the declared tunables: {bypass}"
     assert found and found <= set(declared), found - set(declared)
     with pytest.raises(KeyError, match="not declared"):
         tunable("SHMGRAD_NOT_A_TUNABLE")
+    with pytest.raises(KeyError, match="no declared value"):
+        tunable_value("SHMGRAD_BINARY")
+    spin = declared["SHMGRAD_SPIN_US"][0]
+    assert spin is not None and 0 <= float(spin) <= 10000
     sig = inspect.signature(shmgrad.Engine.__init__).parameters
     for key in ("max_batch", "input_capacity_mb", "startup_timeout", "threads_per_worker"):
         assert sig[key].default == DEFAULTS[key], key

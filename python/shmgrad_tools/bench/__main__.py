@@ -72,6 +72,7 @@ import traceback
 import torch
 
 from shmgrad import heap_environment
+from shmgrad._native import tunable
 from shmgrad.testing import relative_error
 from . import collectives, models, report, runners
 from .nodes import NodeRun
@@ -846,7 +847,7 @@ def settings_info(args) -> dict:
         # What the process groups of DDP's ranks and of --collectives start with.
         "backend_environment": {
             "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
-            "SHMGRAD_BACKEND_STAGING_MB": os.environ.get("SHMGRAD_BACKEND_STAGING_MB"),
+            "SHMGRAD_BACKEND_STAGING_MB": tunable("SHMGRAD_BACKEND_STAGING_MB"),
         },
     }
 

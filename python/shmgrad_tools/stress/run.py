@@ -28,6 +28,7 @@ import time
 import torch
 
 from shmgrad import attach, errors, read_status
+from shmgrad._native import tunable
 from shmgrad.testing import relative_error
 from .workloads import CLASSES, DATASET_SIZE, INPUT_SHAPE
 
@@ -414,7 +415,7 @@ class StressRun:
                 return "timeout"
             self.counts.hangs += 1
             self.log(f"  step {step + 1}: HANG: {exc}", error=True)
-            if os.environ.get("SHMGRAD_STRESS_DEBUG"):
+            if tunable("SHMGRAD_STRESS_DEBUG"):
                 self.log(read_status(self.name).text, error=True)
         except errors.WorkerError:
             self.counts.errors += 1  # a clear error after repeated deaths: allowed

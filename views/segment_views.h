@@ -13,7 +13,7 @@
 #include "ipc/error.h"
 #include "ipc/segment.h"
 
-namespace shmgrad::worker {
+namespace shmgrad::views {
 
 inline torch::ScalarType torchType(ipc::DType t) {
   return t == ipc::DType::kInt64 ? torch::kInt64 : torch::kFloat32;
@@ -191,4 +191,4 @@ inline std::vector<torch::Tensor> bufferViewsOf(const ipc::Segment& segment,
   return out;
 }
 
-}  // namespace shmgrad::worker
+}  // namespace shmgrad::views
