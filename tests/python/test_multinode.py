@@ -739,6 +739,7 @@ def test_import_shmgrad_loads_neither_dask_nor_distributed():
 BENCH_TIMEOUT_S = 240
 
 
+@pytest.mark.full  # bench --nodes: long; test_bench checks the rest of bench in CI
 def test_bench_nodes_tiny(tmp_path):
     """Every system of `shmgrad bench --nodes 2` gives a number and the same gradient; how
     fast is not tested."""
@@ -808,6 +809,7 @@ SCENARIOS = {
 }
 
 
+@pytest.mark.full  # long; test_dask_run_on_a_local_cluster runs shmgrad.dask.run in CI
 def test_docs_dask_recipe_runs_as_written(tmp_path):
     """docs/MULTINODE.md's three Dask commands, as written (SCHEDULER: this machine, a free
     port, one epoch), from the checkout's root: two workers, two nodes, one checksum."""

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import shmgrad
-from conftest import Mlp
+from conftest import Mlp, ci_runs
 
 SCRIPT_TIMEOUT_S = 240  # spawned ranks, their engines' start-up included
 PG_TIMEOUT_S = 30
@@ -90,7 +90,7 @@ SCRIPT = textwrap.dedent(
 ).replace("PG_S", str(PG_TIMEOUT_S))
 
 
-@pytest.mark.parametrize("nodes", [1, 2])
+@pytest.mark.parametrize("nodes", ci_runs([1, 2], keep=("1",)))
 def test_spawned_script_defines_the_whole_job(tmp_path, nodes):
     script = tmp_path / "train_spawned.py"
     script.write_text(SCRIPT)

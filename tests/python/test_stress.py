@@ -93,6 +93,7 @@ def test_stress_help_and_bad_arguments(capsys):
         assert message in capsys.readouterr().err, args
 
 
+@pytest.mark.full  # long; test_gpu_workers checks GPU workers on the fake device in CI
 def test_stress_gpu_workers_on_the_fake_device(tmp_path, fake_cuda_library):
     """--devices: both kinds of worker over two devices (the fake device library here; a
     GPU where tools/device-check runs it), with kills, stops, restarts and resizes."""
