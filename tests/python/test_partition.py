@@ -119,6 +119,7 @@ class Group:
 
     def __init__(self, lab, tag, log_dir):
         self.tag = tag
+        self.lab = lab
         self.nodes = []
         try:
             self.nodes = [Node(lab, r, tag, log_dir) for r in range(2)]
@@ -149,11 +150,18 @@ class Group:
         return out
 
     def quit(self):
-        """Both nodes close and exit 0 within the bound; their engines' segments are gone."""
+        """Both nodes close and exit 0 within the bound; nothing of theirs is left: no
+        process in either namespace (trainer, coordinator, workers), no segment."""
         self.send("quit")
         for n in self.nodes:
             n.next(EXIT_BOUND_S, "closed")
             assert n.proc.wait(EXIT_BOUND_S) == 0, n.tail()
+        deadline = time.monotonic() + EXIT_BOUND_S
+        left = [netlab.namespace_pids(ns) for ns in self.lab.namespaces]
+        while any(left) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            left = [netlab.namespace_pids(ns) for ns in self.lab.namespaces]
+        assert not any(left), f"still running in the namespaces: {left}"
         assert not _segments(self.tag), _segments(self.tag)
         self.kill()
 
