@@ -653,10 +653,31 @@ class Coordinator {
   }
 
   // --owned-dir: the files a launcher made for this engine (the eager job, the
-  // parameters' holder) go with it. Only plain files directly inside are removed.
+  // parameters' holder) go with it. Only plain files directly inside are removed, and only
+  // from a directory of this uid opened without following a symbolic link: where the
+  // directory's parent lets others rename entries (a world-writable folder without the
+  // sticky bit), a link swapped in for it must not make us empty the folder it points to.
   void removeOwnedDir() {
     if (opt_.owned_dir.empty()) return;
-    if (DIR* d = opendir(opt_.owned_dir.c_str())) {
+    const int dir_fd =
+        open(opt_.owned_dir.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (dir_fd < 0) {
+      if (errno != ENOENT) {
+        std::fprintf(stderr, "shmgrad: not removing %s: %s (a symbolic link is not followed)\n",
+                     opt_.owned_dir.c_str(), detail::errnoText().c_str());
+      }
+      return;
+    }
+    struct stat st {};
+    if (fstat(dir_fd, &st) != 0 || st.st_uid != getuid()) {
+      std::fprintf(stderr, "shmgrad: not removing %s: it belongs to uid %u, not to this engine's\n",
+                   opt_.owned_dir.c_str(), static_cast<unsigned>(st.st_uid));
+      close(dir_fd);
+      return;
+    }
+    DIR* d = fdopendir(dir_fd);  // owns dir_fd from here
+    if (d == nullptr) close(dir_fd);
+    if (d != nullptr) {
       while (dirent* ent = readdir(d)) {
         if (ent->d_type != DT_REG) continue;
         if (unlinkat(dirfd(d), ent->d_name, 0) != 0 && errno != ENOENT) {

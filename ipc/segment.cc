@@ -51,6 +51,59 @@ void fillEntry(Entry* e, const std::string& name, const std::vector<int64_t>& sh
   e->offset = offset;
 }
 
+// What kind of thing a stat describes, for an error message.
+const char* fileKind(mode_t mode) {
+  if (S_ISLNK(mode)) return "a symbolic link";
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISSOCK(mode)) return "a socket";
+  if (S_ISCHR(mode) || S_ISBLK(mode)) return "a device node";
+  return "a regular file";
+}
+
+// The gate before any process opens a segment by its name. /dev/shm is writable by every
+// user (mode 1777), and the uid in the name is only a convention, so another user can
+// plant a file, a symbolic link or a FIFO under one of our engines' names. Whatever is
+// not a regular file of this uid is refused here, before it is opened, followed or
+// removed: a link could redirect the owner's writes, a FIFO would block open(), and a
+// stranger's file would hand them the engine's memory. Returns false when the name is
+// free; `st` is what lstat saw, for the caller to compare with what it then opens.
+bool checkOwnEntry(const std::string& path, struct stat* st) {
+  if (::lstat(path.c_str(), st) != 0) {
+    SHMGRAD_CHECK(errno == ENOENT, ErrorKind::kSystem, "lstat ", path, ": ", detail::errnoText());
+    return false;
+  }
+  const bool regular = S_ISREG(st->st_mode);
+  if (!regular || st->st_uid != getuid()) {
+    raise(ErrorKind::kBusy, path, " is ", fileKind(st->st_mode), " owned by uid ", st->st_uid,
+          ", not a segment of yours (uid ", getuid(),
+          "): it is refused, neither opened, followed nor removed. Another user may have "
+          "planted it under this engine's name; pick another --name, or have its owner or "
+          "root remove it");
+  }
+  return true;
+}
+
+// After open(): the file opened must be the one lstat checked (not swapped in between),
+// still a regular file of this uid. Closes fd and raises otherwise.
+void checkOpenedEntry(const std::string& path, int fd, const struct stat& seen, struct stat* st) {
+  if (::fstat(fd, st) != 0) {
+    ::close(fd);
+    raise(ErrorKind::kSystem, "fstat ", path, ": ", detail::errnoText());
+  }
+  if (st->st_dev != seen.st_dev || st->st_ino != seen.st_ino || !S_ISREG(st->st_mode) ||
+      st->st_uid != getuid()) {
+    ::close(fd);
+    raise(ErrorKind::kBusy, path, " was replaced while it was being opened (now ",
+          fileKind(st->st_mode), " owned by uid ", st->st_uid,
+          "): refused; another process is changing this engine's name in /dev/shm");
+  }
+}
+
+// open() flags for a segment: never through a symbolic link, never blocking (a FIFO
+// swapped in after the lstat must not hang the caller; checkOpenedEntry refuses it).
+constexpr int kSegmentOpenFlags = O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK;
+
 std::string describe(const Region& r) {
   return "[" + std::to_string(r.offset) + ", +" + std::to_string(r.size) + ")";
 }
@@ -560,26 +613,24 @@ void Segment::writeHeader(const SegmentSpec& spec, const Layout& l, uint8_t* bas
 std::unique_ptr<Segment> Segment::open(const std::string& engine_name) {
   checkEngineName(engine_name);
   const std::string path = segmentPath(engine_name);
-  int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+  struct stat seen;
+  const auto not_found = [&] {
+    raise(ErrorKind::kNotFound, "no engine named '", engine_name, "' is running (", path,
+          " does not exist); start one with `shmgrad serve --name ", engine_name, " ...`");
+  };
+  if (!checkOwnEntry(path, &seen)) not_found();
+  int fd = ::open(path.c_str(), O_RDWR | kSegmentOpenFlags);
   if (fd < 0) {
     int e = errno;
-    SHMGRAD_CHECK(e != ENOENT, ErrorKind::kNotFound, "no engine named '", engine_name,
-                  "' is running (", path, " does not exist); start one with `shmgrad serve --name ",
-                  engine_name, " ...`");
+    if (e == ENOENT) not_found();  // removed since the lstat
     SHMGRAD_CHECK(e != EACCES, ErrorKind::kBusy, "permission denied on ", path,
                   ": the engine belongs to another user; only its owner can attach");
+    SHMGRAD_CHECK(e != ELOOP, ErrorKind::kBusy, path,
+                  " became a symbolic link while it was being opened: refused, not followed");
     raise(ErrorKind::kSystem, "cannot open ", path, ": ", std::strerror(e));
   }
   struct stat st;
-  if (::fstat(fd, &st) != 0) {
-    ::close(fd);
-    raise(ErrorKind::kSystem, "fstat ", path, ": ", detail::errnoText());
-  }
-  if (st.st_uid != getuid()) {
-    ::close(fd);
-    raise(ErrorKind::kBusy, path, " belongs to uid ", st.st_uid, ", not to you (uid ", getuid(),
-          "); only an engine's owner may attach");
-  }
+  checkOpenedEntry(path, fd, seen, &st);
   uint64_t size = static_cast<uint64_t>(st.st_size);
   if (size < sizeof(SegmentHeader)) {
     ::close(fd);
@@ -598,13 +649,18 @@ bool Segment::removeIfStale(const std::string& engine_name) {
   checkEngineName(engine_name);
   // Stale only if no coordinator holds its lock (a live one holds it until it exits,
   // and the kernel drops it when the coordinator dies, however it dies).
+  // Only our own regular file is ever opened, locked or removed (checkOwnEntry).
   const std::string path = segmentPath(engine_name);
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+  struct stat seen;
+  if (!checkOwnEntry(path, &seen)) return false;
+  int fd = ::open(path.c_str(), O_RDONLY | kSegmentOpenFlags);
   if (fd < 0) {
     SHMGRAD_CHECK(errno == ENOENT, ErrorKind::kBusy, "cannot open ", path, " (",
-                  detail::errnoText(), "): it belongs to another user; pick another --name");
+                  detail::errnoText(), "): refused; pick another --name");
     return false;
   }
+  struct stat st;
+  checkOpenedEntry(path, fd, seen, &st);
   if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
     ::close(fd);
     int pid = 0;
@@ -629,7 +685,9 @@ bool Segment::remove(const std::string& engine_name) {
 
 bool Segment::exists(const std::string& engine_name) {
   checkEngineName(engine_name);
-  return ::access(segmentPath(engine_name).c_str(), F_OK) == 0;
+  // Anything under the name counts, a dangling symbolic link too: the name is taken.
+  struct stat st;
+  return ::lstat(segmentPath(engine_name).c_str(), &st) == 0;
 }
 
 }  // namespace shmgrad::ipc

@@ -3,9 +3,11 @@
 #include <gtest/gtest.h>
 #include <dirent.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -245,6 +247,46 @@ TEST(EngineTest, StopRemovesSegmentAndWorkers) {
   engine.stop();
   EXPECT_FALSE(ipc::Segment::exists(name));
   for (pid_t p : pids) EXPECT_FALSE(processRunning(p)) << "worker " << p << " left behind";
+}
+
+// --owned-dir: the engine's own files go at stop, but only from a directory of its own
+// reached without a symbolic link. A link swapped in for the directory (possible where
+// its parent lets others rename entries) must not make stop empty the folder it names.
+TEST(EngineTest, StopEmptiesItsOwnedDirButNeverThroughALink) {
+  Fixture f = makeFixture("mlp", 52);
+  const std::string base = tempDir("owned");
+  const std::string owned = base + "/owned";
+  const std::string victim = base + "/victim";
+  for (const std::string& dir : {owned, victim}) {
+    ASSERT_EQ(::mkdir(dir.c_str(), 0700), 0) << dir << ": " << std::strerror(errno);
+    std::FILE* file = std::fopen((dir + "/file").c_str(), "w");
+    ASSERT_NE(file, nullptr);
+    std::fclose(file);
+  }
+  {
+    const std::string name = uniqueName("owned");
+    EngineProcess engine(name, {"--model", f.model, "--workers", "1", "--owned-dir", owned});
+    Trainer::attach(name);  // serving: its shutdown is the one that removes
+    engine.stop();
+  }
+  struct stat st;
+  EXPECT_NE(::lstat(owned.c_str(), &st), 0) << "the engine's own directory must be removed";
+
+  const std::string link = base + "/swapped";
+  ASSERT_EQ(::symlink(victim.c_str(), link.c_str()), 0) << std::strerror(errno);
+  {
+    const std::string name = uniqueName("owned");
+    EngineProcess engine(name, {"--model", f.model, "--workers", "1", "--owned-dir", link});
+    Trainer::attach(name);  // serving: its shutdown is the one that removes
+    engine.stop();
+  }
+  EXPECT_EQ(::stat((victim + "/file").c_str(), &st), 0)
+      << "stop followed the link and emptied the folder it points to";
+  EXPECT_EQ(::lstat(link.c_str(), &st), 0);
+  ::unlink((victim + "/file").c_str());
+  ::unlink(link.c_str());
+  ::rmdir(victim.c_str());
+  ::rmdir(base.c_str());
 }
 
 // -- Device buffers (docs/GPU.md), on tests/fake_cuda.cc: the CUDA path's C interface on

@@ -753,6 +753,79 @@ TEST(SegmentTest, LiveSegmentIsBusyAndStaleSegmentIsReplaced) {
   EXPECT_EQ(third->header()->magic, kMagic);
 }
 
+// What another user can plant under an engine's name in /dev/shm (mode 1777): a
+// symbolic link, a FIFO, a file of theirs. Attach (open) and serve (create, which removes
+// a stale segment first) refuse each one with kBusy naming the path, without following,
+// opening or removing it.
+class PlantedEntry {
+ public:
+  explicit PlantedEntry(std::string path) : path_(std::move(path)) {}
+  ~PlantedEntry() { ::unlink(path_.c_str()); }
+  PlantedEntry(const PlantedEntry&) = delete;
+  PlantedEntry& operator=(const PlantedEntry&) = delete;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+void expectRefusedAndKept(const std::string& name, const std::string& path, const char* kind) {
+  std::string message;
+  EXPECT_TRUE(throwsKind(
+      ErrorKind::kBusy, [&] { Segment::open(name); }, &message));
+  EXPECT_NE(message.find(path), std::string::npos) << message;
+  EXPECT_NE(message.find(kind), std::string::npos) << message;
+  SegmentSpec spec = smallSpec(name);
+  EXPECT_TRUE(throwsKind(
+      ErrorKind::kBusy, [&] { Segment::create(spec); }, &message));
+  EXPECT_NE(message.find(kind), std::string::npos) << message;
+  struct stat st;
+  EXPECT_EQ(::lstat(path.c_str(), &st), 0) << "the planted entry must not be removed";
+  EXPECT_TRUE(Segment::exists(name));
+}
+
+TEST(SegmentTest, PlantedSymlinkIsRefusedNotFollowed) {
+  const std::string name = uniqueEngineName();
+  // The link points at a file of ours that looks like a segment (this uid's, 0600):
+  // following it would attach to (or, at serve, remove) that file.
+  const std::string target = segmentPath(name) + "-target";
+  PlantedEntry target_guard(target);
+  {
+    auto seg = Segment::create(smallSpec(name));
+    ASSERT_EQ(::link(segmentPath(name).c_str(), target.c_str()), 0) << std::strerror(errno);
+  }  // the creator has gone: the target is a stale segment, unlocked
+  ASSERT_TRUE(Segment::remove(name));
+  PlantedEntry link(segmentPath(name));
+  ASSERT_EQ(::symlink(target.c_str(), link.path().c_str()), 0) << std::strerror(errno);
+  expectRefusedAndKept(name, link.path(), "a symbolic link");
+  struct stat st;
+  EXPECT_EQ(::stat(target.c_str(), &st), 0) << "the link's target must not be removed";
+}
+
+TEST(SegmentTest, PlantedFifoIsRefusedWithoutBlocking) {
+  const std::string name = uniqueEngineName();
+  PlantedEntry fifo(segmentPath(name));
+  ASSERT_EQ(::mkfifo(fifo.path().c_str(), 0666), 0) << std::strerror(errno);
+  // An open(O_RDONLY) of a FIFO waits for a writer: the check comes before any open.
+  const auto t0 = std::chrono::steady_clock::now();
+  expectRefusedAndKept(name, fifo.path(), "a FIFO");
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+}
+
+TEST(SegmentTest, AnotherUsersFileUnderTheNameIsRefusedAndKept) {
+  if (getuid() != 0) GTEST_SKIP() << "needs root to give a file to another uid";
+  const std::string name = uniqueEngineName();
+  PlantedEntry planted(segmentPath(name));
+  {
+    // A well-formed segment, then handed to uid 65534 (nobody) with a mode that lets us
+    // read and write it: only the owner check stands between it and an attach.
+    auto seg = Segment::create(smallSpec(name));
+    ASSERT_EQ(::chown(planted.path().c_str(), 65534, 65534), 0) << std::strerror(errno);
+    ASSERT_EQ(::chmod(planted.path().c_str(), 0666), 0) << std::strerror(errno);
+  }
+  expectRefusedAndKept(name, planted.path(), "owned by uid 65534");
+}
+
 TEST(SegmentTest, ProcessAlive) {
   EXPECT_TRUE(processAlive(getpid()));
   EXPECT_FALSE(processAlive(0));

@@ -25,8 +25,10 @@ VENV="${SHMGRAD_VENV:-$ROOT/.venv}"
 SUDO=""
 if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
 
+# iproute2: ip and tc, with which tests/python/test_partition.py cuts nodes apart.
 PACKAGES=(bazel-bootstrap bazel-rules-java libboost-dev libcli11-dev libgtest-dev zlib1g-dev
-          cmake clang clang-format libclang-rt-14-dev python3-venv python3-dev dataset-fashion-mnist)
+          cmake clang clang-format libclang-rt-14-dev python3-venv python3-dev dataset-fashion-mnist
+          iproute2)
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

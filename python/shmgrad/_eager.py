@@ -7,6 +7,7 @@ The worker side is :mod:`shmgrad._eager_worker`. docs/DESIGN.md, "Eager workers"
 """
 
 import copy
+import errno
 import functools
 import importlib
 import io
@@ -14,6 +15,7 @@ import math
 import os
 import pickle
 import random
+import stat
 import sys
 import tempfile
 import types
@@ -795,13 +797,16 @@ def prepare_job(
         WorkerJob(model, loss, dataset, collate_fn, forward, compile, loss_reduction),
         cloudpickle,
     )
-    directory = tempfile.mkdtemp(prefix="shmgrad-eager-")  # mode 0700
+    # A private directory (mkdtemp: 0700, a fresh unguessable name, made with O_EXCL's
+    # guarantee) and owner-only files created exclusively in it: no other user can read,
+    # replace or add to them (load_job checks it again before unpickling).
+    directory = tempfile.mkdtemp(prefix="shmgrad-eager-")
     try:
         holder = os.path.join(directory, PARAMS_FILE)
+        os.close(_create_private(holder))  # 0600 from the start; the writer truncates it
         write_params(model, holder)
         job = os.path.join(directory, JOB_FILE)
-        fd = os.open(job, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
+        with os.fdopen(_create_private(job), "wb") as f:
             f.write(blob)
     except BaseException:
         import shutil
@@ -841,9 +846,74 @@ class _JobUnpickler(pickle.Unpickler):
             ) from exc
 
 
+def _create_private(path: str) -> int:
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+
+
 def load_job(path: str) -> WorkerJob:
-    with open(path, "rb") as f:
+    """The job the launcher wrote. Unpickling runs whatever code the pickle names, so it
+    is read only from a file no other user can have written or swapped:
+    :func:`open_private`."""
+    with open_private(path, "the engine's job") as f:
         return _JobUnpickler(f).load()
+
+
+def open_private(path: str, what: str):
+    """Opens ``path`` for reading (a binary file object) if it is a regular file of this
+    user, mode 0600 or stricter, in a directory of this user of mode 0700 or stricter, as
+    the launcher makes them; raises :class:`~shmgrad.BusyError` naming the path and what
+    is wrong otherwise. The directory is opened first (never through a symbolic link) and
+    the file is opened relative to it (never through a link either, never blocking on a
+    FIFO), so what is checked is what is read: another user cannot swap either between
+    the check and the read."""
+    path = os.path.abspath(path)
+    directory, base = os.path.split(path)
+    try:
+        dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise _refused(what, directory, f"cannot be opened as a directory ({exc})") from None
+    try:
+        _check_private(what, directory, os.fstat(dfd), "directory")
+        try:
+            fd = os.open(
+                base, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd
+            )
+        except OSError as exc:  # O_NOFOLLOW: ELOOP for a symbolic link
+            link = exc.errno == errno.ELOOP
+            why = "is a symbolic link (not followed)" if link else f"cannot be opened ({exc})"
+            raise _refused(what, path, why) from None
+    finally:
+        os.close(dfd)
+    try:
+        _check_private(what, path, os.fstat(fd), "file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "rb")
+
+
+def _check_private(what, path, st, kind):
+    regular = stat.S_ISDIR(st.st_mode) if kind == "directory" else stat.S_ISREG(st.st_mode)
+    if not regular:
+        raise _refused(what, path, f"is not a {'regular file' if kind == 'file' else kind}")
+    if st.st_uid != os.geteuid():
+        raise _refused(what, path, f"belongs to uid {st.st_uid}, not to you (uid {os.geteuid()})")
+    if st.st_mode & 0o077:
+        raise _refused(
+            what,
+            path,
+            f"has mode {stat.S_IMODE(st.st_mode):04o}: other users may read or change it "
+            f"(the launcher makes the {kind} {'0700' if kind == 'directory' else '0600'})",
+        )
+
+
+def _refused(what, path, why):
+    return errors.BusyError(
+        f"{what}: {path} {why}; refused: only a file of yours that no other user can write "
+        "or replace is loaded (unpickling runs its code). Start the engine again from the "
+        "trainer (shmgrad.Engine or shmgrad.serve write it privately); see docs/DESIGN.md, "
+        '"What a local attacker can reach"'
+    )
 
 
 class CountedClassLoss:

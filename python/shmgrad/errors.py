@@ -14,8 +14,10 @@ class EngineNotFoundError(Error, LookupError):
 
 
 class BusyError(Error):
-    """Another trainer holds the engine (the message names its pid), or it belongs to
-    another user."""
+    """Another trainer holds the engine (the message names its pid), or what shmgrad
+    would open belongs to another user or could have been changed by one (an engine of
+    theirs, a name planted in /dev/shm, an eager job file that is not private): the
+    message names it."""
 
 
 class EngineTimeoutError(Error, TimeoutError):
