@@ -146,6 +146,8 @@ inline uint64_t dtypeSize(DType v) { return dtypeSize(static_cast<uint32_t>(v));
 // kStructured: an explicit batch of several tensors (a dict, tuple or list of them, nested,
 // as a tokenizer or a collate_fn makes it) for eager workers: StepRequest::leaves.
 enum class BatchKind : uint32_t { kIndices = 1, kExplicit = 2, kStructured = 3 };
+constexpr const char* kBatchKindNames[] = {nullptr, "indices", "explicit", "structured"};
+constexpr uint32_t kNumBatchKinds = 3;
 
 // The element types a structured batch's tensors may have, stored in the segment.
 enum class LeafType : uint32_t {

@@ -30,7 +30,7 @@ struct PyShard {
   bool grads_in_reduced = false;  // this worker is alone: .grad must view the reduced buffer
   uint64_t seed = 0;
   bool train = true;
-  std::string kind;  // "indices", "explicit" or "structured"
+  ipc::BatchKind kind = ipc::BatchKind::kIndices;  // bound as _C.BatchKind
   torch::Tensor indices, inputs, targets;
   std::vector<torch::Tensor> leaves;  // structured: the batch's tensors, this shard's rows
   std::string structure;              // structured: how they nest (python/shmgrad/_batch.py)
@@ -85,16 +85,16 @@ class PyShardComputer : public worker::ShardComputer {
     shard_.seed = s.seed;
     shard_.train = s.train;
     if (s.kind == ipc::BatchKind::kIndices) {
-      shard_.kind = "indices";
+      shard_.kind = ipc::BatchKind::kIndices;
       shard_.indices = torch::from_blob(const_cast<int64_t*>(s.indices), {s.size()}, torch::kInt64);
     } else if (s.kind == ipc::BatchKind::kStructured) {
-      shard_.kind = "structured";
+      shard_.kind = ipc::BatchKind::kStructured;
       shard_.structure = s.structure;
       for (uint32_t k = 0; k < s.num_leaves; ++k) {
         shard_.leaves.push_back(views::leafView(s.leaf_data[k], s.size(), s.leaves[k]));
       }
     } else {
-      shard_.kind = "explicit";
+      shard_.kind = ipc::BatchKind::kExplicit;
       shard_.inputs = views::examplesView(s.inputs, s.size(), *s.example_shape, s.input_dtype);
       shard_.targets = views::examplesView(s.targets, s.size(), *s.target_shape, s.target_dtype);
     }
@@ -190,6 +190,11 @@ void bindEagerWorker(py::module_& m) {
   py::dict heap;
   for (const worker::HeapSetting& s : worker::kHeapSettings) heap[s.env] = std::to_string(s.value);
   m.attr("HEAP_ENVIRONMENT") = heap;
+  // A shard's kind of batch, named as ipc::kBatchKindNames names it.
+  py::enum_<ipc::BatchKind> batch_kinds(m, "BatchKind");
+  for (uint32_t k = 1; k <= ipc::kNumBatchKinds; ++k) {
+    batch_kinds.value(ipc::kBatchKindNames[k], static_cast<ipc::BatchKind>(k));
+  }
   py::class_<PyShard>(m, "Shard")
       .def_readonly("begin", &PyShard::begin)
       .def_readonly("end", &PyShard::end)

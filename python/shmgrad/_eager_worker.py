@@ -33,9 +33,11 @@ class ShardRunner:
     def __init__(self, participant, job):
         import torch
         from . import _eager as eager
+        from ._native import _C
 
         self._torch = torch
         self._eager = eager
+        self._batch_kind = _C.BatchKind
         self.model = job.model
         self.loss = eager.resolve_loss(job.loss)
         # "sum", "mean", "weighted" (forward returns (loss_sum, count)), or None: found
@@ -204,9 +206,9 @@ class ShardRunner:
         return self._eager._map_tensors(batch, lambda t: t.to(self.device, non_blocking=True))
 
     def _host_batch(self, shard, start, stop):
-        if shard.kind == "explicit":
+        if shard.kind == self._batch_kind.explicit:
             return (shard.inputs[start:stop], shard.targets[start:stop])
-        if shard.kind == "structured":
+        if shard.kind == self._batch_kind.structured:
             from ._batch import unflatten
 
             return unflatten(shard.structure, [t[start:stop] for t in shard.leaves])
