@@ -393,6 +393,27 @@ def _check_step_time(kind, first, last):
     return []
 
 
+def machine() -> dict:
+    """What the soak ran on, for its record."""
+    import platform
+
+    import torch
+
+    mem = None
+    try:
+        with open("/proc/meminfo") as f:
+            mem = int(f.readline().split()[1]) // 1024  # MemTotal, MiB
+    except (OSError, ValueError, IndexError):
+        pass
+    return dict(
+        cpus=os.cpu_count(),
+        mem_total_mib=mem,
+        kernel=platform.release(),
+        python=platform.python_version(),
+        torch=torch.__version__,
+    )
+
+
 def bounds() -> dict:
     """The bounds, as the soak output records them."""
     return dict(
