@@ -66,6 +66,9 @@ from .run import Counts, StressRun
 from .workloads import WORKLOADS
 
 MODES = ("both",) + tuple(WORKLOADS)
+# --nodes: the group's timeout beyond the step's, by default (a node's step ends, or
+# fails, within --step-timeout; the others' all-reduce waits that long plus this).
+GROUP_TIMEOUT_MARGIN_S = 30.0
 
 
 def build_parser():
@@ -157,9 +160,11 @@ def build_parser():
     ap.add_argument(
         "--group-timeout",
         type=float,
-        default=30.0,
+        default=None,
         help="--nodes: the group's timeout in seconds: a node trainer's death must be seen "
-        "as NodeError within it (default 30)",
+        "as NodeError within it; above --step-timeout, so that a node's slow local step "
+        "(a worker replaced on a loaded machine) does not time the group out (default "
+        "--step-timeout + 30)",
     )
     ap.add_argument(
         "--duration",
@@ -206,10 +211,13 @@ def parse_args(argv=None):
         ap.error("--duration (the soak) runs one node: leave out --nodes")
     if args.nodes > 1 and args.devices is not None:
         ap.error("--nodes runs CPU workers: leave out --devices")
-    if not args.group_timeout > args.stop_timeout:
+    if args.group_timeout is None:
+        args.group_timeout = args.step_timeout + GROUP_TIMEOUT_MARGIN_S
+    if not args.group_timeout > args.step_timeout:
         ap.error(
-            f"--group-timeout must be above --stop-timeout ({args.stop_timeout:g} s): a "
-            f"stopped worker's node must time out before its group does"
+            f"--group-timeout must be above --step-timeout ({args.step_timeout:g} s), got "
+            f"{args.group_timeout:g}: a node's step, retries included, must end (or fail) "
+            "before the other nodes' all-reduce gives up on it"
         )
     if args.soak_out and args.duration is None:
         ap.error("--soak-out needs --duration (the soak mode)")

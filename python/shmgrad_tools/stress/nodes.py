@@ -393,7 +393,8 @@ class NodesRun:
             finally:
                 for k in killers:
                     k.join()
-            self._settle(step, batch, replies)
+            if self._settle(step, batch, replies) == "broken":
+                self._reform(dead=self._dead())
         self.counts.steps += 1
         if (step + 1) % PROGRESS_EVERY == 0:
             c = self.counts
