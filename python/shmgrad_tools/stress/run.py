@@ -164,6 +164,7 @@ class StressRun:
                         break
                     self._step(step)
                     if self.sampler is not None:
+                        self.sampler.maybe_probe(self._probe)
                         self._maybe_sample()
                 after = read_status(self.name)
                 self.counts.worker_replacements = after.worker_restarts - before.worker_restarts

@@ -45,7 +45,11 @@ FD_GROWTH = 0
 # is the bound (a leak that slows steps grows without end).
 STEP_TIME_DRIFT = 1.0  # +100 %
 PROBE_BATCH = 128  # examples of the probe's forward and backward
-PROBE_REPEATS = 5  # its median is the sample's probe time
+# The probe runs once every PROBE_EVERY_STEPS steps, so that its median over an interval
+# sees the same moments of load as the steps' median (one probe at the sample would see
+# one moment: on a loaded machine, 88 ms and 697 ms a minute apart).
+PROBE_EVERY_STEPS = 5
+PROBE_REPEATS = 5  # a sample with no probe in its interval times this many at once
 # The share of each run's samples treated as warm-up (caches, allocator pools filling).
 WARMUP_FRACTION = 0.2
 # Samples per comparison window (each end of the run): the window's minimum at the end
@@ -143,24 +147,38 @@ class Sampler:
         self.t0 = time.monotonic() if t0 is None else t0
         self.samples: List[Sample] = []
         self.step_times: List[float] = []
+        self.probe_times: List[float] = []
+        self._steps_since_probe = 0
         self.next_at = None
         self.meta: dict = {}
 
     def step_done(self, seconds: float):
         self.step_times.append(seconds)
 
+    def maybe_probe(self, probe):
+        """Times ``probe`` once every PROBE_EVERY_STEPS calls (after a step)."""
+        self._steps_since_probe += 1
+        if self._steps_since_probe < PROBE_EVERY_STEPS:
+            return
+        self._steps_since_probe = 0
+        t0 = time.perf_counter()
+        probe()
+        self.probe_times.append(time.perf_counter() - t0)
+
     def start_run(self):
         """A new engine (kind of worker): its first sample one interval from now."""
         self.step_times.clear()
+        self.probe_times.clear()
         self.next_at = time.monotonic() + self.every
 
     def due(self) -> bool:
         return time.monotonic() >= self.next_at
 
     def sample(self, kind, name, status, steps, probe=None):
-        """Samples the run's processes now (``status``: the engine's, for its pids;
-        ``probe``: a callable whose time, median of PROBE_REPEATS, normalises the step
-        time)."""
+        """Samples the run's processes now (``status``: the engine's, for its pids). The
+        probe time is the median of the probes timed since the last sample
+        (:meth:`maybe_probe`), or, if there were none, of PROBE_REPEATS runs of
+        ``probe`` now."""
         self.next_at += self.every
         if self.next_at < time.monotonic():  # a long fault: no burst of catch-up samples
             self.next_at = time.monotonic() + self.every
@@ -189,11 +207,18 @@ class Sampler:
                 shm_used=shm_used_bytes(),
                 step_median_s=statistics.median(times) if times else None,
                 step_count=len(times),
-                probe_s=None if probe is None else _time_probe(probe),
+                probe_s=(
+                    statistics.median(self.probe_times)
+                    if self.probe_times
+                    else None
+                    if probe is None
+                    else _time_probe(probe)
+                ),
                 load1=_load1(),
             )
         )
         self.step_times = []
+        self.probe_times = []
         self.write()
 
     def write(self, verdict=None):
