@@ -30,7 +30,7 @@ import torch
 
 from shmgrad import attach, errors, read_status
 from shmgrad.testing import relative_error
-from .soak import PROBE_BATCH, shm_files
+from .soak import cpu_probe, shm_files
 from .workloads import CLASSES, DATASET_SIZE, INPUT_SHAPE
 
 CHILD_BATCH = 2000  # the child trainer's batch: long enough to be killed mid-step
@@ -127,7 +127,6 @@ class StressRun:
         self.deadline = deadline
         self.sampler = sampler
         self.shm_after = 0  # the engine's files left in /dev/shm after it stopped
-        self._probe_batch = None
         self.name = name
         self.workload = workload
         self.log = log
@@ -164,7 +163,7 @@ class StressRun:
                         break
                     self._step(step)
                     if self.sampler is not None:
-                        self.sampler.maybe_probe(self._probe)
+                        self.sampler.maybe_probe(cpu_probe)
                         self._maybe_sample()
                 after = read_status(self.name)
                 self.counts.worker_replacements = after.worker_restarts - before.worker_restarts
@@ -218,7 +217,7 @@ class StressRun:
                 self.name,
                 read_status(self.name),
                 self.counts.steps,
-                probe=self._probe,
+                probe=cpu_probe,
             )
             s, c = self.sampler.samples[-1], self.counts
             med = "-" if s.step_median_s is None else f"{s.step_median_s * 1e3:.0f} ms"
@@ -229,17 +228,6 @@ class StressRun:
                 f"stops {c.stops}, wrong {c.wrong}, hangs {c.hangs}; median step {med}; "
                 f"RSS MiB: {rss}"
             )
-
-    def _probe(self):
-        """The soak's yardstick: a fixed forward and backward in this process (what the
-        machine's load does to a computation, beside the engine's steps)."""
-        if self._probe_batch is None:
-            g = torch.Generator().manual_seed(0)
-            self._probe_batch = (
-                torch.randn(PROBE_BATCH, *INPUT_SHAPE, generator=g),
-                torch.randint(0, CLASSES, (PROBE_BATCH,), generator=g),
-            )
-        _reference(self.model, self.workload.loss, *self._probe_batch, mean=True)
 
     # -- the phases ---------------------------------------------------------------------
     def _restart_trainer(self):

@@ -40,11 +40,14 @@ WORKER_RSS_GROWTH_MIB = 32.0
 # while a worker is replaced does not count).
 FD_GROWTH = 0
 # The median step time of the last window against the first, each divided by the probe's
-# time at its sample (a fixed forward and backward in the trainer: what the machine's load
-# does to any computation), so that other users' load does not count as drift; a doubling
-# is the bound (a leak that slows steps grows without end).
+# median time over its interval (a fixed single-threaded computation in the trainer: what
+# the machine's load does to one process's share of a core, as the engine's workers
+# compute in one thread each), so that other users' load does not count as drift; a
+# doubling is the bound (a leak that slows steps grows without end). The probe is pure
+# Python, not torch: torch's intra-op threads spin for their peers, and on an
+# oversubscribed machine a forward and backward took 10 times a step, not a core's share.
 STEP_TIME_DRIFT = 1.0  # +100 %
-PROBE_BATCH = 128  # examples of the probe's forward and backward
+PROBE_LOOP = 100_000  # iterations of the probe's loop (about 5 ms on an idle core)
 # The probe runs once every PROBE_EVERY_STEPS steps, so that its median over an interval
 # sees the same moments of load as the steps' median (one probe at the sample would see
 # one moment: on a loaded machine, 88 ms and 697 ms a minute apart).
@@ -239,6 +242,14 @@ class Sampler:
                     indent=1,
                 )
         os.replace(tmp, self.out)
+
+
+def cpu_probe():
+    """The soak's yardstick: a fixed single-threaded computation."""
+    total = 0
+    for i in range(PROBE_LOOP):
+        total += i * i
+    return total
 
 
 def _time_probe(probe):
