@@ -648,13 +648,19 @@ class NodesRun:
 
     def _wait_for_busy_worker(self, rank, trainer_pid, after_epoch):
         """Polls node ``rank``'s engine until a worker works on a step of
-        ``trainer_pid``'s (so that the kill lands mid-step)."""
+        ``trainer_pid``'s (so that the kill lands mid-step). Returns early, without a
+        finding, if that trainer's reply is already there: the step ended between two
+        polls (this process is one of many on a loaded machine), and the kill will land
+        after the all-reduce (counted as late)."""
         deadline = time.monotonic() + self.args.step_timeout
+        out = self.procs[rank].proc.stdout
         while time.monotonic() < deadline:
             st = read_status(self.engines[rank])
             if st.trainer_pid == trainer_pid and any(
                 w.busy_epoch > after_epoch for w in st.ready_workers
             ):
+                return
+            if select.select([out], [], [], 0)[0]:
                 return
             time.sleep(POLL_S)
         self.counts.hangs += 1
