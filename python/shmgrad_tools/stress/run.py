@@ -15,6 +15,7 @@ engine computes (model, loss, dataset, kind of worker) is the run's workload
 import copy
 import dataclasses
 import glob
+import itertools
 import os
 import random
 import signal
@@ -30,6 +31,7 @@ import torch
 from shmgrad import attach, errors, read_status
 from shmgrad._native import tunable
 from shmgrad.testing import relative_error
+from .soak import cpu_probe, shm_files
 from .workloads import CLASSES, DATASET_SIZE, INPUT_SHAPE
 
 CHILD_BATCH = 2000  # the child trainer's batch: long enough to be killed mid-step
@@ -77,6 +79,7 @@ class Counts:
     leaked_segments: int = 0
     leftover_workers: int = 0  # worker processes still alive after the engine stopped
     elapsed_s: float = 0.0
+    soak_findings: int = 0  # --duration: what grew beyond its bound (soak.check_growth)
 
     @property
     def ok(self) -> bool:
@@ -86,7 +89,8 @@ class Counts:
             self.not_replaced,
             self.leaked_segments,
             self.leftover_workers,
-        ) == (0, 0, 0, 0, 0)
+            self.soak_findings,
+        ) == (0, 0, 0, 0, 0, 0)
 
 
 def _reference(model, loss, x, y, mean):
@@ -115,10 +119,15 @@ def _print(msg, error=False):
 
 class StressRun:
     """One engine named ``name`` computing ``workload`` (a :mod:`.workloads` class's
-    instance), stressed for ``args.steps`` steps."""
+    instance), stressed for ``args.steps`` steps, or until ``deadline`` (a
+    ``time.monotonic()`` value: the soak mode) with ``sampler`` (a
+    :class:`.soak.Sampler`) sampling the run's processes between steps."""
 
-    def __init__(self, args, workload, name, log=_print):
+    def __init__(self, args, workload, name, log=_print, deadline=None, sampler=None):
         self.args = args
+        self.deadline = deadline
+        self.sampler = sampler
+        self.shm_after = 0  # the engine's files left in /dev/shm after it stopped
         self.name = name
         self.workload = workload
         self.log = log
@@ -147,8 +156,16 @@ class StressRun:
                 )
                 self._attach()
                 before = read_status(self.name)
-                for step in range(self.args.steps):
+                if self.sampler is not None:
+                    self.sampler.start_run()
+                steps = range(self.args.steps) if self.deadline is None else itertools.count()
+                for step in steps:
+                    if self.deadline is not None and time.monotonic() >= self.deadline:
+                        break
                     self._step(step)
+                    if self.sampler is not None:
+                        self.sampler.maybe_probe(cpu_probe)
+                        self._maybe_sample()
                 after = read_status(self.name)
                 self.counts.worker_replacements = after.worker_restarts - before.worker_restarts
                 self.counts.steps_aborted = after.steps_aborted - before.steps_aborted
@@ -158,6 +175,7 @@ class StressRun:
                 if server is not None:
                     server.stop()
         time.sleep(REAP_GRACE_S)
+        self.shm_after = shm_files(self.name)[0]
         self.counts.leaked_segments = len(glob.glob(f"/dev/shm/shmgrad-{os.getuid()}-{self.name}"))
         self.counts.leftover_workers = sum(1 for pid in self.worker_pids_seen if _alive(pid))
         self.counts.elapsed_s = time.monotonic() - t_start
@@ -186,11 +204,30 @@ class StressRun:
                 if killer is not None:
                     killer.join()
         self.counts.steps += 1
-        if (step + 1) % PROGRESS_EVERY == 0:
+        if self.deadline is None and (step + 1) % PROGRESS_EVERY == 0:
             c = self.counts
             self.log(
                 f"  {self.workload.kind} step {step + 1}/{a.steps}: kills {c.kills}, "
                 f"retries {c.recoveries}, wrong {c.wrong}"
+            )
+
+    def _maybe_sample(self):
+        if self.sampler.due():
+            self.sampler.sample(
+                self.workload.kind,
+                self.name,
+                read_status(self.name),
+                self.counts.steps,
+                probe=cpu_probe,
+            )
+            s, c = self.sampler.samples[-1], self.counts
+            med = "-" if s.step_median_s is None else f"{s.step_median_s * 1e3:.0f} ms"
+            med += f" (probe {s.probe_s * 1e3:.0f} ms, load {s.load1})"
+            rss = ", ".join(f"{r} {p['rss_kib'] // 1024}" for r, p in sorted(s.procs.items()))
+            self.log(
+                f"  {self.workload.kind} {s.t:.0f} s: steps {c.steps}, kills {c.kills}, "
+                f"stops {c.stops}, wrong {c.wrong}, hangs {c.hangs}; median step {med}; "
+                f"RSS MiB: {rss}"
             )
 
     # -- the phases ---------------------------------------------------------------------
@@ -401,7 +438,10 @@ class StressRun:
         returns "ok", "timeout" or "failed". Under ``stop_timeout`` (a step with a stopped
         worker) a timeout is expected: not counted a hang."""
         try:
+            t0 = time.monotonic()
             stats = call(stop_timeout or self.args.step_timeout)
+            if self.sampler is not None:
+                self.sampler.step_done(time.monotonic() - t0)
             self.counts.recoveries += stats.retries
             grads = [p.grad.cpu() for p in self.model.parameters()]
             if relative_error(grads, ref) > MAX_GRADIENT_ERROR:

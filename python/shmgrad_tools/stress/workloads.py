@@ -95,12 +95,13 @@ class ScriptWorkload:
     """TorchScript workers on a dataset in shared memory."""
 
     kind = "script"
+    model_class = StressNet
 
     def __init__(self, seed):
         torch.manual_seed(seed)
         self.data_x = torch.randn(DATASET_SIZE, *INPUT_SHAPE)
         self.data_y = torch.randint(0, CLASSES, (DATASET_SIZE,))
-        self.model = StressNet()
+        self.model = self.model_class()
 
     def serve(self, name, workers, max_batch, tmp, devices=None) -> shmgrad.Server:
         np.save(os.path.join(tmp, "x.npy"), self.data_x.numpy())
@@ -130,13 +131,14 @@ class EagerWorkload:
     per-example transforms, pickled once into a job the engine's workers load."""
 
     kind = "eager"
+    model_class = UnscriptableStressNet
 
     def __init__(self, seed):
         torch.manual_seed(seed)
         self.dataset = JitteredDataset(
             torch.randn(DATASET_SIZE, *INPUT_SHAPE), torch.randint(0, CLASSES, (DATASET_SIZE,))
         )
-        self.model = UnscriptableStressNet()
+        self.model = self.model_class()
 
     def serve(self, name, workers, max_batch, tmp, devices=None) -> shmgrad.Server:
         return shmgrad.serve(
