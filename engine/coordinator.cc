@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cinttypes>
@@ -36,7 +37,13 @@ using ipc::WorkerState;
 
 // Tunables of the coordinator's loop; every wait is bounded.
 constexpr auto kSuperviseSlice = std::chrono::milliseconds(100);  // reap/resize/stop checks
-constexpr auto kGrowPoll = std::chrono::milliseconds(2);    // a grow waits for a retired worker
+constexpr auto kGrowPoll = std::chrono::milliseconds(2);  // a grow waits for a retired worker
+// A worker that dies before it is ready, again and again (its program or the environment
+// broken under a running engine), is restarted after a growing pause instead of at once:
+// the first time at once, then after kRestartBackoffFirst, doubling up to
+// kRestartBackoffMax, so a crash loop costs little CPU and the log stays readable.
+constexpr uint64_t kRestartBackoffFirstNs = 100000000;      // 100 ms
+constexpr uint64_t kRestartBackoffMaxNs = 5000000000;       // 5 s
 constexpr auto kReadyPoll = std::chrono::milliseconds(50);  // start-up: workers becoming ready
 // Stopping: how long the devices' memory waits for the trainer that maps it to let go.
 // Within the launcher's SIGTERM-to-SIGKILL grace (python/shmgrad/_launcher.py STOP_TIMEOUT_S).
@@ -398,6 +405,7 @@ class Coordinator {
   // does nothing but async-signal-safe calls before exec (docs/DESIGN.md).
   void spawn(uint32_t slot) {
     ipc::WorkerRecord& w = h()->workers[slot];
+    respawn_at_[slot] = 0;
     w.state.store(static_cast<uint32_t>(WorkerState::kStarting));
     w.error = 0;
     w.error_text[0] = '\0';
@@ -503,10 +511,17 @@ class Coordinator {
       reap();
       replaceAbandoned();
       const bool growing = resize();
+      const uint64_t due = respawnDue();
       uint32_t v = c().coordinator_wake.load(std::memory_order_acquire);
       if (g_signal != 0 || c().stop_requested.load() != 0) return;
-      // While a grow waits for a retired worker to exit, poll its exit quickly.
-      ipc::futexWait(&c().coordinator_wake, v, growing ? kGrowPoll : kSuperviseSlice);
+      // While a grow waits for a retired worker to exit, poll its exit quickly; a restart
+      // that backs off is due at `due`.
+      std::chrono::nanoseconds slice = growing ? kGrowPoll : kSuperviseSlice;
+      if (due != 0) {
+        const uint64_t now = ipc::monotonicNs();
+        slice = std::min(slice, std::chrono::nanoseconds(due > now ? due - now : 0));
+      }
+      ipc::futexWait(&c().coordinator_wake, v, slice);
     }
   }
 
@@ -520,7 +535,8 @@ class Coordinator {
       if (slot < 0) continue;
       ipc::WorkerRecord& w = h()->workers[slot];
       w.pid.store(0);
-      const bool retired = w.state.load() == static_cast<uint32_t>(WorkerState::kRetired);
+      const uint32_t was = w.state.load();
+      const bool retired = was == static_cast<uint32_t>(WorkerState::kRetired);
       w.state.store(static_cast<uint32_t>(retired ? WorkerState::kExited : WorkerState::kDead),
                     std::memory_order_release);
       const uint32_t e = c().step_epoch.load(std::memory_order_acquire);
@@ -532,8 +548,45 @@ class Coordinator {
       }
       w.restarts.fetch_add(1);
       c().worker_restarts.fetch_add(1);
-      spawn(static_cast<uint32_t>(slot));
+      // Died before it was ready: count the failures in a row, and back off after the first.
+      failed_starts_[slot] =
+          was == static_cast<uint32_t>(WorkerState::kStarting) ? failed_starts_[slot] + 1 : 0;
+      const uint64_t pause = restartPause(failed_starts_[slot]);
+      if (pause == 0) {
+        spawn(static_cast<uint32_t>(slot));
+        continue;
+      }
+      respawn_at_[slot] = ipc::monotonicNs() + pause;
+      std::fprintf(stderr,
+                   "shmgrad: worker %d failed to start %u times in a row (last: %s); next try "
+                   "in %.1f s\n",
+                   slot, failed_starts_[slot], describeExit(status).c_str(), pause / 1e9);
     }
+  }
+
+  // The pause before restarting a worker that died before it was ready, `failures` times
+  // in a row: none the first time, then kRestartBackoffFirstNs doubling to the maximum.
+  static uint64_t restartPause(uint32_t failures) {
+    if (failures < 2) return 0;
+    uint64_t pause = kRestartBackoffFirstNs;
+    for (uint32_t i = 2; i < failures && pause < kRestartBackoffMaxNs; ++i) pause *= 2;
+    return std::min(pause, kRestartBackoffMaxNs);
+  }
+
+  // Starts the backed-off restarts that are due; returns when the next one is (0: none).
+  // A slot retired by a shrink meanwhile is not restarted (resize clears its time).
+  uint64_t respawnDue() {
+    const uint64_t now = ipc::monotonicNs();
+    uint64_t next = 0;
+    for (uint32_t i = 0; i < active_; ++i) {
+      if (respawn_at_[i] == 0) continue;
+      if (now >= respawn_at_[i]) {
+        spawn(i);
+      } else if (next == 0 || respawn_at_[i] < next) {
+        next = respawn_at_[i];
+      }
+    }
+    return next;
   }
 
   // A step the trainer gave up on at its timeout (abandon_epoch) leaves its participants
@@ -590,6 +643,7 @@ class Coordinator {
         h()->workers[i].state.store(static_cast<uint32_t>(WorkerState::kRetired),
                                     std::memory_order_release);
         retired_ns_[i] = now;
+        respawn_at_[i] = 0;  // a backed-off restart of this slot is not wanted any more
       }
       ipc::futexWake(&c().step_epoch);
       active_ = target;
@@ -727,6 +781,8 @@ class Coordinator {
   uint32_t active_ = 0;
   uint64_t retired_ns_[ipc::kMaxWorkers] = {};       // when each slot was last retired
   uint64_t abandoned_since_[ipc::kMaxWorkers] = {};  // held up by an abandoned step since
+  uint32_t failed_starts_[ipc::kMaxWorkers] = {};    // deaths in a row before ready
+  uint64_t respawn_at_[ipc::kMaxWorkers] = {};       // a backed-off restart is due (0: none)
 };
 
 }  // namespace

@@ -311,6 +311,53 @@ def test_worker_stopped_in_a_killed_trainers_step_is_replaced(tmp_path):
                     os.kill(victim, signal.SIGKILL)
 
 
+def test_a_worker_that_fails_at_every_start_is_retried_with_a_growing_pause(tmp_path):
+    # The worker's program broken under a running engine (a reinstall, say): every restart
+    # fails at once. The coordinator backs off (at once, then 0.1 s doubling to 5 s) and
+    # says so, instead of restarting thousands of times a second, and serves again once the
+    # program is back.
+    worker = os.path.join(os.path.dirname(shmgrad.program("shmgrad")), "shmgrad-worker")
+    wrapper = tmp_path / "worker.sh"
+
+    def set_wrapper(body):
+        new = tmp_path / "worker.sh.new"
+        new.write_text("#!/bin/sh\n" + body + "\n")
+        new.chmod(0o755)
+        os.replace(new, wrapper)  # never a half-written script
+
+    set_wrapper(f'exec "{worker}" "$@"')
+    path = shmgrad.save_model(Mlp(d_in=4, d_out=2), tmp_path / "m.pt")
+    name = f"backoff-{os.getpid()}"
+    serve = subprocess.Popen(
+        ["shmgrad", "serve", "--name", name, "--model", str(path), "--workers", "1"]
+        + ["--loss", "cross_entropy", "--quiet", "--worker-binary", str(wrapper)],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        engine = shmgrad.attach(name, timeout=60)
+        (pid,) = worker_pids(engine).values()
+        set_wrapper("exit 3")
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(3)
+        # At once twice, then after 0.1, 0.2, 0.4, 0.8 and 1.6 s: 7 in 3 s, with room for a
+        # slow machine; without the pause it was thousands.
+        restarts = shmgrad.read_status(name).worker_restarts
+        assert 3 <= restarts <= 10, restarts
+        set_wrapper(f'exec "{worker}" "$@"')
+        x, y = torch.randn(5, 4), torch.randint(0, 2, (5,))
+        wait_for(lambda: shmgrad.read_status(name).ready_workers, 20, "the worker back")
+        assert engine.gradient(inputs=x, targets=y).num_examples == 5
+        engine.close()
+    finally:
+        subprocess.run(["shmgrad", "stop", name], capture_output=True, timeout=60)
+        _, err = serve.communicate(timeout=30)
+    assert (
+        "failed to start 2 times in a row (last: exit code 3 (start-up failed)); next try in 0.1 s"
+        in err
+    ), err
+
+
 def test_killed_coordinator_workers_exit_and_name_is_reusable(tmp_path):
     path = shmgrad.save_model(Mlp(d_in=4, d_out=2), tmp_path / "m.pt")
     cmd = [
