@@ -679,7 +679,7 @@ void Trainer::collect(uint32_t e, const Participants& p, int64_t B, const Gradie
   stats->unused_params.clear();
   uint64_t reached[ipc::kMaxParams / 64] = {};
   for (uint32_t k = 0; k < p.n; ++k) {
-    const WorkerResult w = readWorkerResult(h->workers[p.slots[k]], e, p.slots[k]);
+    const engine::WorkerResult w = engine::readWorkerResult(h->workers[p.slots[k]], e, p.slots[k]);
     WorkerStepStats ws;
     ws.slot = p.slots[k];
     ws.examples = w.examples;
