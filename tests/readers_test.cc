@@ -72,14 +72,16 @@ TEST(NpyReader, RefusesEveryMalformedHeaderWithATypedError) {
   const Bytes y = npyArray("<i8", "(1,)", Bytes(8, 0));
   const Bytes four(4, 0);
   const std::vector<Bytes> bad = {
-      npyArray("<f4", "(a, 1)", four),                    // not a number (was stoll's throw)
-      npyArray("<f4", "(-1, 1)", four),                   // negative (was a 2^64 resize)
-      npyArray("<f4", "(4294967296, 4294967296)", four),  // 2^64 elements wrap to 0
-      npyArray("<fX", "(1,)", four),                      // width not a number (was stoul's)
-      npyArray("<f99999999999999999999", "(1,)", four),   // width out of range
-      npyArray("<c8", "(1,)", Bytes(8, 0)),               // complex: not read
-      npyArray("<f4", "(2,)", four),                      // truncated data
-      npyArray("<f4", "1, 1", four),                      // shape not a tuple
+      npyArray("<f4", "(a, 1)", four),  // not a number (was stoll's throw)
+      npyArray("<f4", "(1, -4611686018427387904)",
+               four),  // negative: 3 x 2^62 elements (was a resize)
+      npyArray("<f4", "(1, 4294967296, 4294967296)",
+               four),                                    // 2^64 elements (was accepted, no data)
+      npyArray("<fX", "(1,)", four),                     // width not a number (was stoul's)
+      npyArray("<f99999999999999999999", "(1,)", four),  // width out of range
+      npyArray("<c8", "(1,)", Bytes(8, 0)),              // complex: not read
+      npyArray("<f4", "(2,)", four),                     // truncated data
+      npyArray("<f4", "1, 1", four),                     // shape not a tuple
       npy("{'descr': '<f4, 'fortran_order': False, 'shape': (1,), }", four),  // one quote
       npy("{'descr': '<f4', 'shape': (1,), }", four),                         // key missing
       npy("{'descr': '<f4', 'fortran_order': True, 'shape': (1,), }", four),  // Fortran
