@@ -6,6 +6,7 @@
 #include <cstring>
 #include <fstream>
 #include <sstream>
+#include <type_traits>
 
 #include "ipc/config.h"
 #include "ipc/error.h"
@@ -160,33 +161,37 @@ Npy parseNpy(const std::vector<uint8_t>& buf, const std::string& path) {
   return out;
 }
 
-// The array's elements as T (parseNpy checked the type and the size).
+// The array's elements as T (parseNpy checked the type and the size). Each element goes
+// to T from its own type: an int64 through a double rounded to 2^63 for values near the
+// top of its range, which no int64 holds (a float-to-integer conversion out of range).
 template <typename T>
 void convert(const Npy& a, std::vector<T>* out) {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, int64_t>);
+  // Integer targets come from integer arrays only (parseNpyPair sends float ones to float).
+  SHMGRAD_CHECK(std::is_floating_point_v<T> || a.kind != 'f', ErrorKind::kInvalidArgument,
+                "a float array read as integers");
   out->resize(a.numel);
   const uint8_t* p = a.data;
+  auto load = [&p](auto x) {
+    std::memcpy(&x, p, sizeof x);
+    return static_cast<T>(x);
+  };
   for (uint64_t i = 0; i < a.numel; ++i, p += a.width) {
-    double v;
+    T v;
     if (a.kind == 'f' && a.width == 4) {
-      float x;
-      std::memcpy(&x, p, 4);
-      v = x;
+      v = load(float{});
     } else if (a.kind == 'f' && a.width == 8) {
-      std::memcpy(&v, p, 8);
+      v = load(double{});  // to float only (checked above)
     } else if (a.kind == 'i' && a.width == 8) {
-      int64_t x;
-      std::memcpy(&x, p, 8);
-      v = static_cast<double>(x);
+      v = load(int64_t{});
     } else if (a.kind == 'i' && a.width == 4) {
-      int32_t x;
-      std::memcpy(&x, p, 4);
-      v = x;
+      v = load(int32_t{});
     } else if (a.kind == 'i' && a.width == 1) {
-      v = static_cast<int8_t>(*p);
+      v = load(int8_t{});
     } else {  // 'u' or 'b', one byte
-      v = *p;
+      v = load(uint8_t{});
     }
-    (*out)[i] = static_cast<T>(v);
+    (*out)[i] = v;
   }
 }
 

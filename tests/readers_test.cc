@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <climits>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -63,6 +64,20 @@ TEST(NpyReader, ReadsWhatNumpySaveWrites) {
   EXPECT_EQ(d.target_dtype, ipc::DType::kInt64);
   EXPECT_EQ(d.targets_i64, std::vector<int64_t>({0, 2, 1}));
   EXPECT_TRUE(d.target_shape.empty());
+}
+
+// Integer targets are read exactly: through a double, 2^53 + 1 became 2^53 and a value
+// near 2^63 rounded to 2^63, which no int64 holds (undefined behaviour; found by
+// tests/fuzz/npy_fuzz.cc).
+TEST(NpyReader, ReadsInt64TargetsExactly) {
+  Bytes x_data;
+  for (float v : {1.0f, 2.0f}) append(&x_data, v);
+  const std::vector<int64_t> labels = {(int64_t{1} << 53) + 1, INT64_MAX};
+  Bytes y_data;
+  for (int64_t v : labels) append(&y_data, v);
+  const engine::Dataset d = engine::parseNpyPair(npyArray("<f4", "(2,)", x_data), "x.npy",
+                                                 npyArray("<i8", "(2,)", y_data), "y.npy");
+  EXPECT_EQ(d.targets_i64, labels);
 }
 
 // Headers that once escaped as std::invalid_argument (std::stoll, std::stoul), or asked
