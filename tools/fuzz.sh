@@ -40,6 +40,7 @@ command -v "$CXX" >/dev/null || { echo "tools/fuzz.sh: $CXX not found (apt-get i
 SRCS="ipc/config.cc ipc/device_table.cc ipc/error.cc ipc/futex.cc ipc/segment.cc
   engine/model_file.cc engine/dataset.cc engine/control.cc engine/step_results.cc
   worker/step_request.cc backend/shm_comm.cc"
+# shellcheck disable=SC2054  # commas inside one flag, not between elements
 FLAGS=(-std=c++20 -gline-tables-only -O1 -I"$ROOT" -fno-omit-frame-pointer -fsanitize=address,undefined
   -fno-sanitize-recover=undefined)
 LIBS=(-lz -lrt -lpthread)
@@ -59,10 +60,10 @@ if [ -n "$missing" ] || [ ! -e "$stamp" ] || [ -n "$(find ipc engine worker back
   # As many compilers as cores; xargs fails if one does.
   export CXX OUT
   export FLAGS_TEXT="${FLAGS[*]}"
-  # shellcheck disable=SC2016
+  # shellcheck disable=SC2016,SC2086  # one line per source; $CXX expands in sh
   printf '%s\n' $SRCS | xargs -P "$(nproc)" -I{} sh -c \
     '$CXX $FLAGS_TEXT -fsanitize=fuzzer-no-link -c {} -o "$OUT/obj/$(echo {} | tr / _).o"'
-  # shellcheck disable=SC2016
+  # shellcheck disable=SC2016,SC2086
   printf '%s\n' $TARGETS | xargs -P "$(nproc)" -I{} sh -c \
     '$CXX $FLAGS_TEXT -fsanitize=fuzzer tests/fuzz/{}_fuzz.cc $0 -o "$OUT/bin/{}_fuzz"' \
     "${objs[*]} ${LIBS[*]}"
@@ -79,9 +80,11 @@ failed=0
 # Every kept regression input: each must now be read without a crash.
 for t in $TARGETS; do
   dir="tests/fuzz/regressions/$t"
-  [ -d "$dir" ] && [ -n "$(ls -A "$dir")" ] || continue
+  kept=0
+  if [ -d "$dir" ]; then kept=$(find "$dir" -type f | wc -l); fi
+  [ "$kept" -gt 0 ] || continue
   if "$OUT/bin/${t}_fuzz" -runs=1 "$dir"/* >"$OUT/replay-$t.log" 2>&1; then
-    echo "fuzz: $t: $(ls "$dir" | wc -l) regression input(s) read without a crash"
+    echo "fuzz: $t: $kept regression input(s) read without a crash"
   else
     echo "fuzz: $t: a regression input crashes it again:"
     tail -30 "$OUT/replay-$t.log"
@@ -116,7 +119,7 @@ for t in $TARGETS; do
     fi
     [ $rc -eq 0 ] && break
     if [ -z "$(find "$crashes_dir" -type f -newer "$corpus" -print -quit)" ] &&
-        [ "$(ls "$crashes_dir" | wc -l)" -le "$crashes" ]; then
+        [ "$(find "$crashes_dir" -type f | wc -l)" -le "$crashes" ]; then
       echo "fuzz: $t failed (rc $rc) without a crash input:" >&2
       tail -20 "$log" >&2
       crashes=$((crashes + 1))
@@ -128,7 +131,7 @@ for t in $TARGETS; do
     # Remove the stats of this run so that the next run's are read.
     sed -i 's/stat::number_of_executed_units/counted::number_of_executed_units/' "$log"
   done
-  printf '%-15s %12s %8s %8s %8s %7s\n' "$t" "$execs" "$cov" "$ft" "$(ls "$corpus" | wc -l)" "$crashes"
+  printf '%-15s %12s %8s %8s %8s %7s\n' "$t" "$execs" "$cov" "$ft" "$(find "$corpus" -type f | wc -l)" "$crashes"
   [ "$crashes" -eq 0 ] || failed=1
 done
 exit "$failed"
