@@ -413,6 +413,59 @@ int pidfdOpen(int pid) { return static_cast<int>(syscall(SYS_pidfd_open, pid, 0)
 
 }  // namespace
 
+namespace detail {
+
+namespace {
+// A decimal number at name[*at] as std::to_string writes an int: digits without a sign,
+// spaces or a leading zero, at most INT_MAX. sscanf's %u would take " +0012" and wrap.
+bool parseDecimal(const std::string& name, size_t* at, unsigned* out) {
+  const size_t begin = *at;
+  uint64_t v = 0;
+  while (*at < name.size() && name[*at] >= '0' && name[*at] <= '9' && v <= INT32_MAX) {
+    v = v * 10 + static_cast<uint64_t>(name[(*at)++] - '0');
+  }
+  const size_t digits = *at - begin;
+  *out = static_cast<unsigned>(v);
+  return digits > 0 && v <= INT32_MAX && (digits == 1 || name[begin] != '0');
+}
+}  // namespace
+
+bool parseGroupName(const std::string& name, unsigned* pid, unsigned* fd) {
+  static constexpr char kProc[] = "/proc/", kFd[] = "/fd/";
+  size_t at = sizeof(kProc) - 1;
+  if (name.compare(0, at, kProc) != 0 || !parseDecimal(name, &at, pid)) return false;
+  if (name.compare(at, sizeof(kFd) - 1, kFd) != 0) return false;
+  at += sizeof(kFd) - 1;
+  return parseDecimal(name, &at, fd) && at == name.size();
+}
+
+uint64_t groupHeaderBytes() { return sizeof(GroupHeader); }
+
+bool groupHeaderValid(const void* header, uint64_t mapped, uint64_t size, uint32_t world,
+                      uint32_t uid) {
+  if (mapped < sizeof(GroupHeader) || world < 1 || world > kMaxRanks) return false;
+  const auto* h = static_cast<const GroupHeader*>(header);
+  const uint64_t staging = h->staging_bytes;
+  return h->magic == kMagic && h->version == kVersion && h->world == world && h->owner_uid == uid &&
+         staging >= kMinStaging && staging <= (1ull << 30) && staging % kPage == 0 &&
+         h->total_size == size && layoutFor(world, staging).total == size;
+}
+
+bool chunkExpected(uint64_t total, uint64_t len, int64_t tag, uint64_t expected,
+                   int64_t expected_tag, uint64_t off, uint64_t slot_bytes) {
+  return total == expected && tag == expected_tag && len <= slot_bytes &&
+         len == std::min(slot_bytes, total - off);
+}
+
+std::string reasonText(const char* stored, size_t bytes) {
+  if (bytes == 0) return "";
+  std::string text(stored, bytes);
+  text[bytes - 1] = '\0';  // never trust the array to be terminated
+  return text.c_str();
+}
+
+}  // namespace detail
+
 uint64_t ShmComm::defaultStagingBytes(uint32_t world) {
   if (const char* mb = config::tunable("SHMGRAD_BACKEND_STAGING_MB")) {
     char* end = nullptr;
@@ -503,9 +556,8 @@ std::unique_ptr<ShmComm> ShmComm::attach(const std::string& name, uint32_t world
   // Only a name of the form create() makes, /proc/<pid>/fd/<fd> of a live process of
   // this user, naming one of shmgrad's memory files: nothing else is opened.
   unsigned pid = 0, fdnum = 0;
-  char tail = 0;
-  SHMGRAD_CHECK(std::sscanf(name.c_str(), "/proc/%u/fd/%u%c", &pid, &fdnum, &tail) == 2,
-                ErrorKind::kCorrupt, "shmgrad backend: the store names segment '", name,
+  SHMGRAD_CHECK(detail::parseGroupName(name, &pid, &fdnum), ErrorKind::kCorrupt,
+                "shmgrad backend: the store names segment '", name,
                 "', not one of shmgrad's (/proc/<pid>/fd/<fd>)");
   char target[256] = {};
   const ssize_t n = readlink(name.c_str(), target, sizeof(target) - 1);
@@ -539,13 +591,8 @@ std::unique_ptr<ShmComm> ShmComm::attach(const std::string& name, uint32_t world
   close(fd);
   SHMGRAD_CHECK(map != MAP_FAILED, ErrorKind::kSystem,
                 "mmap failed: ", ::shmgrad::detail::errnoText());
-  const auto* h = static_cast<const GroupHeader*>(map);
-  const uint64_t staging = h->staging_bytes;
-  const bool ok = h->magic == kMagic && h->version == kVersion && h->world == world &&
-                  h->owner_uid == getuid() && staging >= kMinStaging && staging <= (1ull << 30) &&
-                  staging % kPage == 0 && h->total_size == size &&
-                  layoutFor(world, staging).total == size;
-  if (!ok) {
+  const uint64_t staging = static_cast<const GroupHeader*>(map)->staging_bytes;
+  if (!detail::groupHeaderValid(map, size, size, world, getuid())) {
     munmap(map, size);
     raise(ErrorKind::kCorrupt, "shmgrad backend: segment ", name, " does not hold a group of ",
           world,
@@ -598,10 +645,7 @@ std::string ShmComm::brokenReason() const {
   // Shared memory only (any thread may ask): "" while it works or its text is being written.
   const uint32_t b = header_->broken.load(std::memory_order_acquire);
   if (b == 0 || b == kClaimed) return "";
-  char text[sizeof(header_->broken_reason)];
-  std::memcpy(text, header_->broken_reason, sizeof(text));
-  text[sizeof(text) - 1] = '\0';  // never trust the array to be terminated
-  return text;
+  return detail::reasonText(header_->broken_reason, sizeof(header_->broken_reason));
 }
 
 void ShmComm::fail(ErrorKind kind, uint32_t culprit, const std::string& why) {
@@ -1102,8 +1146,7 @@ void ShmComm::recv(uint32_t from, Span data, int64_t tag, uint64_t deadline_ns) 
     // Read once, then checked: the sizes come from another process.
     const uint64_t total = h->total, len = h->chunk;
     const int64_t their_tag = h->tag;
-    if (total != data.bytes || their_tag != tag || len > channel_bytes_ ||
-        len != std::min(channel_bytes_, total - off)) {
+    if (!detail::chunkExpected(total, len, their_tag, data.bytes, tag, off, channel_bytes_)) {
       const std::string message =
           "shmgrad backend: rank " + std::to_string(from) + " sent " + std::to_string(total) +
           " bytes with tag " + std::to_string(their_tag) + " but rank " + std::to_string(rank_) +

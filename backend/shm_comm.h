@@ -29,6 +29,27 @@ namespace detail {
 struct GroupHeader;
 struct RankRecord;
 struct Channel;
+
+// The readers of what another process wrote, over bytes alone (ShmComm runs them on its
+// store's text and its mapping; tests/fuzz on any bytes).
+//
+// The name a group's rank 0 publishes, "/proc/<pid>/fd/<fd>" (ShmComm::name()): true and
+// its pid and fd for exactly that form, false for any other text.
+bool parseGroupName(const std::string& name, unsigned* pid, unsigned* fd);
+// Whether the first `mapped` bytes at `header` (a segment of `size` bytes) hold the header of
+// a group of `world` ranks of user `uid`, of this shmgrad version and layout.
+bool groupHeaderValid(const void* header, uint64_t mapped, uint64_t size, uint32_t world,
+                      uint32_t uid);
+// Bytes of a group segment's header.
+uint64_t groupHeaderBytes();
+// Whether a channel chunk's header (its message's `total` bytes, this chunk's `len`, its
+// `tag`), read at byte `off` of a message of `expected` bytes with `expected_tag` over
+// chunks of at most `slot_bytes`, is the chunk the receiver waits for.
+bool chunkExpected(uint64_t total, uint64_t len, int64_t tag, uint64_t expected,
+                   int64_t expected_tag, uint64_t off, uint64_t slot_bytes);
+// A broken group's reason as stored (`bytes` of an array another rank wrote): its text
+// up to the first NUL, or the whole array but its last byte.
+std::string reasonText(const char* stored, size_t bytes);
 }  // namespace detail
 
 // Element types the collectives reduce (c10d's CPU dtypes).

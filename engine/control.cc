@@ -68,7 +68,10 @@ StepSummary stepSummary(const ipc::StepRecord& r) {
 
 EngineStatus readStatus(const std::string& name) {
   auto seg = ipc::Segment::open(name);  // NotFound if there is none; validates the header
-  const ipc::SegmentHeader* h = seg->header();
+  return statusOf(name, seg->header());
+}
+
+EngineStatus statusOf(const std::string& name, const ipc::SegmentHeader* h) {
   const ipc::ControlBlock& c = h->control;
 
   EngineStatus s;
@@ -100,7 +103,8 @@ EngineStatus readStatus(const std::string& name) {
   s.target_workers = c.target_workers.load();
   s.slots = h->num_slots;  // validateHeader: 1..kMaxWorkers
   // The device table was validated with the header; bounds are checked again where read.
-  const auto* table = seg->region<ipc::DeviceTable>(h->device);
+  const auto* table = reinterpret_cast<const ipc::DeviceTable*>(
+      reinterpret_cast<const uint8_t*>(h) + h->device.offset);
   const uint32_t num_devices = std::min(table->count, ipc::kMaxDevices);
   for (uint32_t d = 0; d < num_devices; ++d) {
     s.devices += (d > 0 ? ",cuda:" : "cuda:") + std::to_string(table->devices[d].ordinal);

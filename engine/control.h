@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "ipc/layout.h"
 #include "ipc/record.h"
 
 namespace shmgrad::engine {
@@ -84,6 +85,9 @@ struct EngineStatus {
 // Reads a running engine's status from its segment. Throws Error(kNotFound) if there is
 // no engine of that name.
 EngineStatus readStatus(const std::string& name);
+// The same, from the header of a segment mapped at `h` that validateHeader accepted (what
+// readStatus runs after opening it; tests/fuzz runs it on any bytes that validate).
+EngineStatus statusOf(const std::string& name, const ipc::SegmentHeader* h);
 // The text `shmgrad status NAME` prints.
 std::string formatStatus(const EngineStatus& status);
 

@@ -36,4 +36,22 @@ Dataset loadNpyPair(const std::string& inputs_path, const std::string& targets_p
 // InvalidArgument naming the accepted forms.
 Dataset loadDatasetSpec(const std::string& spec);
 
+// The readers behind the loaders above, over bytes already read (what tests/fuzz feeds
+// them): `*_name` names the source in errors. Anything that is not a complete, valid file
+// of its format throws Error(kInvalidArgument); nothing is allocated beyond what the
+// bytes hold.
+Dataset parseFashionMnist(const std::vector<uint8_t>& images, const std::string& images_name,
+                          const std::vector<uint8_t>& labels, const std::string& labels_name,
+                          const std::string& split);
+Dataset parseNpyPair(const std::vector<uint8_t>& inputs, const std::string& inputs_name,
+                     const std::vector<uint8_t>& targets, const std::string& targets_name);
+
+// A --dataset spec, parsed (no file read): which dataset, and its split or its two files.
+struct DatasetSpec {
+  bool npy = false;
+  std::string split;                      // fashion-mnist: "train" or "test"
+  std::string inputs_path, targets_path;  // npy
+};
+DatasetSpec parseDatasetSpec(const std::string& spec);
+
 }  // namespace shmgrad::engine

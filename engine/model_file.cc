@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <fstream>
+#include <iterator>
 
 #include "ipc/error.h"
 #include "ipc/layout.h"
@@ -30,9 +31,23 @@ uint64_t numelOf(const std::string& path, const std::string& name,
 ModelDescription readModelFile(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   SHMGRAD_CHECK(f.good(), ErrorKind::kNotFound, "model file ", path, " cannot be opened");
+  const std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(f)),
+                                   std::istreambuf_iterator<char>());
+  return parseModelFile(bytes, path);
+}
+
+ModelDescription parseModelFile(const std::vector<uint8_t>& file, const std::string& path) {
+  size_t at = 0;  // bytes consumed
+  // Checked before every copy, and before every allocation a size read from the file asks
+  // for (a truncated file's huge shape fails here, not in the allocator).
+  auto need = [&](uint64_t n) {
+    SHMGRAD_CHECK(n <= file.size() - at, ErrorKind::kInvalidArgument, "model file ", path,
+                  " is truncated");
+  };
   auto read = [&](void* out, size_t n) {
-    f.read(static_cast<char*>(out), static_cast<std::streamsize>(n));
-    SHMGRAD_CHECK(f.good(), ErrorKind::kInvalidArgument, "model file ", path, " is truncated");
+    need(n);
+    if (n > 0) std::memcpy(out, file.data() + at, n);
+    at += n;
   };
   auto readU32 = [&] {
     uint32_t v = 0;
@@ -75,8 +90,9 @@ ModelDescription readModelFile(const std::string& path) {
     dims->resize(ndim);
     if (ndim > 0) read(dims->data(), ndim * sizeof(int64_t));
     const uint64_t numel = numelOf(path, *name, *dims);
+    need(numel * ipc::dtypeSize(*dtype));  // numel <= 2^40 (numelOf): no overflow
     bytes->resize(numel * ipc::dtypeSize(*dtype));
-    if (!bytes->empty()) read(bytes->data(), bytes->size());
+    read(bytes->data(), bytes->size());
   };
   ModelDescription out;
   const uint32_t count = readU32();
@@ -107,6 +123,8 @@ ModelDescription readModelFile(const std::string& path) {
     out.buffers.push_back({name, dims, dtype});
     out.buffer_values.push_back(std::move(bytes));
   }
+  SHMGRAD_CHECK(at == file.size(), ErrorKind::kInvalidArgument, "model file ", path, " has ",
+                file.size() - at, " bytes after its last record");
   return out;
 }
 

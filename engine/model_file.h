@@ -29,6 +29,9 @@ struct ModelDescription {
 // Throws Error(kNotFound) when the file cannot be opened and Error(kInvalidArgument) when
 // it is not a complete, valid description.
 ModelDescription readModelFile(const std::string& path);
+// The same reader over a file's bytes (what tests/fuzz feeds it); `path` names it in
+// errors. Every size is checked against the bytes left before anything is allocated.
+ModelDescription parseModelFile(const std::vector<uint8_t>& bytes, const std::string& path);
 
 // Writes `m` to `path` (mode 0600 unless it exists). Checks what readModelFile checks.
 void writeModelFile(const std::string& path, const ModelDescription& m);

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "ipc/config.h"
+#include "engine/step_results.h"
 #include "gpu/engine_memory.h"
 #include "ipc/device_table.h"
 #include "ipc/error.h"
@@ -677,18 +678,7 @@ void Trainer::collect(uint32_t e, const Participants& p, int64_t B, const Gradie
   stats->unused_params.clear();
   uint64_t reached[ipc::kMaxParams / 64] = {};
   for (uint32_t k = 0; k < p.n; ++k) {
-    const ipc::WorkerRecord& w = h->workers[p.slots[k]];
-    SHMGRAD_CHECK(w.result_epoch == e, ErrorKind::kCorrupt, "worker ", int(p.slots[k]),
-                  " reported a result for another step");
-    if (w.error != 0) {
-      // Copied out before use (a stale worker could still write), always terminated.
-      std::string type(w.error_type, strnlen(w.error_type, ipc::kErrorTypeLen));
-      std::string text(w.error_text, strnlen(w.error_text, ipc::kErrorLen));
-      std::ostringstream os;
-      os << "worker " << int(p.slots[k])
-         << " could not compute its shard: " << (type.empty() ? "" : type + ": ") << text;
-      throw Error(ErrorKind::kWorkerFailed, os.str(), p.slots[k], type);
-    }
+    const engine::WorkerResult w = engine::readWorkerResult(h->workers[p.slots[k]], e, p.slots[k]);
     WorkerStepStats ws;
     ws.slot = p.slots[k];
     ws.examples = w.examples;
@@ -697,8 +687,8 @@ void Trainer::collect(uint32_t e, const Participants& p, int64_t B, const Gradie
     ws.compute_seconds = w.compute_ns / 1e9;
     ws.reduce_seconds = w.reduce_ns / 1e9;
     ws.wait_seconds = w.barrier_wait_ns / 1e9;
-    ws.nonfinite_loss = w.nonfinite_loss != 0;
-    ws.nonfinite_grad = w.nonfinite_grad.load() != 0;
+    ws.nonfinite_loss = w.nonfinite_loss;
+    ws.nonfinite_grad = w.nonfinite_grad;
     stats->nonfinite = stats->nonfinite || ws.nonfinite_loss || ws.nonfinite_grad;
     stats->loss_sum += ws.loss_sum;
     stats->count += ws.count;

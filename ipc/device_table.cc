@@ -110,8 +110,11 @@ void validateDeviceTable(const DeviceTable& t, uint32_t num_slots, uint64_t para
     SHMGRAD_CHECK(d >= 0 && static_cast<uint32_t>(d) < t.count, ErrorKind::kCorrupt,
                   "device table: slot ", i, " is placed on device index ", d, " of ", t.count);
     const uint32_t local = t.slot_local[i];
-    SHMGRAD_CHECK(local < t.devices[d].slots, ErrorKind::kCorrupt, "device table: slot ", i,
-                  " is slot ", local, " of device ", d, ", which has ", t.devices[d].slots);
+    // local < kMaxWorkers too (a device's slot count is bounded only below): it indexes
+    // the 64 bits of taken[d].
+    SHMGRAD_CHECK(local < t.devices[d].slots && local < kMaxWorkers, ErrorKind::kCorrupt,
+                  "device table: slot ", i, " is slot ", local, " of device ", d, ", which has ",
+                  t.devices[d].slots);
     SHMGRAD_CHECK(!(taken[d] >> local & 1u), ErrorKind::kCorrupt, "device table: slot ", local,
                   " of device ", d, " is given to two workers");
     taken[d] |= uint64_t{1} << local;

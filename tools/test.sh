@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test: the C++ suites through Bazel under AddressSanitizer+UBSan (every test,
-# and the C++ example built; the synchronisation also under ThreadSanitizer), the Python
+# and the C++ example built; the synchronisation also under ThreadSanitizer), a minute of
+# fuzzing of every reader of untrusted bytes with its kept crash inputs (tools/fuzz.sh
+# --ci: clang's libFuzzer, docs/FUZZING.md), the Python
 # suite against the newest torch (.venv), then the pip build and the Python tests of the
 # core against the oldest supported torch (2.11, .venv-2.11). Runs tools/setup.sh first
 # (installs what is missing, builds and installs the package; the plain Bazel build is
@@ -48,6 +50,8 @@ CC=clang bazel --output_base="$TSAN_BASE" \
   test --config=tsan --repo_env=CC=clang --symlink_prefix=/ //tests:sync_test //tests:ipc_test //tests:shm_comm_test 2>&1 | grep -Ev "$FILTER"
 bazel --output_base="$TSAN_BASE" shutdown  # this second Bazel server is ours to stop
 bazel shutdown  # frees its memory for the Python suites
+stamp "fuzzing every reader of untrusted bytes briefly, and its kept crash inputs (tools/fuzz.sh --ci)"
+tools/fuzz.sh --ci
 
 TORCH="$(.venv/bin/python -c 'import torch; print(torch.__version__)')"
 stamp "Python tests against torch $TORCH: pytest tests/python"

@@ -236,18 +236,7 @@ bool StepParticipant::prepareShard(uint32_t e, Shard* s) {
   const ipc::StepRequest& r = h_->request;
   const uint32_t n = r.num_participants;
   const uint32_t rank = me_.assigned_rank.load(std::memory_order_acquire);
-  bool valid = n >= 1 && n <= h_->num_slots && rank < n && r.num_examples >= 1 &&
-               r.num_examples <= h_->max_batch && r.epoch == e &&
-               r.kind >= static_cast<uint32_t>(ipc::BatchKind::kIndices) &&
-               r.kind <= static_cast<uint32_t>(ipc::BatchKind::kStructured) &&
-               r.max_examples_per_pass >= 0 && std::isfinite(r.scale) &&
-               std::isfinite(r.loss_scale) && r.loss_scale > 0 &&
-               r.reduction <= static_cast<uint32_t>(ipc::Reduction::kSumThroughMean) &&
-               r.buffer_rule <= static_cast<uint32_t>(ipc::BufferRule::kFirst) &&
-               r.accumulate <= static_cast<uint32_t>(ipc::Accumulate::kAccumToReduced) &&
-               std::isfinite(r.prev_count) && r.prev_count >= 0;
-  for (uint32_t k = 0; valid && k < n; ++k) valid = r.participants[k] < h_->num_slots;
-  if (!valid) {
+  if (!stepRequestValid(*h_, e, rank)) {
     setError("",
              "corrupt step request (participants, rank, batch size, kind, reduction, scales or "
              "rules out of range)");
@@ -280,74 +269,6 @@ bool StepParticipant::prepareShard(uint32_t e, Shard* s) {
   return true;
 }
 
-namespace {
-
-// Points the shard at its examples of the request's batch, checking every index and
-// every size against the region it lies in. Throws (InvalidArgument for an index out of
-// range, Corrupt for sizes no trainer writes).
-void resolveBatch(const ipc::Segment& seg, Shard* s) {
-  const ipc::SegmentHeader* h = seg.header();
-  const ipc::StepRequest& r = h->request;
-  const int64_t n = s->size();
-  if (s->kind == ipc::BatchKind::kIndices) {
-    SHMGRAD_CHECK(
-        h->data_count > 0, ErrorKind::kInvalidArgument,
-        "this engine has no dataset: pass inputs and targets, or start it with --dataset");
-    const int64_t* idx = seg.region<int64_t>(h->req_indices) + s->begin;
-    for (int64_t i = 0; i < n; ++i) {
-      SHMGRAD_CHECK(idx[i] >= 0 && idx[i] < h->data_count, ErrorKind::kInvalidArgument, "index ",
-                    idx[i], " is out of range for the dataset of ", h->data_count, " examples");
-    }
-    s->indices = idx;
-    return;
-  }
-  const uint64_t B = static_cast<uint64_t>(r.num_examples);
-  if (s->kind == ipc::BatchKind::kStructured) {
-    SHMGRAD_CHECK(r.num_leaves >= 1 && r.num_leaves <= ipc::kMaxLeaves &&
-                      std::memchr(r.structure, '\0', ipc::kStructureLen) != nullptr,
-                  ErrorKind::kCorrupt, "step request: structured batch header");
-    const uint8_t* base = seg.region<uint8_t>(h->req_inputs);
-    for (uint32_t k = 0; k < r.num_leaves; ++k) {
-      const ipc::LeafEntry& leaf = r.leaves[k];
-      const uint64_t esize = ipc::leafTypeSize(leaf.type);
-      SHMGRAD_CHECK(esize != 0, ErrorKind::kCorrupt, "step request: leaf ", k, " type ", leaf.type);
-      const uint64_t numel = ipc::checkedNumel(ErrorKind::kCorrupt, "step request: leaf shape",
-                                               leaf.example_shape.dims, leaf.example_shape.ndim);
-      const uint64_t row = numel * esize;
-      SHMGRAD_CHECK(leaf.offset % ipc::kAlign == 0 && leaf.offset <= h->req_inputs.size &&
-                        (row == 0 || B <= (h->req_inputs.size - leaf.offset) / row),
-                    ErrorKind::kCorrupt, "step request: leaf ", k,
-                    " lies outside the input region");
-      s->leaf_data[k] = base + leaf.offset + static_cast<uint64_t>(s->begin) * row;
-    }
-    s->num_leaves = r.num_leaves;
-    s->leaves = r.leaves;
-    s->structure = r.structure;
-    return;
-  }
-  const uint64_t in_size = ipc::dtypeSize(r.input_dtype), tg_size = ipc::dtypeSize(r.target_dtype);
-  SHMGRAD_CHECK(in_size != 0 && tg_size != 0, ErrorKind::kCorrupt,
-                "step request: unknown input or target dtype");
-  const uint64_t in_numel = ipc::checkedNumel(ErrorKind::kCorrupt, "step request: example shape",
-                                              r.example_shape.dims, r.example_shape.ndim);
-  const uint64_t tg_numel = ipc::checkedNumel(ErrorKind::kCorrupt, "step request: target shape",
-                                              r.target_shape.dims, r.target_shape.ndim);
-  SHMGRAD_CHECK(in_numel == 0 || B <= h->req_inputs.size / (in_numel * in_size),
-                ErrorKind::kCorrupt, "step request: inputs larger than the input region");
-  SHMGRAD_CHECK(tg_numel == 0 || B <= h->req_targets.size / (tg_numel * tg_size),
-                ErrorKind::kCorrupt, "step request: targets larger than the target region");
-  s->input_dtype = static_cast<ipc::DType>(r.input_dtype);
-  s->target_dtype = static_cast<ipc::DType>(r.target_dtype);
-  s->example_shape = &r.example_shape;
-  s->target_shape = &r.target_shape;
-  s->inputs =
-      seg.region<uint8_t>(h->req_inputs) + static_cast<uint64_t>(s->begin) * in_numel * in_size;
-  s->targets =
-      seg.region<uint8_t>(h->req_targets) + static_cast<uint64_t>(s->begin) * tg_numel * tg_size;
-}
-
-}  // namespace
-
 void StepParticipant::computePhase(const Shard& shard, ShardComputer& computer) {
   me_.examples = shard.size();
   std::memset(me_.grad_params, 0, sizeof me_.grad_params);  // an empty shard reaches none
@@ -356,7 +277,7 @@ void StepParticipant::computePhase(const Shard& shard, ShardComputer& computer) 
     mem_->zero(shard.device, shard.grads, h_->param_floats);
     if (shard.size() <= 0) return;
     Shard s = shard;
-    resolveBatch(seg_, &s);
+    resolveBatch(*h_, seg_.base(), &s);
     // The passes, for every kind of worker: they bound the activation memory of a large
     // shard, and the gradient of the sum accumulates in the slot across them.
     computer.beginShard(s);

@@ -87,6 +87,18 @@ struct Shard {
   int64_t size() const { return end - begin; }
 };
 
+// Reading the step request, over the header's bytes alone (worker/step_request.cc; run by
+// prepareShard and computePhase below, and by tests/fuzz on any bytes).
+//
+// Whether the structural fields of h.request (participants, batch size, kind, reduction,
+// scales, rules) are in range for a participant of rank `rank` in step `e`.
+bool stepRequestValid(const ipc::SegmentHeader& h, uint32_t e, uint32_t rank);
+// Points shard `s` (kind, begin and end set from a valid request) at its examples of the
+// batch in the segment mapped at `base`, checking every index and every size against the
+// region it lies in. Throws InvalidArgument for an index out of range, Corrupt for sizes no
+// trainer writes.
+void resolveBatch(const ipc::SegmentHeader& h, const uint8_t* base, Shard* s);
+
 // What a compute phase throws to report its error's type besides its message (an eager
 // worker: the Python exception's type name; the message carries the traceback's last
 // frames). Any other std::exception is reported with an empty type.

@@ -62,17 +62,71 @@ def flatten(batch) -> Tuple[List[torch.Tensor], str]:
     return leaves, json.dumps(structure, separators=(",", ":"))
 
 
-_parsed = {}  # description -> parsed structure (a worker sees few distinct ones)
+_parsed = {}  # (description, leaves) -> checked tree (a worker sees few distinct ones)
+_MAX_DEPTH = 100  # nesting of a batch's containers, at most
+
+
+def _corrupt(structure: str, why: str):
+    return errors.CorruptSegmentError(
+        f"step request: the structured batch's description {structure[:80]!r} {why}; "
+        "it is not one the trainer writes (another shmgrad version, or damaged memory)"
+    )
+
+
+def _checked_tree(structure: str, num_leaves: int):
+    """The description parsed, and checked to be what :func:`flatten` writes for
+    ``num_leaves`` tensors: leaves numbered 0, 1, ... in the order they appear, containers
+    of the three kinds, string keys given once. It comes from shared memory: anything else
+    raises CorruptSegmentError, never another exception."""
+    try:
+        tree = json.loads(structure)
+    except (ValueError, RecursionError):
+        raise _corrupt(structure, "is not JSON") from None
+    next_leaf = 0
+
+    def check(node, depth):
+        nonlocal next_leaf
+        if depth > _MAX_DEPTH:
+            raise _corrupt(structure, f"nests deeper than {_MAX_DEPTH}")
+        if type(node) is int:  # not bool
+            if node != next_leaf:
+                raise _corrupt(structure, f"has leaf {node} where leaf {next_leaf} belongs")
+            next_leaf += 1
+            return
+        if not (type(node) is dict and len(node) == 1 and type(next(iter(node.values()))) is list):
+            raise _corrupt(structure, "has a node that is neither a leaf nor a container")
+        kind, items = next(iter(node.items()))
+        if kind == "d":
+            keys = set()
+            for item in items:
+                if not (type(item) is list and len(item) == 2 and type(item[0]) is str):
+                    raise _corrupt(structure, "has a dict item that is not [key, value]")
+                if item[0] in keys:
+                    raise _corrupt(structure, f"gives the key {item[0]!r} twice")
+                keys.add(item[0])
+                check(item[1], depth + 1)
+        elif kind in ("l", "t"):
+            for item in items:
+                check(item, depth + 1)
+        else:
+            raise _corrupt(structure, f"has a container of unknown kind {kind!r}")
+
+    check(tree, 0)
+    if next_leaf != num_leaves:
+        raise _corrupt(structure, f"describes {next_leaf} tensors, not {num_leaves}")
+    return tree
 
 
 def unflatten(structure: str, leaves: List[torch.Tensor]) -> Any:
-    """The batch that :func:`flatten` described, over ``leaves``."""
-    tree = _parsed.get(structure)
+    """The batch that :func:`flatten` described, over ``leaves``. Raises
+    CorruptSegmentError for a description flatten does not write."""
+    key = (structure, len(leaves))
+    tree = _parsed.get(key)
     if tree is None:
-        tree = json.loads(structure)
+        tree = _checked_tree(structure, len(leaves))
         if len(_parsed) > 64:
             _parsed.clear()
-        _parsed[structure] = tree
+        _parsed[key] = tree
 
     def build(node):
         if isinstance(node, int):
