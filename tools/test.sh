@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test: the C++ suites through Bazel under AddressSanitizer+UBSan (every test,
-# and the C++ example built; the synchronisation also under ThreadSanitizer), a minute of
-# fuzzing of every reader of untrusted bytes with its kept crash inputs (tools/fuzz.sh
-# --ci: clang's libFuzzer, docs/FUZZING.md), the Python
+# and the C++ example built; the synchronisation also under ThreadSanitizer), a minute and
+# a half of fuzzing of every reader of untrusted bytes, its clang build included, with its
+# kept crash inputs (tools/fuzz.sh --ci: clang's libFuzzer, docs/FUZZING.md), the Python
 # suite against the newest torch (.venv), then the pip build and the Python tests of the
 # core against the oldest supported torch (2.11, .venv-2.11). Runs tools/setup.sh first
 # (installs what is missing, builds and installs the package; the plain Bazel build is
