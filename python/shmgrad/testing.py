@@ -1,10 +1,12 @@
-"""Numerical helpers shared by the benchmarks, the stress tool, the examples and the tests."""
+"""Numerical helpers shared by the benchmarks, the stress tool, the examples and the tests,
+and their access to the environment tunables (ipc/config.h's kTunables, docs/DESIGN.md)."""
 
 from typing import Sequence, Union
 
 import torch
 
 from . import errors
+from ._native import tunable, tunable_value  # noqa: F401  (re-exported for the tools)
 
 Tensors = Union[torch.Tensor, Sequence[torch.Tensor]]
 

@@ -120,12 +120,12 @@ def _one_rank_group(group_backend):
     """torch.distributed initialised in this process as a group of one rank; yields the
     module, destroys the group after."""
     import torch.distributed as dist
-    from test_multinode import _free_port
+    from helpers import free_port
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(
         group_backend,
-        init_method=f"tcp://127.0.0.1:{_free_port()}",
+        init_method=f"tcp://127.0.0.1:{free_port()}",
         rank=0,
         world_size=1,
         timeout=datetime.timedelta(seconds=60),

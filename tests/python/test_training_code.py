@@ -891,10 +891,10 @@ def test_a_ddp_wrapped_model_is_refused_naming_the_module_it_wraps():
     and by bind(), naming ddp.module (before, a worker failed to start with torch's "Default
     process group has not been initialized"); the module it wraps trains exactly."""
     import torch.distributed as dist
-    from test_multinode import _free_port
+    from helpers import free_port
 
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
     )
     try:
         model = Mlp()

@@ -72,7 +72,7 @@ import traceback
 import torch
 
 from shmgrad import heap_environment
-from shmgrad._native import tunable
+from shmgrad.testing import tunable
 from shmgrad.testing import relative_error
 from . import collectives, models, report, runners
 from .nodes import NodeRun

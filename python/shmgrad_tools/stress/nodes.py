@@ -43,7 +43,7 @@ import torch
 
 from shmgrad import read_status
 from shmgrad.multinode import shard
-from shmgrad.testing import relative_error
+from shmgrad.testing import relative_error, tunable
 
 from . import node_trainer
 from .run import KILL_DELAY_MAX_S, MAX_GRADIENT_ERROR, POLL_S, REAP_GRACE_S, _alive, _print
@@ -334,7 +334,7 @@ class NodesRun:
                 f"forming group {self.formation - 1} ({self.backend}) failed on rank {r}: "
                 + rep["message"].splitlines()[0][:300]
             )
-        if os.environ.get("SHMGRAD_STRESS_DEBUG"):
+        if tunable("SHMGRAD_STRESS_DEBUG"):
             self.log(
                 f"  formed group {self.formation - 1} ({self.backend}): rendezvous, attach, "
                 f"bind seconds by rank {[r['seconds'] for r in replies]}"

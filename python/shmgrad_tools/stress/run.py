@@ -29,7 +29,7 @@ import time
 import torch
 
 from shmgrad import attach, errors, read_status
-from shmgrad._native import tunable
+from shmgrad.testing import tunable
 from shmgrad.testing import relative_error
 from .soak import cpu_probe, shm_files
 from .workloads import CLASSES, DATASET_SIZE, INPUT_SHAPE
