@@ -297,12 +297,20 @@ def test_soak_short_run(tmp_path):
     assert len(samples) >= 4, samples
     for s in samples:
         assert {"trainer", "coordinator"} <= set(s["procs"]), s
-        assert any(r.startswith("worker") for r in s["procs"]), s
         for p in s["procs"].values():
             assert p["rss_kib"] > 1000 and p["fds"] > 0, s
         assert s["shm_files"] == 1 and s["shm_bytes"] > 0, s  # the engine's segment
-        assert s["step_count"] > 0 and s["step_median_s"] > 0, s
-        assert s["probe_s"] > 0 and s["load1"] is not None, s
+        assert s["load1"] is not None, s
+    # With kills at 0.3 a 2-s interval may fall while every worker is being replaced (no
+    # worker to sample, no step ended): most samples see both.
+    busy = [
+        s
+        for s in samples
+        if any(r.startswith("worker") for r in s["procs"]) and s["step_count"] > 0
+    ]
+    assert len(busy) >= len(samples) // 2, samples
+    for s in busy:
+        assert s["step_median_s"] > 0 and s["probe_s"] > 0, s
     assert samples[-1]["t"] <= 20 + 10, samples[-1]  # the steps stop when the time is up
     assert not os.path.exists(f"/dev/shm/shmgrad-{os.getuid()}-stress-test")
 
