@@ -60,17 +60,23 @@ stamp "Python tests against torch $TORCH: pytest tests/python"
 
 if [ -z "${SHMGRAD_SKIP_OLDEST:-}" ]; then
   # The oldest supported torch: its own environment, the pip build against it, and the
-  # Python tests of the engine, both kinds of worker and the builds: what touches torch's
-  # API (the rest of the suite, the launcher's tests against stand-in programs, the fake
-  # device's, the wheel test and the device-check dry run are left to the newest torch,
-  # to keep CI under 40 minutes).
+  # Python tests of the engine, the builds, and of the eager workers what touches torch's
+  # API most (a custom loss with transforms, Adam steps, parametrizations, serve --eager,
+  # a kill mid-step); the rest of the suite, the launcher's tests against stand-in
+  # programs, the fake device's, the wheel test and the device-check dry run are left to
+  # the newest torch, to keep CI under 40 minutes.
   wait "$OLDEST_DOWNLOAD" || { cat "$ROOT/build/oldest-download.log"; exit 1; }
   stamp "the oldest supported torch: .venv-2.11"
   SHMGRAD_VENV="$OLDEST_VENV" SHMGRAD_TORCH_SPEC="$OLDEST_SPEC" SHMGRAD_SKIP_BAZEL=1 tools/setup.sh
   TORCH_OLD="$("$OLDEST_VENV/bin/python" -c 'import torch; print(torch.__version__)')"
   stamp "Python tests against torch $TORCH_OLD: pytest tests/python (the core)"
   (cd tests/python && "$OLDEST_VENV/bin/python" -m pytest -q -p no:cacheprovider \
-    -m "not newest_torch_only" test_build.py test_engine.py test_eager.py \
+    -m "not newest_torch_only" test_build.py test_engine.py \
+    test_eager.py::test_unscriptable_model_custom_loss_dataset_transforms_match_one_process \
+    test_eager.py::test_twenty_adam_steps_agree_with_plain_pytorch \
+    test_eager.py::test_parametrized_modules_reach_eager_workers_and_train_exactly \
+    test_eager.py::test_serve_eager_module_function_and_attach \
+    test_eager.py::test_worker_killed_mid_step_is_retried_exactly \
     test_backend.py::test_collectives_give_gloos_bits \
     test_backend.py::test_ddp_gives_the_parameters_of_ddp_with_gloo)
 fi

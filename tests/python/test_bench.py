@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 EXPECTED_SYSTEMS = {"single-1t", "single", "shmgrad", "eager", "ddp", "ddp-shmgrad", "dask"}
 PAIRED_SYSTEMS = {"shmgrad-paired", "eager-paired", "ddp-paired", "ddp-shmgrad-paired"}
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -17,6 +19,7 @@ def _finite_positive(x):
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
+@pytest.mark.full  # long: every system of the matrix; test_bench's other tests run each part in CI
 def test_quick_tiny_bench(tmp_path):
     out = tmp_path / "bench"
     proc = subprocess.Popen(
@@ -324,6 +327,7 @@ def _bench(tmp_path, *args, timeout=240):
     return result, (out / "results.md").read_text()
 
 
+@pytest.mark.full  # long; test_lightning and test_backend run DDP over the backend in CI
 def test_ddp_over_the_shmgrad_backend_beside_ddp_gloo(tmp_path):
     """`--systems ddp,ddp-shmgrad` (and the single process, the gradient's reference):
     DDP over the shmgrad backend computes the same gradient as DDP-gloo, and is reported

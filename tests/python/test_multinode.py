@@ -24,7 +24,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import shmgrad
-from conftest import Branchy, Cnn, Mlp, reference_gradient, relative_error, shard_gradients
+from conftest import (
+    Branchy,
+    Cnn,
+    Mlp,
+    ci_runs,
+    reference_gradient,
+    relative_error,
+    shard_gradients,
+)
 from helpers import free_port
 from shmgrad.multinode import shard
 
@@ -419,6 +427,7 @@ def _fp16(rank, prefix):
     return out
 
 
+@pytest.mark.full  # long
 def test_grad_scaler_keeps_ddps_scales(tmp_path, prefix):
     """float16 autocast with the default GradScaler, two nodes of two eager workers, and
     DDP on the same shares in the same processes: each node backpropagates its share's
@@ -559,7 +568,7 @@ def _until_fault(rank, spec, prefix, marker):
     return out
 
 
-@pytest.mark.parametrize("fault", ["kill", "stop"])
+@pytest.mark.parametrize("fault", ci_runs(["kill", "stop"], keep=("kill",)))
 def test_dead_or_hung_node_raises_within_the_timeout(npy_dataset, tmp_path, prefix, fault):
     spec, _, _ = npy_dataset
     marker = str(tmp_path / "victim-ready")
@@ -637,6 +646,7 @@ def _mismatch(rank, prefix):
     return out
 
 
+@pytest.mark.full  # long: four engines in turn
 def test_mismatched_models_are_refused(tmp_path, prefix):
     with Ranks("mismatch", tmp_path, prefix=prefix) as ranks:
         results = ranks.results()
