@@ -329,6 +329,7 @@ def test_torch_compile_in_eager_workers_gives_exact_gradients():
 
 
 @pytest.mark.newest_torch_only
+@pytest.mark.full  # 118 s on a quiet machine; tools/device-check prepares here before a lent run
 def test_device_check_prepares_and_dry_runs(tmp_path):
     # Here: what must travel to the GPU machine, within its 64 MiB; then the same run as
     # there, against this environment, scaled down (build, a test, the scaling bench),
