@@ -36,7 +36,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import torch
@@ -46,7 +45,7 @@ from shmgrad.multinode import shard
 from shmgrad.testing import relative_error, tunable
 
 from . import node_trainer
-from .run import KILL_DELAY_MAX_S, MAX_GRADIENT_ERROR, POLL_S, REAP_GRACE_S, _alive, _print
+from .run import MAX_GRADIENT_ERROR, arm_signal, POLL_S, REAP_GRACE_S, _alive, _print
 from .workloads import CLASSES, DATASET_SIZE, INPUT_SHAPE
 
 BACKENDS = ("gloo", "shmgrad")
@@ -527,22 +526,7 @@ class NodesRun:
         pids = self._ready_workers(rank)
         if not pids:
             return None
-        victim = self.rng.choice(pids)
-
-        def send():
-            try:
-                os.kill(victim, sig)
-            except ProcessLookupError:
-                return
-            if sig == signal.SIGKILL:
-                self.counts.kills += 1
-            else:
-                self.counts.stops += 1
-
-        timer = threading.Timer(self.rng.uniform(0.0, KILL_DELAY_MAX_S), send)
-        timer.victim = victim
-        timer.start()
-        return timer
+        return arm_signal(self.rng, self.counts, pids, sig)
 
     def _arm_kills(self):
         """Worker kills on one random node, or (a quarter of the time) on every node."""

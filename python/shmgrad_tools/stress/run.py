@@ -55,6 +55,28 @@ while True:
 """
 
 
+def arm_signal(rng, counts, pids, sig):
+    """A started timer that sends ``sig`` (SIGKILL or SIGSTOP) to one of ``pids``, drawn
+    by ``rng``, at a random moment of the step, counting it in ``counts`` if the process
+    was still there; its ``victim`` is that pid."""
+    victim = rng.choice(pids)
+
+    def send():
+        try:
+            os.kill(victim, sig)
+        except ProcessLookupError:
+            return
+        if sig == signal.SIGKILL:
+            counts.kills += 1
+        else:
+            counts.stops += 1
+
+    timer = threading.Timer(rng.uniform(0.0, KILL_DELAY_MAX_S), send)
+    timer.victim = victim
+    timer.start()
+    return timer
+
+
 @dataclasses.dataclass
 class Counts:
     """What a run did and found; ``--json`` writes it as is."""
@@ -380,22 +402,7 @@ class StressRun:
         pids = [pid for pid in self._remember_workers() if _alive(pid)]
         if not pids:
             return None
-        victim = self.rng.choice(pids)
-
-        def send():
-            try:
-                os.kill(victim, sig)
-            except ProcessLookupError:
-                return
-            if sig == signal.SIGKILL:
-                self.counts.kills += 1
-            else:
-                self.counts.stops += 1
-
-        timer = threading.Timer(self.rng.uniform(0.0, KILL_DELAY_MAX_S), send)
-        timer.victim = victim
-        timer.start()
-        return timer
+        return arm_signal(self.rng, self.counts, pids, sig)
 
     def _stopped_step(self, step, call, ref):
         """A step with a worker stopped at a random moment, under --stop-timeout. If the
