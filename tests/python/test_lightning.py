@@ -307,6 +307,7 @@ def test_manual_optimization_is_refused_naming_the_fix():
     assert strategy.engine is None
 
 
+@pytest.mark.full  # long: CI stays under 40 minutes
 def test_checkpoint_resumes_as_one_uninterrupted_run(tmp_path):
     torch.manual_seed(0)
     whole = Mlp()

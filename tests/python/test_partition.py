@@ -212,6 +212,7 @@ def _cut_mid_step(lab, group):
     print(f"both nodes closed and exited {time.monotonic() - t0:.2f} s after their errors")
 
 
+@pytest.mark.full  # long: CI stays under 40 minutes
 def test_delay_loss_and_a_partition_mid_step(link, groups):
     lab = link
     g = groups(lab, "g1")

@@ -262,6 +262,7 @@ def test_soak_duration_parsing(capsys):
         assert message in capsys.readouterr().err, args
 
 
+@pytest.mark.full  # long: CI stays under 40 minutes
 def test_soak_short_run(tmp_path):
     """--duration 20s, a sample every 2 s, faults on: the samples name every process by
     role (the trainer, the coordinator, worker slots) with its memory and descriptors, the
@@ -342,6 +343,7 @@ def _check_nodes_run(run, steps):
     assert run["planned_reforms"] == 1, run
 
 
+@pytest.mark.full  # long: CI stays under 40 minutes
 def test_stress_two_nodes_short(tmp_path):
     """--nodes 2: two engines, one trainer process each, grouped over gloo then the
     shmgrad backend; a worker killed, a node trainer SIGKILLed mid-step: the other node
