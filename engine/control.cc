@@ -94,6 +94,11 @@ EngineStatus statusOf(const std::string& name, const ipc::SegmentHeader* h) {
   }
   s.max_batch = h->max_batch;
   s.threads_per_worker = h->threads_per_worker;
+  // What the trainer writes (any value read here is only reported, never used).
+  s.placement = ipc::placementStateName(static_cast<ipc::PlacementState>(c.placement_state.load()));
+  s.placement_workers = c.placement_workers.load();
+  s.placement_threads = c.placement_threads.load();
+  if (s.placement_threads == 0) s.placement_threads = h->threads_per_worker;
   s.trainer_pid = c.trainer_pid.load();
   s.step_epoch = c.step_epoch.load();
   s.steps_served = c.steps_served.load();
@@ -170,6 +175,12 @@ std::string formatStatus(const EngineStatus& s) {
             " bytes copied device to device per step to bring the others' parameters up to "
             "date; MPS %s\n",
             s.devices.c_str(), s.param_sync_bytes, s.mps ? "on" : "off");
+  }
+  if (s.placement != "fixed" || s.placement_workers != 0 ||
+      s.placement_threads != s.threads_per_worker) {
+    appendf(&out, "placement %s: %s workers x %u threads each\n", s.placement.c_str(),
+            s.placement_workers == 0 ? "all" : std::to_string(s.placement_workers).c_str(),
+            s.placement_threads);
   }
   appendf(&out, "workers (target %u of %u slots):\n", s.target_workers, s.slots);
   for (const WorkerStatus& w : s.workers) {

@@ -28,6 +28,7 @@
 #include "ipc/segment.h"
 #include "ipc/step.h"
 #include "engine/model_file.h"
+#include "engine/placement.h"
 
 namespace shmgrad::engine {
 namespace {
@@ -103,6 +104,13 @@ class Coordinator {
     ipc::parseLoss(opt_.loss);  // fail early with the list of losses
     SHMGRAD_CHECK(eager() || opt_.loss_reduction.empty(), ErrorKind::kInvalidArgument,
                   "--loss-reduction is for eager jobs (TorchScript workers' losses are sums)");
+    if (opt_.auto_placement) {
+      // One worker per core, each able to use them all: the trainer places the steps.
+      const uint32_t cores = std::min(physicalCores(), ipc::kMaxThreadsPerWorker);
+      const uint32_t most = opt_.max_workers == 0 ? ipc::kMaxWorkers : opt_.max_workers;
+      opt_.workers = std::max<uint32_t>(1, std::min(cores, most));
+      opt_.threads_per_worker = cores;
+    }
     SHMGRAD_CHECK(opt_.workers >= 1 && opt_.workers <= ipc::kMaxWorkers,
                   ErrorKind::kInvalidArgument, "--workers ", opt_.workers,
                   " is out of range: use 1 to ", ipc::kMaxWorkers);
@@ -128,6 +136,7 @@ class Coordinator {
     spec.loss = ipc::parseLoss(opt_.loss);
     spec.num_slots = slots;
     spec.threads_per_worker = opt_.threads_per_worker;
+    spec.placement_auto = opt_.auto_placement;
     spec.params = model.params;
     spec.buffers = model.buffers;
     spec.max_batch = opt_.max_batch;
@@ -645,7 +654,7 @@ class Coordinator {
         retired_ns_[i] = now;
         respawn_at_[i] = 0;  // a backed-off restart of this slot is not wanted any more
       }
-      ipc::futexWake(&c().step_epoch);
+      ipc::wakeWorkers(c());
       active_ = target;
     }
     while (active_ < target) {
@@ -663,7 +672,7 @@ class Coordinator {
   // (stopped, or hung), kill it. One that is finishing a step is left to finish it.
   void hurryRetired(uint32_t slot) {
     ipc::WorkerRecord& w = h()->workers[slot];
-    ipc::futexWake(&c().step_epoch);
+    ipc::wakeWorkers(c());
     const int pid = w.pid.load();
     if (pid > 0 && w.busy_epoch.load() == 0 &&
         ipc::monotonicNs() - retired_ns_[slot] > kRetireGraceNs) {
@@ -754,7 +763,7 @@ class Coordinator {
     c().engine_state.store(static_cast<uint32_t>(EngineState::kStopping),
                            std::memory_order_release);
     c().stop_requested.store(1);
-    ipc::futexWake(&c().step_epoch);
+    ipc::wakeWorkers(c());
     ipc::futexWake(&c().compute_barrier);
     ipc::futexWake(&c().reduce_barrier);
     ipc::bumpAndWake(&c().trainer_wake);

@@ -18,6 +18,10 @@ struct ServeOptions {
   std::string loss = "cross_entropy";
   std::string dataset;  // "" | fashion-mnist | npy:X.npy,Y.npy
   uint32_t threads_per_worker = config::kDefaultThreadsPerWorker;
+  // --workers auto: one worker per physical core (at most max_workers, when given), each
+  // able to use every core (threads_per_worker is then the core count); the trainer
+  // probes workers x threads on its first steps and keeps the fastest (engine/placement.h).
+  bool auto_placement = false;
   int64_t max_batch = config::kDefaultMaxBatch;                  // examples per step
   uint64_t input_capacity_mb = config::kDefaultInputCapacityMb;  // explicit-batch inputs
   double startup_timeout_s = config::kDefaultStartupTimeoutS;    // all workers ready within this

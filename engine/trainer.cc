@@ -4,13 +4,16 @@
 #include <unistd.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <thread>
 
 #include "ipc/config.h"
+#include "engine/placement.h"
 #include "engine/step_results.h"
 #include "gpu/engine_memory.h"
 #include "ipc/device_table.h"
@@ -39,26 +42,6 @@ constexpr auto kAwaitSlice = std::chrono::milliseconds(100);  // liveness checks
 constexpr auto kIdlePoll = std::chrono::milliseconds(1);      // stale workers after an abort
 constexpr auto kNoWorkerPoll = std::chrono::milliseconds(5);  // every worker being replaced
 constexpr auto kAttachPoll = std::chrono::milliseconds(20);   // engine not serving yet
-
-// Physical cores among the CPUs this process may run on: SMT siblings (hyperthreads)
-// count once, since a waiter spinning on a sibling slows the worker on the same core.
-// Read once, at attach; the CPU count when sysfs does not say.
-uint32_t physicalCores() {
-  cpu_set_t cpus;
-  CPU_ZERO(&cpus);
-  if (sched_getaffinity(0, sizeof(cpus), &cpus) != 0) return 1;
-  uint32_t cores = 0;
-  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
-    if (!CPU_ISSET(cpu, &cpus)) continue;
-    // The first CPU of its sibling list stands for the core.
-    std::ifstream f("/sys/devices/system/cpu/cpu" + std::to_string(cpu) +
-                    "/topology/thread_siblings_list");
-    int first = -1;
-    if (!(f >> first)) return static_cast<uint32_t>(CPU_COUNT(&cpus));  // no topology
-    if (first == cpu || !CPU_ISSET(first, &cpus)) ++cores;
-  }
-  return std::max<uint32_t>(1, cores);
-}
 
 // `t` as a contiguous CPU tensor of type `type`: itself when it already is one (read from
 // the tensor's own fields), else a converted copy. Going through the dispatcher for
@@ -132,7 +115,7 @@ std::unique_ptr<Trainer> Trainer::attach(const std::string& name, const AttachOp
 
 Trainer::Trainer(std::string name, std::shared_ptr<ipc::Segment> seg, const AttachOptions& o)
     : name_(std::move(name)), seg_(std::move(seg)), lease_(o.lease) {
-  cores_ = physicalCores();
+  cores_ = engine::physicalCores();
   await_spin_ = std::make_unique<ipc::AdaptiveSpin>();
   {
     const char* env = config::tunableValue("SHMGRAD_SPIN_US");  // the default, when unset
@@ -159,7 +142,76 @@ Trainer::Trainer(std::string name, std::shared_ptr<ipc::Segment> seg, const Atta
       close();  // the lease is released: nothing of the engine's is held
       throw;
     }
+    startPlacement();
   }
+}
+
+// serve --workers auto: a placement chosen by an earlier trainer is kept; otherwise this
+// one probes the candidates on its first steps (engine/placement.h).
+void Trainer::startPlacement() {
+  ipc::ControlBlock& c = seg_->header()->control;
+  if (c.placement_auto.load(std::memory_order_acquire) != 1) return;
+  const auto state = static_cast<ipc::PlacementState>(c.placement_state.load());
+  if (state == ipc::PlacementState::kChosen || state == ipc::PlacementState::kFixed) {
+    placement_ = {c.placement_workers.load(), c.placement_threads.load()};
+    if (placement_.threads > ipc::kMaxThreadsPerWorker) placement_ = {};  // never trusted
+    if (state == ipc::PlacementState::kChosen || placement_.workers != 0 || placement_.threads != 0)
+      return;
+  }
+  engine::ProbeOptions options;
+  options.rounds = config::kPlacementProbeRounds;
+  options.budget_s = config::kPlacementProbeBudgetS;
+  options.settle_s = config::kPlacementSettleS;
+  options.timed_s = config::kPlacementTimedS;
+  probe_ = std::make_unique<engine::PlacementProbe>(
+      engine::placementCandidates(cores_, seg_->header()->num_slots), options);
+  notePlacement();
+}
+
+// The placement the next step uses, in the segment for status readers.
+void Trainer::notePlacement() {
+  ipc::ControlBlock& c = seg_->header()->control;
+  ipc::PlacementState state = ipc::PlacementState::kFixed;
+  if (probe_ != nullptr) {
+    placement_ = probe_->next();
+    state = probe_->done() ? ipc::PlacementState::kChosen : ipc::PlacementState::kProbing;
+  }
+  c.placement_workers.store(placement_.workers, std::memory_order_relaxed);
+  c.placement_threads.store(placement_.threads, std::memory_order_relaxed);
+  c.placement_state.store(static_cast<uint32_t>(state), std::memory_order_release);
+}
+
+void Trainer::setPlacement(uint32_t workers, uint32_t threads) {
+  checkUsable();
+  SHMGRAD_CHECK(workers <= ipc::kMaxWorkers, ErrorKind::kInvalidArgument,
+                "placement workers must be 0 (every ready worker) to ", ipc::kMaxWorkers, ", got ",
+                workers);
+  SHMGRAD_CHECK(threads <= ipc::kMaxThreadsPerWorker, ErrorKind::kInvalidArgument,
+                "placement threads must be 0 (the engine's threads_per_worker) to ",
+                ipc::kMaxThreadsPerWorker, ", got ", threads);
+  if (probe_ != nullptr) placement_report_ = probe_->report() + " (ended by set_placement)";
+  probe_.reset();
+  placement_ = {workers, threads};
+  notePlacement();
+}
+
+PlacementStatus Trainer::placement() const {
+  PlacementStatus out;
+  const ipc::ControlBlock& c = seg_->header()->control;
+  out.automatic = c.placement_auto.load() == 1;
+  out.state = ipc::placementStateName(static_cast<ipc::PlacementState>(c.placement_state.load()));
+  out.workers = placement_.workers;
+  out.threads = placement_.threads != 0 ? placement_.threads : seg_->header()->threads_per_worker;
+  if (probe_ != nullptr) {
+    for (const auto& r : probe_->results()) {
+      out.probe.push_back(
+          {r.placement.workers, r.placement.threads, r.seconds_per_example, r.samples});
+    }
+    out.report = probe_->report();
+  } else {
+    out.report = placement_report_;
+  }
+  return out;
 }
 
 // The engine's step memory, as this trainer's views hold it. With devices, the segment
@@ -578,7 +630,8 @@ Trainer::Participants Trainer::pickParticipants(int64_t B, const GradientOptions
     std::this_thread::sleep_for(kNoWorkerPoll);
   }
   const int64_t by_size = std::max<int64_t>(1, B / o.min_examples_per_worker);
-  p.n = static_cast<uint32_t>(std::min<int64_t>({p.n, B, by_size}));
+  const int64_t placed = placement_.workers > 0 ? placement_.workers : p.n;
+  p.n = static_cast<uint32_t>(std::min<int64_t>({p.n, B, by_size, placed}));
   return p;
 }
 
@@ -621,13 +674,23 @@ uint32_t Trainer::publish(int64_t B, const GradientOptions& o, uint32_t kind,
   // spinning waiter would take a core from a worker, and the trainer sleeps. At the
   // barriers it is the participants' threads alone, as the trainer then either spins
   // (every process fits) or sleeps.
-  const uint64_t threads =
-      static_cast<uint64_t>(p.n) * std::max<uint32_t>(1, h->threads_per_worker);
+  r.threads = placement_.threads;
+  const uint32_t each = placement_.threads > 0 ? placement_.threads : h->threads_per_worker;
+  const uint64_t threads = static_cast<uint64_t>(p.n) * std::max<uint32_t>(1, each);
   r.spin_ns = threads + 1 <= cores_ ? spin_ns_ : 0;
   r.barrier_spin_ns = threads <= cores_ ? spin_ns_ : 0;
+  // Workers the step before went on without sleep on idle_wake: wake them only when this
+  // step takes one (by pid: a replaced worker is a newcomer in its slot), or when the
+  // step before did not finish (who saw it is unknown).
+  bool newcomer = !last_step_known_;
+  for (uint32_t k = 0; k < p.n; ++k) newcomer = newcomer || last_pids_[p.slots[k]] != p.pids[k];
+  std::fill(std::begin(last_pids_), std::end(last_pids_), 0);
+  for (uint32_t k = 0; k < p.n; ++k) last_pids_[p.slots[k]] = p.pids[k];
+  last_step_known_ = false;  // until it is done (run())
   r.publish_ns = ipc::monotonicNs();
   c.step_epoch.store(e, std::memory_order_release);
   ipc::futexWake(&c.step_epoch);
+  if (newcomer) ipc::bumpAndWake(&c.idle_wake);
   return e;
 }
 
@@ -741,6 +804,7 @@ GradientStats Trainer::run(int64_t B, const GradientOptions& o, uint32_t kind, u
     const uint32_t e = publish(B, o, kind, p);
     const Outcome outcome = await(e, p, deadline);
     if (outcome == Outcome::kDone) {
+      last_step_known_ = true;
       collect(e, p, B, o, &stats);
       const ipc::SegmentHeader* h = seg_->header();
       const uint64_t now = ipc::monotonicNs(), publish = h->request.publish_ns;
@@ -754,6 +818,10 @@ GradientStats Trainer::run(int64_t B, const GradientOptions& o, uint32_t kind, u
       stats.step_seconds = (done - publish) / 1e9;
       stats.wake_seconds = (last_start - publish) / 1e9;
       stats.finish_seconds = (now - std::min(now, done)) / 1e9;
+      if (probe_ != nullptr && !probe_->done()) {
+        probe_->record(stats.wall_seconds, B, now / 1e9, attempt == 0);
+        notePlacement();
+      }
       return stats;
     }
     // The step did not finish: end it for every waiter, the one abort path.

@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/placement.h"
 #include "ipc/layout.h"
 #include "ipc/record.h"
 
@@ -112,6 +113,21 @@ struct GradientStats {
   SHMGRAD_GRADIENT_STATS_FIELDS(SHMGRAD_DECLARE_FIELD)
 };
 
+// How the steps place their cores (Trainer::placement(); engine/placement.h).
+struct PlacementStatus {
+  bool automatic = false;  // serve --workers auto: the trainer chooses
+  std::string state;       // "fixed", "probing" or "chosen"
+  uint32_t workers = 0;    // participants at most (0: every ready worker)
+  uint32_t threads = 0;    // intra-op threads of each
+  struct Candidate {
+    uint32_t workers, threads;
+    double seconds_per_example;  // median of its timed steps (0: none yet)
+    uint32_t samples;
+  };
+  std::vector<Candidate> probe;  // this trainer's probe, when it ran one
+  std::string report;            // the probe in one line ("" without one)
+};
+
 struct ParamInfo {
   std::string name;
   std::vector<int64_t> shape;
@@ -163,6 +179,11 @@ class Trainer {
   bool onDevice() const;
   int64_t datasetSize() const;
   int workerCount() const;  // worker processes ready now
+  // How steps place their cores (engine/placement.h): `workers` participants at most (0:
+  // every ready worker) with `threads` intra-op threads each (0: the engine's
+  // threads_per_worker). Fixed from now on: ends a probe (serve --workers auto).
+  void setPlacement(uint32_t workers, uint32_t threads);
+  PlacementStatus placement() const;
   // What the job's loss returns for a batch: "sum", "mean", "weighted" ((loss_sum, count),
   // a mean over the count) or "unknown" (an eager job whose workers have not computed
   // yet). GradientOptions::mean is what takes the mean; a trainer that wants what
@@ -224,6 +245,8 @@ class Trainer {
   std::vector<torch::Tensor> views(float* base) const;
   torch::Tensor flatView(float* base) const;
   std::shared_ptr<gpu::EngineMemory> openMemory(const std::string& cuda_library);
+  void startPlacement();
+  void notePlacement();
 
   std::string name_;
   std::shared_ptr<ipc::Segment> seg_;
@@ -236,6 +259,14 @@ class Trainer {
   uint64_t spin_ns_ = 0;  // spin budget for steps whose processes all have a core
   std::unique_ptr<ipc::AdaptiveSpin> await_spin_;  // how long spinning for a step's end pays
   std::vector<ParamInfo> params_;
+  // The placement steps use, and the probe choosing it (serve --workers auto) until done.
+  engine::Placement placement_;
+  std::unique_ptr<engine::PlacementProbe> probe_;
+  std::string placement_report_;  // a probe ended early by setPlacement
+  // The last step's participants (pid by slot, 0: not one), valid when it finished: a step
+  // that takes another worker wakes the idle ones (ControlBlock::idle_wake).
+  int32_t last_pids_[ipc::kMaxWorkers] = {};
+  bool last_step_known_ = false;
 };
 
 }  // namespace shmgrad

@@ -15,6 +15,14 @@ constexpr uint64_t kDefaultInputCapacityMb = 64;  // explicit-batch inputs, MiB
 constexpr double kDefaultStartupTimeoutS = 120;   // every worker has loaded the model
 constexpr uint32_t kDefaultThreadsPerWorker = 1;  // intra-op threads of a worker
 constexpr double kDefaultResizeTimeoutS = 120;    // resize: the new workers are ready
+// Placement probe (serve --workers auto, engine/placement.h): rounds over the candidates;
+// a visit settles (untimed steps: OpenMP threads of a worker whose thread count went down
+// spin on for milliseconds), then is timed, each phase at least one step and this long;
+// the probe ends early once every candidate has a timed step and the budget is spent.
+constexpr uint32_t kPlacementProbeRounds = 3;
+constexpr double kPlacementProbeBudgetS = 10;
+constexpr double kPlacementSettleS = 0.05;
+constexpr double kPlacementTimedS = 0.05;
 
 // -- sizes derived from the options -----------------------------------------------------
 // Explicit-batch targets: room for one 8-byte target (an int64 label) per example of

@@ -37,7 +37,7 @@
 namespace shmgrad::ipc {
 
 constexpr uint64_t kMagic = 0x31444152474d4853ull;  // "SHMGRAD1", little endian
-constexpr uint32_t kLayoutVersion = 15;
+constexpr uint32_t kLayoutVersion = 16;
 constexpr uint64_t kAlign = 64;  // every region and tensor starts on a cache line
 constexpr uint32_t kAlignFloats = kAlign / sizeof(float);
 constexpr uint32_t kMaxWorkers = 64;            // gradient slots in one segment, at most
@@ -128,6 +128,15 @@ constexpr const char* enumName(const char* const (&names)[N], T v) {
   return i < N && names[i] != nullptr ? names[i] : "unknown";
 }
 inline const char* lossName(LossKind v) { return enumName(kLossNames, v); }
+
+// Where the placement stands (ControlBlock::placement_state): kFixed, the engine's
+// workers and threads_per_worker as started (or as a resize set them); kProbing, the
+// trainer is timing candidates on its steps; kChosen, it keeps the fastest.
+enum class PlacementState : uint32_t { kFixed = 0, kProbing = 1, kChosen = 2 };
+constexpr const char* kPlacementStateNames[] = {"fixed", "probing", "chosen"};
+inline const char* placementStateName(PlacementState v) {
+  return enumName(kPlacementStateNames, v);
+}
 inline const char* engineStateName(EngineState v) { return enumName(kEngineStateNames, v); }
 // A value read from shared memory: anything but a known one reads as "unknown".
 inline const char* lossReductionName(uint32_t v) {
@@ -361,7 +370,10 @@ struct StepRequest {
   uint32_t train_mode;
   uint32_t buffer_rule;  // BufferRule
   uint32_t accumulate;   // Accumulate
-  uint32_t reserved2;
+  // Intra-op threads each participant computes this step with (the placement: the
+  // trainer's choice, PlacementControl); 0: the engine's threads_per_worker. A worker
+  // changes its thread count only when this differs from its last step's.
+  uint32_t threads;
   // Accumulating with a mean: the count the previous result is the mean over. The
   // reducers take a = prev_count / (prev_count + C) and b = 1 / (prev_count + C), C the
   // step's count (the participants' counts); a sum takes a = b = 1.
@@ -394,7 +406,13 @@ struct alignas(64) ControlBlock {
   alignas(64) std::atomic<uint32_t> compute_barrier;  // tag | arrivals after backward
   alignas(64) std::atomic<uint32_t> reduce_barrier;   // tag | arrivals after the reduction
   alignas(64) std::atomic<uint32_t> trainer_wake;     // bumped on done/abort; trainer waits
-  std::atomic<uint32_t> done_epoch;                   // last reducer: step finished
+  // Where a worker that the latest step went on without sleeps (step_epoch is for the
+  // latest step's participants): the trainer bumps and wakes it only when a step takes a
+  // worker the step before did not (or it does not know), the coordinator with every wake
+  // of the workers (ipc::wakeWorkers). So a placement or a small batch that leaves
+  // workers out does not wake them every step.
+  alignas(64) std::atomic<uint32_t> idle_wake;
+  std::atomic<uint32_t> done_epoch;   // last reducer: step finished
   uint64_t done_ns;                   // CLOCK_MONOTONIC of the last done_epoch store
   std::atomic<uint32_t> abort_epoch;  // coordinator: step lost a worker
   // trainer: the last step it gave up on at its timeout; a worker held up by it
@@ -408,6 +426,15 @@ struct alignas(64) ControlBlock {
   // compare-and-swap from kUnknown, so the first answer stays).
   std::atomic<uint32_t> loss_reduction;
   Numerics numerics;  // set at creation, never changed; checked by each worker that reads it
+  // How a step's cores are placed: workers x threads per worker (engine/placement.h).
+  // placement_auto is set at creation (serve --workers auto: one worker per core, each
+  // able to use every core); the lease-holding trainer then probes candidates on its
+  // first steps and writes what it uses here, for status readers and for a trainer that
+  // attaches later (which keeps a chosen placement instead of probing again).
+  std::atomic<uint32_t> placement_auto;          // 1: the trainer chooses
+  std::atomic<uint32_t> placement_state;         // PlacementState
+  std::atomic<uint32_t> placement_workers;       // participants at most (0: every ready worker)
+  std::atomic<uint32_t> placement_threads;       // threads of each (0: threads_per_worker)
   alignas(64) std::atomic<int32_t> trainer_pid;  // the lease: 0 free, else holder
   // An engine with devices: the trainer process that maps their memory (0: none). Set when
   // a trainer opens it, cleared when its last view of it is gone; the coordinator frees

@@ -594,6 +594,7 @@ void Segment::writeHeader(const SegmentSpec& spec, const Layout& l, uint8_t* bas
   h->control.target_workers.store(spec.num_slots);
   h->control.loss_reduction.store(static_cast<uint32_t>(spec.loss_reduction));
   h->control.numerics = spec.numerics;
+  h->control.placement_auto.store(spec.placement_auto ? 1 : 0);
   auto* table = reinterpret_cast<ParamEntry*>(base + l.params_table.offset);
   for (size_t i = 0; i < spec.params.size(); ++i) {
     fillEntry(&table[i], spec.params[i].name, spec.params[i].shape, l.param_offsets[i]);

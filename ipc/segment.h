@@ -38,6 +38,8 @@ struct SegmentSpec {
   Numerics numerics;       // the workers' torch numerics (none set: torch's defaults)
   uint32_t num_slots = 1;  // gradient slots (most workers at once)
   uint32_t threads_per_worker = 1;
+  // serve --workers auto: the trainer chooses workers x threads (ControlBlock::placement_auto).
+  bool placement_auto = false;
   std::vector<ParamSpec> params;
   std::vector<BufferSpec> buffers;  // shared buffers (BatchNorm statistics), may be empty
   int64_t max_batch = config::kDefaultMaxBatch;                  // examples per step

@@ -15,6 +15,13 @@ namespace shmgrad::ipc {
 // timeout passed) and by the coordinator (it reaped a participant). A step that is
 // already done is left alone; an abort is counted once however many callers race on it.
 // Returns true if this call aborted the step.
+// Wakes every worker wherever it sleeps: the latest step's participants on step_epoch,
+// the others on idle_wake (a stop, a retire, a resize: each re-reads the control block).
+inline void wakeWorkers(ControlBlock& c) {
+  futexWake(&c.step_epoch);
+  bumpAndWake(&c.idle_wake);
+}
+
 inline bool abortStep(ControlBlock& c, uint32_t e) {
   if (c.done_epoch.load(std::memory_order_acquire) == e) return false;
   const uint32_t previous = c.abort_epoch.exchange(e, std::memory_order_acq_rel);

@@ -12,6 +12,7 @@
 #include "backend/process_group.h"
 #include "engine/control.h"
 #include "engine/model_file.h"
+#include "engine/placement.h"
 #include "engine/trainer.h"
 #include "gpu/cuda_library.h"
 #include "ipc/device_table.h"
@@ -207,6 +208,9 @@ PYBIND11_MODULE(_C, m) {
         .def(py::init<>()) SHMGRAD_GRADIENT_STATS_FIELDS(SHMGRAD_DEF_READONLY);
   }
   m.attr("RECORDS") = recordDescriptions();
+  m.attr("MAX_WORKERS") = shmgrad::ipc::kMaxWorkers;
+  m.def("physical_cores", &shmgrad::engine::physicalCores,
+        "CPUs this process may run on, each physical core counted once (engine/placement.h)");
 
   py::class_<shmgrad::Trainer>(m, "Trainer")
       .def_static(
@@ -248,6 +252,29 @@ PYBIND11_MODULE(_C, m) {
       .def("dataset_size", &shmgrad::Trainer::datasetSize)
       .def("loss_reduction", &shmgrad::Trainer::lossReduction)
       .def("worker_count", &shmgrad::Trainer::workerCount)
+      .def("cores", &shmgrad::Trainer::cores)
+      .def("set_placement", &shmgrad::Trainer::setPlacement, py::arg("workers"), py::arg("threads"))
+      .def("placement",
+           [](const shmgrad::Trainer& t) {
+             const shmgrad::PlacementStatus p = t.placement();
+             py::list probe;
+             for (const auto& c : p.probe) {
+               py::dict d;
+               d["workers"] = c.workers;
+               d["threads_per_worker"] = c.threads;
+               d["ms_per_example"] = c.seconds_per_example * 1e3;
+               d["steps"] = c.samples;
+               probe.append(d);
+             }
+             py::dict d;
+             d["auto"] = p.automatic;
+             d["state"] = p.state;
+             d["workers"] = p.workers;
+             d["threads_per_worker"] = p.threads;
+             d["probe"] = probe;
+             d["report"] = p.report;
+             return d;
+           })
       .def("slot_count", &shmgrad::Trainer::slotCount)
       .def("coordinator_pid", &shmgrad::Trainer::coordinatorPid)
       .def("closed", &shmgrad::Trainer::closed)

@@ -48,7 +48,8 @@ class PyShardComputer : public worker::ShardComputer {
         pass_(std::move(pass)),
         publish_(std::move(publish)),
         unreached_(std::move(unreached)),
-        seg_(seg) {}
+        seg_(seg),
+        threads_(seg.header()->threads_per_worker) {}
 
   // unreached() lists the parameters backward did not reach in the shard (by index;
   // usually none): every other one is marked.
@@ -73,6 +74,7 @@ class PyShardComputer : public worker::ShardComputer {
   }
 
   void beginShard(const worker::Shard& s) override {
+    threads_.apply(s.threads);
     shard_ = PyShard();
     shard_.begin = s.begin;
     shard_.end = s.end;
@@ -130,7 +132,8 @@ class PyShardComputer : public worker::ShardComputer {
 
   py::function begin_, pass_, publish_, unreached_;
   const ipc::Segment& seg_;
-  PyShard shard_;  // the current shard, as Python sees it
+  worker::StepThreads threads_;  // the placement's threads per step
+  PyShard shard_;                // the current shard, as Python sees it
 };
 
 // One eager worker's handle on its engine: the mapping, its slot's participant, and

@@ -118,7 +118,7 @@ class Engine {
     if (!seg_) return;
     trainer_.reset();
     seg_->header()->control.stop_requested.store(1);
-    ipc::futexWake(&seg_->header()->control.step_epoch);
+    ipc::wakeWorkers(seg_->header()->control);
     for (auto& t : threads_) t.join();
     threads_.clear();
     Segment::remove(name_);

@@ -169,9 +169,25 @@ Command addServe(CLI::App& app, engine::ServeOptions* o) {
       ->group("")
       ->check(CLI::Range(int64_t{0}, shmgrad::ipc::kMaxBatch - 1));
   cmd->add_option("--owned-dir", o->owned_dir, "removed with the engine")->group("");
-  integerIn(
-      cmd->add_option("--workers", o->workers, "worker processes (default 1)")->type_name("N"),
-      uint32_t{1}, shmgrad::ipc::kMaxWorkers);
+  cmd->add_option_function<std::string>(
+         "--workers",
+         [o](const std::string& v) {
+           if (v == "auto") {
+             o->auto_placement = true;
+             return;
+           }
+           int64_t n = 0;
+           if (!CLI::detail::lexical_cast(v, n) || n < 1 || n > shmgrad::ipc::kMaxWorkers) {
+             throw CLI::ValidationError("--workers", "'" + v + "' must be 1 to " +
+                                                         std::to_string(shmgrad::ipc::kMaxWorkers) +
+                                                         " or auto");
+           }
+           o->workers = static_cast<uint32_t>(n);
+         },
+         "worker processes (default 1), or auto: one per core, and\n"
+         "the trainer times workers x threads per worker on its\n"
+         "first steps and keeps the fastest (status shows it)")
+      ->type_name("N|auto");
   integerIn(cmd->add_option("--max-workers", o->max_workers,
                             "gradient slots, the most workers `resize` may ask for\n"
                             "(default: --workers)")
@@ -222,7 +238,14 @@ Command addServe(CLI::App& app, engine::ServeOptions* o) {
   cmd->add_option("--worker-binary", o->worker_binary,
                   "the TorchScript worker program (default: shmgrad-worker next to this one)")
       ->group("");
-  return {cmd, [o] { return runServe(*o); }};
+  return {cmd, [o, cmd] {
+            if (o->auto_placement && cmd->count("--threads-per-worker") > 0) {
+              throw shmgrad::Error(shmgrad::ErrorKind::kInvalidArgument,
+                                   "--workers auto chooses the threads per worker too: leave "
+                                   "out --threads-per-worker, or give --workers N");
+            }
+            return runServe(*o);
+          }};
 }
 
 // ---------------------------------------------------------------------------------

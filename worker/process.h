@@ -77,4 +77,22 @@ inline void configureThreads(uint32_t threads) {
   }
 }
 
+// A step's intra-op threads (Shard::threads, the trainer's placement; 0: as the engine
+// started the worker), set only when they change: at most once per step of a placement
+// probe, never in a step whose placement is settled.
+class StepThreads {
+ public:
+  explicit StepThreads(uint32_t started)
+      : started_(std::max<uint32_t>(1, started)), current_(started_) {}
+  void apply(uint32_t threads) {
+    const uint32_t want = threads == 0 ? started_ : threads;
+    if (want == current_) return;
+    at::set_num_threads(static_cast<int>(want));
+    current_ = want;
+  }
+
+ private:
+  uint32_t started_, current_;
+};
+
 }  // namespace shmgrad::worker

@@ -167,7 +167,18 @@ uint32_t StepParticipant::waitForStep() {
         continue;
       }
     }
-    const bool woken = ipc::futexWait(&c_.step_epoch, cur, kIdleCheckSlice);
+    bool woken;
+    if (cur == last_epoch_) {
+      // The latest step's participant: the trainer wakes step_epoch for every step.
+      woken = ipc::futexWait(&c_.step_epoch, cur, kIdleCheckSlice);
+    } else {
+      // The latest step went on without this worker: sleep where only a step that takes
+      // it again (or the coordinator) wakes it. The word is read before the step is
+      // looked at again, so a bump after that look ends the wait at once.
+      const uint32_t idle = c_.idle_wake.load(std::memory_order_acquire);
+      if (c_.step_epoch.load(std::memory_order_acquire) != cur) continue;
+      woken = ipc::futexWait(&c_.idle_wake, idle, kIdleCheckSlice);
+    }
     if (!woken && coordinatorGone()) return 0;
   }
 }
@@ -248,6 +259,7 @@ bool StepParticipant::prepareShard(uint32_t e, Shard* s) {
   s->participants = n;
   ipc::shardBounds(B, n, rank, &s->begin, &s->end);
   s->max_examples_per_pass = r.max_examples_per_pass;
+  s->threads = r.threads;
   s->kind = static_cast<ipc::BatchKind>(r.kind);
   // One participant's statistics are the average: it publishes them directly.
   s->buffer_rule = n > 1 ? static_cast<ipc::BufferRule>(r.buffer_rule) : ipc::BufferRule::kFirst;

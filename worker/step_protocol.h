@@ -45,6 +45,8 @@ struct Shard {
   uint32_t participants = 0;
   int64_t begin = 0, end = 0;         // examples [begin, end) of the step's batch
   int64_t max_examples_per_pass = 0;  // > 0: compute in passes of at most this many
+  // Intra-op threads to compute with (the trainer's placement); 0: as the worker started.
+  uint32_t threads = 0;
   // Multiply the summed loss by this before backward: the step's loss_scale times
   // StepRequest::scale (1/B for a mean or a sum through the mean, as backward of the
   // batch's mean weights these examples; else 1).

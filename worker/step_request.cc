@@ -12,16 +12,16 @@ namespace shmgrad::worker {
 bool stepRequestValid(const ipc::SegmentHeader& h, uint32_t e, uint32_t rank) {
   const ipc::StepRequest& r = h.request;
   const uint32_t n = r.num_participants;
-  bool valid = n >= 1 && n <= h.num_slots && rank < n && r.num_examples >= 1 &&
-               r.num_examples <= h.max_batch && r.epoch == e &&
-               r.kind >= static_cast<uint32_t>(ipc::BatchKind::kIndices) &&
-               r.kind <= static_cast<uint32_t>(ipc::BatchKind::kStructured) &&
-               r.max_examples_per_pass >= 0 && std::isfinite(r.scale) &&
-               std::isfinite(r.loss_scale) && r.loss_scale > 0 &&
-               r.reduction <= static_cast<uint32_t>(ipc::Reduction::kSumThroughMean) &&
-               r.buffer_rule <= static_cast<uint32_t>(ipc::BufferRule::kFirst) &&
-               r.accumulate <= static_cast<uint32_t>(ipc::Accumulate::kAccumToReduced) &&
-               std::isfinite(r.prev_count) && r.prev_count >= 0;
+  bool valid =
+      n >= 1 && n <= h.num_slots && rank < n && r.num_examples >= 1 &&
+      r.num_examples <= h.max_batch && r.epoch == e &&
+      r.kind >= static_cast<uint32_t>(ipc::BatchKind::kIndices) &&
+      r.kind <= static_cast<uint32_t>(ipc::BatchKind::kStructured) &&
+      r.max_examples_per_pass >= 0 && std::isfinite(r.scale) && std::isfinite(r.loss_scale) &&
+      r.loss_scale > 0 && r.reduction <= static_cast<uint32_t>(ipc::Reduction::kSumThroughMean) &&
+      r.buffer_rule <= static_cast<uint32_t>(ipc::BufferRule::kFirst) &&
+      r.accumulate <= static_cast<uint32_t>(ipc::Accumulate::kAccumToReduced) &&
+      std::isfinite(r.prev_count) && r.prev_count >= 0 && r.threads <= ipc::kMaxThreadsPerWorker;
   for (uint32_t k = 0; valid && k < n; ++k) valid = r.participants[k] < h.num_slots;
   return valid;
 }

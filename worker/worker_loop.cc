@@ -30,11 +30,13 @@ namespace {
 // backward over one pass of the shard. Everything else is StepParticipant's.
 class ScriptShardComputer : public ShardComputer {
  public:
-  ScriptShardComputer(const ipc::Segment& seg, Replica& replica) : seg_(seg), replica_(replica) {
+  ScriptShardComputer(const ipc::Segment& seg, Replica& replica)
+      : seg_(seg), replica_(replica), threads_(seg.header()->threads_per_worker) {
     bindDataset();
   }
 
   void beginShard(const Shard& s) override {
+    threads_.apply(s.threads);
     replica_.bindGradients(s.grads);  // a no-op unless the buffer changed
     replica_.noteGradVersions();
     replica_.loadBuffers();
@@ -79,6 +81,7 @@ class ScriptShardComputer : public ShardComputer {
   Replica& replica_;
   torch::Tensor data_inputs_, data_targets_;
   torch::Tensor inputs_, targets_;  // the current shard's batch
+  worker::StepThreads threads_;     // the placement's threads per step
 };
 
 // libtorch's CUDA half. Workers link torch_cpu only, so that a CPU engine's workers load

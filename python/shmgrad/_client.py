@@ -3,6 +3,7 @@ read the status. :func:`attach` returns one for an engine started elsewhere
 (``shmgrad serve``); :class:`shmgrad.Engine` is one that also started its engine."""
 
 import dataclasses
+import logging
 import math
 import operator
 import time
@@ -235,6 +236,10 @@ class Client:
         # host memory): close() then lets go of every one of them before the engine stops.
         self._on_device = trainer.on_device
         self._buffer_mirrors = []
+        # serve --workers auto: the native trainer times placements on the first steps;
+        # this says what it chose, once (status(), log(), the "shmgrad" logger).
+        self._placement_probing = trainer.placement()["state"] == "probing"
+        self._placement_report = ""
         if process_group is not None:
             try:
                 self._nodes = multinode.NodeGroup(
@@ -696,6 +701,8 @@ class Client:
         self._unused = frozenset(unused) if unused else _NONE_UNUSED
         if self._buffer_mirrors:
             self._pull_buffers()
+        if self._placement_probing:
+            self._note_placement()
         if onto_nodes:
             # accum = a * accum + b * (this micro-batch's global result), weighted as the
             # workers weigh accumulation on one node (ipc/reduce.h's accumulationWeights).
@@ -725,6 +732,15 @@ class Client:
                 stacklevel=2,
             )
         return stats
+
+    def _note_placement(self):
+        """After a step of the placement probe: once it has chosen, says what, once."""
+        placement = self._trainer.placement()
+        if placement["state"] == "probing":
+            return
+        self._placement_probing = False
+        self._placement_report = f"engine {self.name!r}: {placement['report']}"
+        logging.getLogger("shmgrad").info("%s", self._placement_report)
 
     def _loss_scale(self, loss_scale) -> float:
         """gradient()'s ``loss_scale`` as the float the workers multiply their loss by: a
@@ -890,6 +906,11 @@ class Client:
         t = self._check_open()
         if not isinstance(workers, int) or workers < 1:
             raise errors.InvalidArgumentError(f"workers must be a positive int, got {workers!r}")
+        if t.placement()["auto"]:
+            # An engine that placed its steps itself (workers="auto"): the count asked for
+            # is the placement from now on, the cores shared among its workers.
+            self._note_placement()
+            t.set_placement(0, max(1, t.cores() // workers))
         _C.request_resize(self.name, workers)
         deadline = time.monotonic() + timeout
         while t.worker_count() != workers:
@@ -911,8 +932,9 @@ class Client:
     def log(self) -> str:
         """What the engine's coordinator and workers have printed so far: ``""`` for an
         engine this process attached to (its output goes where ``shmgrad serve``'s
-        does); see :meth:`shmgrad.Engine.log` for one this process started."""
-        return ""
+        does), but the placement this trainer chose (``workers="auto"``); see
+        :meth:`shmgrad.Engine.log` for one this process started."""
+        return self._placement_report + "\n" if self._placement_report else ""
 
     def status(self) -> EngineStatus:
         """The engine's state as data (:class:`shmgrad.EngineStatus`: workers with their
@@ -920,13 +942,14 @@ class Client:
         recent steps' time breakdown) and as ``text``, the way ``shmgrad status`` prints
         it. Reads the segment only: safe from another thread while :meth:`gradient`
         runs."""
-        self._check_open()
+        t = self._check_open()
         status = read_status(self.name)
-        return (
-            dataclasses.replace(status, mode_reason=self.mode_reason)
-            if self.mode_reason
-            else status
-        )
+        extra = {"mode_reason": self.mode_reason} if self.mode_reason else {}
+        placement = t.placement()
+        if placement["probe"] or placement["report"]:
+            extra["placement_probe"] = tuple(placement["probe"])
+            extra["placement_report"] = placement["report"]
+        return dataclasses.replace(status, **extra) if extra else status
 
     def close(self):
         """Releases the engine (the next trainer may attach); idempotent.

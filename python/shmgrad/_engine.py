@@ -7,7 +7,7 @@ import os
 import shutil
 import tempfile
 import warnings
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -112,7 +112,7 @@ class Server:
 def serve(
     *,
     model,
-    workers: Optional[int] = None,
+    workers: Union[int, str, None] = None,
     loss=None,
     dataset=None,
     mode: str = "auto",
@@ -136,6 +136,12 @@ def serve(
     ordinals = _gpu.parse_devices(devices, device, trainer_device)
     if ordinals is not None:
         _gpu.check_devices(ordinals)  # before anything starts: what the machine lacks
+    placed = workers == "auto"
+    if placed:
+        _check_auto_placement(ordinals, threads_per_worker, max_workers)
+        # serve starts one worker per physical core (at most max_workers) and the trainer
+        # places each step on them; the checks below see that count.
+        workers = max(1, min(_C.physical_cores(), max_workers or _C.MAX_WORKERS))
     workers = _gpu.workers_for(workers, ordinals)
     loss_names = _C.loss_names()
     compile_opts = eager.compile_options(compile)
@@ -211,7 +217,7 @@ def serve(
     options = ServeOptions(
         name=name,
         model_path=model_path,
-        workers=workers,
+        workers="auto" if placed else workers,
         loss=serve_loss,
         dataset=serve_dataset,
         threads_per_worker=threads_per_worker,
@@ -269,7 +275,12 @@ class Engine(Client):
     Args (keyword-only):
         model: a ``torch.nn.Module`` (saved with :func:`save_model`) or the path of a
             TorchScript file.
-        workers: number of worker processes. Required for a CPU engine; with
+        workers: number of worker processes, or ``"auto"``: one per physical core, each
+            able to use every core, and the trainer times a few placements (1 worker with
+            every thread, 2, 4, ... workers with the cores shared, one per core) on its
+            first steps (real steps: their gradients are exact; a bounded probe, seconds)
+            and keeps the fastest (``status().placement``, ``placement_probe``,
+            :meth:`log`). Required for a CPU engine; with
             ``devices=``, one per GPU by default. Several on one GPU run their kernels at
             once only under MPS (``status().mps``); without it they take turns, and a
             warning says so.
@@ -353,7 +364,7 @@ class Engine(Client):
         self,
         *,
         model,
-        workers: Optional[int] = None,
+        workers: Union[int, str, None] = None,
         loss=None,
         dataset=None,
         mode: str = "auto",
@@ -437,8 +448,9 @@ class Engine(Client):
 
     def log(self) -> str:
         """What the engine's coordinator and workers have printed so far: worker restarts,
-        retired workers that had to be killed (readable after :meth:`close` too)."""
-        return "" if self._server is None else self._server.log()
+        retired workers that had to be killed (readable after :meth:`close` too); then,
+        with ``workers="auto"``, the placement this trainer chose and what it measured."""
+        return ("" if self._server is None else self._server.log()) + super().log()
 
     def close(self, *, timeout: float = STOP_TIMEOUT_S):
         """Releases the engine and stops it (SIGTERM, SIGKILL after ``timeout`` seconds).
@@ -454,12 +466,32 @@ class Engine(Client):
                 self._server.stop(timeout)
 
 
+def _check_auto_placement(ordinals, threads_per_worker, max_workers):
+    """``workers="auto"``: the CPU's cores, placed by the trainer; nothing that fixes them."""
+    if ordinals is not None:
+        raise errors.InvalidArgumentError(
+            'workers="auto" places the CPU\'s cores; with devices= leave workers out (one '
+            "worker per GPU) or give a number"
+        )
+    if threads_per_worker != DEFAULTS["threads_per_worker"]:
+        raise errors.InvalidArgumentError(
+            'workers="auto" chooses the threads per worker too: leave threads_per_worker '
+            "out, or give workers a number"
+        )
+    if max_workers is not None and (not isinstance(max_workers, int) or max_workers < 1):
+        raise errors.InvalidArgumentError(
+            f"max_workers must be a positive int, got {max_workers!r}"
+        )
+
+
 def _check_arguments(*, workers, loss, max_workers):
     losses = _C.loss_names()
     if loss not in losses:
         raise errors.InvalidArgumentError(f"unknown loss {loss!r}: use one of {', '.join(losses)}")
-    if not isinstance(workers, int) or workers < 1:
-        raise errors.InvalidArgumentError(f"workers must be a positive int, got {workers!r}")
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise errors.InvalidArgumentError(
+            f'workers must be a positive int or "auto", got {workers!r}'
+        )
     if max_workers is not None and (not isinstance(max_workers, int) or max_workers < workers):
         raise errors.InvalidArgumentError(
             f"max_workers must be an int >= workers ({workers}), got {max_workers!r}"

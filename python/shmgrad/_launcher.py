@@ -24,7 +24,7 @@ import subprocess
 import tempfile
 import time
 import weakref
-from typing import List, Optional
+from typing import List, Optional, Union
 
 from . import errors
 from ._native import DEFAULTS, tunable
@@ -61,7 +61,7 @@ class ServeOptions:
 
     name: str
     model_path: str
-    workers: int
+    workers: Union[int, str]  # or "auto" (serve --workers auto)
     loss: str
     dataset: Optional[str] = None
     threads_per_worker: int = DEFAULTS["threads_per_worker"]
@@ -94,8 +94,6 @@ class ServeOptions:
             str(self.workers),
             "--loss",
             self.loss,
-            "--threads-per-worker",
-            str(self.threads_per_worker),
             "--max-batch",
             str(self.max_batch),
             "--input-capacity-mb",
@@ -103,6 +101,8 @@ class ServeOptions:
             "--startup-timeout",
             str(self.startup_timeout),
         ]
+        if self.workers != "auto":  # auto: serve chooses the threads too
+            args += ["--threads-per-worker", str(self.threads_per_worker)]
         if self.max_workers is not None:
             args += ["--max-workers", str(self.max_workers)]
         if self.dataset is not None:

@@ -68,11 +68,18 @@ EngineStatus = _record(
         # Why the workers are of this kind, as the process that started the engine chose
         # it (Engine.mode_reason); "" when read by a process that did not start it.
         ("mode_reason", str, dataclasses.field(default="")),
+        # An engine started with workers="auto", as its trainer (this process) probed it:
+        # per candidate {"workers", "threads_per_worker", "ms_per_example", "steps"}, and
+        # the probe in one line ("" and () elsewhere).
+        ("placement_probe", tuple, dataclasses.field(default=())),
+        ("placement_report", str, dataclasses.field(default="")),
     ],
     namespace={k: v for k, v in vars(_EngineStatusMethods).items() if not k.startswith("__")},
     doc="An engine's state, as :meth:`Client.status` and :func:`read_status` return it. "
     "``text`` is what ``shmgrad status NAME`` prints; ``mode_reason`` why the workers are "
-    "of their kind (known to the process that started the engine).",
+    "of their kind (known to the process that started the engine); ``placement_probe`` "
+    "and ``placement_report`` the placement probe of an engine started with "
+    '``workers="auto"`` (known to its trainer).',
 )
 
 

@@ -1,0 +1,135 @@
+#include "engine/placement.h"
+
+#include <sched.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <utility>
+
+#include "ipc/error.h"
+
+namespace shmgrad::engine {
+
+uint32_t physicalCores() {
+  cpu_set_t cpus;
+  CPU_ZERO(&cpus);
+  if (sched_getaffinity(0, sizeof(cpus), &cpus) != 0) return 1;
+  uint32_t cores = 0;
+  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+    if (!CPU_ISSET(cpu, &cpus)) continue;
+    // The first CPU of its sibling list stands for the core.
+    std::ifstream f("/sys/devices/system/cpu/cpu" + std::to_string(cpu) +
+                    "/topology/thread_siblings_list");
+    int first = -1;
+    if (!(f >> first)) return static_cast<uint32_t>(CPU_COUNT(&cpus));  // no topology
+    if (first == cpu || !CPU_ISSET(first, &cpus)) ++cores;
+  }
+  return std::max<uint32_t>(1, cores);
+}
+
+std::vector<Placement> placementCandidates(uint32_t cores, uint32_t slots) {
+  cores = std::max<uint32_t>(1, cores);
+  const uint32_t most = std::max<uint32_t>(1, std::min(cores, slots));
+  std::vector<Placement> out;
+  for (uint32_t w = 1; w < most; w *= 2) out.push_back({w, std::max<uint32_t>(1, cores / w)});
+  out.push_back({most, std::max<uint32_t>(1, cores / most)});
+  return out;
+}
+
+PlacementProbe::PlacementProbe(std::vector<Placement> candidates, const ProbeOptions& options)
+    : candidates_(std::move(candidates)), samples_(candidates_.size()), options_(options) {
+  SHMGRAD_CHECK(!candidates_.empty(), ErrorKind::kInvalidArgument,
+                "a placement probe needs at least one candidate");
+  options_.rounds = std::max<uint32_t>(1, options_.rounds);
+  if (candidates_.size() == 1) done_ = true;  // nothing to choose between
+}
+
+Placement PlacementProbe::next() const {
+  return done_ ? candidates_[chosen_] : candidates_[current_];
+}
+
+void PlacementProbe::record(double seconds, int64_t examples, double now_s, bool timed) {
+  if (done_) return;
+  if (start_s_ < 0) start_s_ = now_s - seconds;
+  if (phase_start_s_ < 0) phase_start_s_ = now_s - seconds;  // a visit begins
+  if (!timed_phase_) {
+    ++phase_steps_;
+    if (now_s - phase_start_s_ >= options_.settle_s) {
+      timed_phase_ = true;  // settled: the next steps are samples
+      phase_start_s_ = now_s;
+      phase_steps_ = 0;
+    }
+    return;
+  }
+  if (timed && examples > 0) {
+    samples_[current_].push_back(seconds / static_cast<double>(examples));
+    ++phase_steps_;
+  }
+  if (phase_steps_ == 0 || now_s - phase_start_s_ < options_.timed_s) return;
+  // The visit is over: the next candidate, or the next round.
+  timed_phase_ = false;
+  phase_start_s_ = -1;
+  phase_steps_ = 0;
+  if (++current_ == candidates_.size()) {
+    current_ = 0;
+    ++round_;
+  }
+  const bool all_timed =
+      std::all_of(samples_.begin(), samples_.end(), [](const auto& s) { return !s.empty(); });
+  if (round_ >= options_.rounds || (all_timed && now_s - start_s_ >= options_.budget_s)) finish();
+}
+
+namespace {
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+}  // namespace
+
+void PlacementProbe::finish() {
+  done_ = true;
+  double best = 0;
+  for (size_t i = 0; i < candidates_.size(); ++i) {
+    if (samples_[i].empty()) continue;
+    const double m = median(samples_[i]);
+    // Only clearly faster (by more than 1%) displaces a candidate listed earlier.
+    if (best == 0 || m < best * 0.99) {
+      best = m;
+      chosen_ = i;
+    }
+  }
+}
+
+Placement PlacementProbe::chosen() const { return candidates_[done_ ? chosen_ : current_]; }
+
+std::vector<PlacementProbe::Result> PlacementProbe::results() const {
+  std::vector<Result> out;
+  for (size_t i = 0; i < candidates_.size(); ++i) {
+    out.push_back({candidates_[i], median(samples_[i]), static_cast<uint32_t>(samples_[i].size())});
+  }
+  return out;
+}
+
+std::string PlacementProbe::report() const {
+  std::ostringstream os;
+  os << "placement probe:";
+  for (const Result& r : results()) {
+    char ms[32];
+    std::snprintf(ms, sizeof ms, "%.4g", r.seconds_per_example * 1e3);
+    os << " " << r.placement.workers << "x" << r.placement.threads << " " << ms
+       << " ms/example (median of " << r.samples << " steps);";
+  }
+  if (done_) {
+    os << " chosen " << candidates_[chosen_].workers << " workers x "
+       << candidates_[chosen_].threads << " threads";
+  } else {
+    os << " still probing";
+  }
+  return os.str();
+}
+
+}  // namespace shmgrad::engine

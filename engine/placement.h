@@ -1,0 +1,79 @@
+// Placement: how a step's cores are split into worker processes x intra-op threads per
+// worker, and the probe that chooses one on a trainer's first steps (serve --workers auto;
+// docs/DESIGN.md, "Placement"). No libtorch: the trainer and the coordinator link it.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace shmgrad::engine {
+
+// CPUs this process may run on (sched_getaffinity), counting each physical core once.
+uint32_t physicalCores();
+
+struct Placement {
+  uint32_t workers = 0;  // participants at most (0: every ready worker)
+  uint32_t threads = 0;  // intra-op threads of each (0: the engine's threads_per_worker)
+};
+
+// What the probe tries for `cores` cores and at most `slots` workers: one worker with
+// every thread, then 2, 4, 8, ... workers and one per core, each with cores / workers
+// threads (at least 1). One candidate when cores or slots is 1.
+std::vector<Placement> placementCandidates(uint32_t cores, uint32_t slots);
+
+// Times candidates on real steps, round by round. A visit of a candidate first runs
+// untimed steps, at least one and for at least `settle_s` seconds: a worker whose thread
+// count just went down still has OpenMP threads spinning (libgomp spins for milliseconds
+// after a parallel region) on cores the other workers now need, and a worker that was idle
+// starts cold. Then timed steps, at least one and for at least `timed_s` seconds, each a
+// sample of seconds per example (batches may differ in size). The measure of a candidate
+// is the median of its samples. The probe ends after `rounds` rounds, or earlier once
+// every candidate has a sample and `budget_s` seconds have passed since the first step.
+// Ties (within 1%) go to the candidate listed first.
+struct ProbeOptions {
+  uint32_t rounds = 3;
+  double budget_s = 10;
+  double settle_s = 0;
+  double timed_s = 0;
+};
+
+class PlacementProbe {
+ public:
+  PlacementProbe(std::vector<Placement> candidates, const ProbeOptions& options);
+
+  bool done() const { return done_; }
+  // The placement the next step runs with (the chosen one once done).
+  Placement next() const;
+  // The step just run with next() took `seconds` for `examples` examples, ending at
+  // `now_s` (any monotonic clock). timed=false: not a sample (a step re-run after a
+  // worker was lost).
+  void record(double seconds, int64_t examples, double now_s, bool timed = true);
+  Placement chosen() const;
+
+  struct Result {
+    Placement placement;
+    double seconds_per_example = 0;  // median of the timed steps; 0 without any
+    uint32_t samples = 0;
+  };
+  std::vector<Result> results() const;
+  // One line: each candidate's median per example and samples, and the choice.
+  std::string report() const;
+
+ private:
+  void finish();
+
+  std::vector<Placement> candidates_;
+  std::vector<std::vector<double>> samples_;  // seconds per example, per candidate
+  ProbeOptions options_;
+  size_t current_ = 0;
+  uint32_t round_ = 0;
+  double start_s_ = -1;        // when the first step began
+  double phase_start_s_ = -1;  // when the current visit's phase began (-1: a new visit)
+  bool timed_phase_ = false;   // the visit has settled: its steps are samples
+  uint32_t phase_steps_ = 0;   // steps (settling) or samples (timed) in the phase
+  bool done_ = false;
+  size_t chosen_ = 0;
+};
+
+}  // namespace shmgrad::engine

@@ -1,0 +1,144 @@
+// The placement probe (engine/placement.h) on made-up step times: which candidates it
+// tries, in what order, when it stops, and what it keeps.
+#include "engine/placement.h"
+
+#include <gtest/gtest.h>
+
+#include <map>
+#include <utility>
+
+namespace shmgrad::engine {
+namespace {
+
+// No settling and no minimum timed phase: one untimed and one timed step per visit.
+ProbeOptions quick(uint32_t rounds, double budget_s) {
+  ProbeOptions o;
+  o.rounds = rounds;
+  o.budget_s = budget_s;
+  return o;
+}
+
+std::vector<std::pair<uint32_t, uint32_t>> pairs(const std::vector<Placement>& ps) {
+  std::vector<std::pair<uint32_t, uint32_t>> out;
+  for (const Placement& p : ps) out.emplace_back(p.workers, p.threads);
+  return out;
+}
+
+TEST(PlacementCandidates, OneWorkerWithEveryThreadFirstThenPowersOfTwoAndOnePerCore) {
+  using V = std::vector<std::pair<uint32_t, uint32_t>>;
+  EXPECT_EQ(pairs(placementCandidates(2, 2)), (V{{1, 2}, {2, 1}}));
+  EXPECT_EQ(pairs(placementCandidates(16, 16)), (V{{1, 16}, {2, 8}, {4, 4}, {8, 2}, {16, 1}}));
+  EXPECT_EQ(pairs(placementCandidates(6, 64)), (V{{1, 6}, {2, 3}, {4, 1}, {6, 1}}));
+  EXPECT_EQ(pairs(placementCandidates(16, 3)), (V{{1, 16}, {2, 8}, {3, 5}}));  // slots bound it
+  EXPECT_EQ(pairs(placementCandidates(1, 8)), (V{{1, 1}}));
+  EXPECT_EQ(pairs(placementCandidates(0, 0)), (V{{1, 1}}));
+}
+
+// Runs a probe whose steps take `ms_per_example[workers]` per example (batch 100); returns
+// the placements the steps ran with, in order.
+std::vector<uint32_t> drive(PlacementProbe* probe, std::map<uint32_t, double> ms_per_example,
+                            double budget_clock_step_s = 0.001) {
+  std::vector<uint32_t> ran;
+  double clock = 0;
+  for (int step = 0; step < 100 && !probe->done(); ++step) {
+    const Placement p = probe->next();
+    ran.push_back(p.workers);
+    const double seconds = ms_per_example.at(p.workers) * 100 / 1e3;
+    clock += budget_clock_step_s;
+    probe->record(seconds, 100, clock);
+  }
+  return ran;
+}
+
+TEST(PlacementProbe, VisitsEachCandidateWithAnUntimedThenATimedStepForEveryRound) {
+  PlacementProbe probe(placementCandidates(2, 2), quick(3, 1e9));
+  const auto ran = drive(&probe, {{1, 0.5}, {2, 0.3}});
+  EXPECT_EQ(ran, (std::vector<uint32_t>{1, 1, 2, 2, 1, 1, 2, 2, 1, 1, 2, 2}));
+  ASSERT_TRUE(probe.done());
+  EXPECT_EQ(probe.chosen().workers, 2u);
+  EXPECT_EQ(probe.chosen().threads, 1u);
+  EXPECT_EQ(probe.next().workers, 2u);  // every later step
+  for (const auto& r : probe.results()) EXPECT_EQ(r.samples, 3u);
+  EXPECT_NE(probe.report().find("chosen 2 workers x 1 threads"), std::string::npos)
+      << probe.report();
+}
+
+TEST(PlacementProbe, KeepsTheFastestPerExampleAndTheFirstListedOnATie) {
+  PlacementProbe fast_one(placementCandidates(16, 16), quick(3, 1e9));
+  drive(&fast_one, {{1, 0.2}, {2, 0.3}, {4, 0.25}, {8, 0.4}, {16, 0.5}});
+  EXPECT_EQ(fast_one.chosen().workers, 1u);
+  EXPECT_EQ(fast_one.chosen().threads, 16u);
+  PlacementProbe fast_four(placementCandidates(16, 16), quick(3, 1e9));
+  drive(&fast_four, {{1, 0.2}, {2, 0.3}, {4, 0.1}, {8, 0.4}, {16, 0.5}});
+  EXPECT_EQ(fast_four.chosen().workers, 4u);
+  PlacementProbe tie(placementCandidates(2, 2), quick(3, 1e9));
+  drive(&tie, {{1, 0.300}, {2, 0.299}});  // within 1%: not clearly faster
+  EXPECT_EQ(tie.chosen().workers, 1u);
+}
+
+TEST(PlacementProbe, MediansIgnoreAnOutlierAndBatchSizesAreNormalised) {
+  PlacementProbe probe(placementCandidates(2, 2), quick(3, 1e9));
+  double clock = 0;
+  int timed = 0;
+  while (!probe.done()) {
+    const Placement p = probe.next();
+    // One worker: 1 ms per example, once 50 ms (a hiccup); two: 0.8 ms, batches of 10 and 40.
+    const int64_t batch = (timed % 2 == 0) ? 10 : 40;
+    double per = p.workers == 1 ? 1e-3 : 0.8e-3;
+    if (p.workers == 1 && timed == 2) per = 50e-3;
+    clock += 0.01;
+    probe.record(per * batch, batch, clock);
+    ++timed;
+  }
+  EXPECT_EQ(probe.chosen().workers, 2u);
+  EXPECT_NEAR(probe.results()[0].seconds_per_example, 1e-3, 1e-9);
+  EXPECT_NEAR(probe.results()[1].seconds_per_example, 0.8e-3, 1e-9);
+}
+
+TEST(PlacementProbe, EndsEarlyOnceItsBudgetIsSpentAndEveryCandidateWasTimed) {
+  PlacementProbe probe(placementCandidates(2, 2), quick(3, 0.5));
+  // Each step takes 0.2 s of the clock: the budget is spent within the first round.
+  const auto ran = drive(&probe, {{1, 1.0}, {2, 2.0}}, 0.2);
+  EXPECT_EQ(ran, (std::vector<uint32_t>{1, 1, 2, 2}));
+  ASSERT_TRUE(probe.done());
+  EXPECT_EQ(probe.chosen().workers, 1u);
+}
+
+TEST(PlacementProbe, AStepReRunAfterALostWorkerIsNoSample) {
+  PlacementProbe probe(placementCandidates(2, 2), quick(1, 1e9));
+  probe.record(1.0, 10, 1.0);         // 1x2, untimed
+  probe.record(9.0, 10, 2.0, false);  // 1x2, re-run: no sample, the visit goes on
+  EXPECT_EQ(probe.next().workers, 1u);
+  probe.record(0.1, 10, 3.0);  // 1x2 timed
+  EXPECT_EQ(probe.next().workers, 2u);
+  probe.record(0.2, 10, 4.0);
+  probe.record(0.2, 10, 5.0);
+  ASSERT_TRUE(probe.done());
+  EXPECT_EQ(probe.chosen().workers, 1u);
+  EXPECT_NEAR(probe.results()[0].seconds_per_example, 0.01, 1e-12);
+}
+
+TEST(PlacementProbe, AVisitSettlesThenIsTimedEachForItsSeconds) {
+  ProbeOptions o = quick(1, 1e9);
+  o.settle_s = 0.045;
+  o.timed_s = 0.045;
+  PlacementProbe probe(placementCandidates(2, 2), o);
+  // Steps of 10 ms: 5 settle a visit (the last ends 50 ms after the visit began), 5 more
+  // are its samples.
+  const auto ran = drive(&probe, {{1, 0.1}, {2, 0.1}}, 0.01);
+  EXPECT_EQ(ran,
+            (std::vector<uint32_t>{1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2}));
+  ASSERT_TRUE(probe.done());
+  for (const auto& r : probe.results()) EXPECT_EQ(r.samples, 5u);
+  EXPECT_EQ(probe.chosen().workers, 1u);
+}
+
+TEST(PlacementProbe, OneCandidateNeedsNoProbe) {
+  PlacementProbe probe(placementCandidates(1, 4), quick(3, 10));
+  EXPECT_TRUE(probe.done());
+  EXPECT_EQ(probe.next().workers, 1u);
+  EXPECT_EQ(probe.next().threads, 1u);
+}
+
+}  // namespace
+}  // namespace shmgrad::engine

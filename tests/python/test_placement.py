@@ -1,0 +1,207 @@
+"""workers="auto": the trainer times workers x threads per worker on its first steps and
+keeps the fastest (engine/placement.h; issue 38). The probe's choice itself depends on
+the machine's speed: these tests check what it ran, what it says and that every step's
+gradient is exact, not which placement won."""
+
+import subprocess
+import time
+
+import pytest
+import torch
+
+import shmgrad
+from shmgrad import _C
+
+CORES = _C.physical_cores()
+needs_two_cores = pytest.mark.skipif(
+    CORES < 2, reason=f"a placement probe needs 2 or more cores; this machine has {CORES}"
+)
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def _batch(n=24, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 12, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def _reference(model, x, y):
+    ref = _mlp()
+    ref.load_state_dict(model.state_dict())
+    torch.nn.functional.cross_entropy(ref(x), y, reduction="sum").backward()
+    return [p.grad for p in ref.parameters()]
+
+
+def _threads_forward(model, batch):
+    """Eager workers' forward: the loss summed over the shard, plus 1000 x (this worker's
+    intra-op threads)^2, a constant (no gradient) that the step's loss reports: one worker
+    with 2 threads adds 4000, two with 1 thread each 2000."""
+    x, y = batch
+    loss = torch.nn.functional.cross_entropy(model(x), y, reduction="sum")
+    return loss + 1000.0 * torch.get_num_threads() ** 2
+
+
+@needs_two_cores
+def test_auto_probes_real_steps_keeps_one_and_every_gradient_is_exact():
+    model = _mlp()
+    x, y = _batch()
+    with shmgrad.Engine(
+        model=model,
+        workers="auto",
+        loss="cross_entropy",
+        mode="eager",
+        forward=_threads_forward,
+        loss_reduction="sum",
+    ) as engine:
+        engine.bind(model)
+        st = engine.status()
+        assert st.threads_per_worker == CORES and len(st.workers) == CORES, st.text
+        assert st.placement == "probing", st.text
+        ran = []
+        real = torch.nn.functional.cross_entropy(model(x), y, reduction="sum").item()
+        reference = _reference(model, x, y)  # no optimizer step: the same every step
+        deadline = time.monotonic() + 60
+        # The probe settles and times each visit for 50 ms: a few hundred steps this small.
+        while time.monotonic() < deadline:
+            before = engine.status()
+            stats = engine.gradient(inputs=x, targets=y)
+            # The workers computed with the threads the placement says, every step.
+            placed = before.placement_threads
+            assert stats.workers == (before.placement_workers or CORES), (len(ran), before.text)
+            assert stats.loss - real == pytest.approx(1000.0 * stats.workers * placed**2, abs=0.5)
+            ran.append((stats.workers, placed))
+            for got, want in zip(model.parameters(), reference):
+                torch.testing.assert_close(got.grad, want, rtol=1e-5, atol=1e-6)
+            if engine.status().placement == "chosen":
+                break
+        st = engine.status()
+        assert st.placement == "chosen", f"still probing after {len(ran)} steps: {st.text}"
+        candidates = {(1, CORES), (CORES, 1)}
+        assert candidates <= set(ran), ran  # both ends were tried
+        probe = {(c["workers"], c["threads_per_worker"]): c for c in st.placement_probe}
+        assert candidates <= set(probe), st.placement_probe
+        assert all(c["steps"] >= 1 and c["ms_per_example"] > 0 for c in probe.values()), probe
+        chosen = (st.placement_workers, st.placement_threads)
+        assert chosen in probe, (chosen, probe)
+        best = min(c["ms_per_example"] for c in probe.values())
+        assert probe[chosen]["ms_per_example"] <= best * 1.01 + 1e-12, probe
+        assert "placement probe:" in st.placement_report and "chosen" in st.placement_report
+        assert "placement chosen:" in st.text, st.text
+        assert "placement probe:" in engine.log(), engine.log()
+        # Later steps keep the choice.
+        for _ in range(3):
+            stats = engine.gradient(inputs=x, targets=y)
+            real = torch.nn.functional.cross_entropy(model(x), y, reduction="sum").item()
+            assert stats.workers == (chosen[0] or CORES)
+            assert stats.loss - real == pytest.approx(
+                1000.0 * stats.workers * chosen[1] ** 2, abs=0.5
+            )
+
+
+@needs_two_cores
+def test_a_later_trainer_keeps_the_choice_and_resize_fixes_the_placement():
+    model = _mlp()
+    x, y = _batch()
+    server = shmgrad.serve(model=model, workers="auto", loss="cross_entropy", mode="script")
+    try:
+        with shmgrad.attach(server.name) as first:
+            first.gradient_tensors()  # read directly: no module is bound
+            deadline = time.monotonic() + 60
+            while first.status().placement == "probing" and time.monotonic() < deadline:
+                first.gradient(inputs=x, targets=y)
+            st = first.status()
+            assert st.placement == "chosen", st.text
+            chosen = (st.placement_workers, st.placement_threads)
+        with shmgrad.attach(server.name) as second:
+            second.gradient_tensors()
+            st = second.status()
+            assert (
+                st.placement == "chosen" and (st.placement_workers, st.placement_threads) == chosen
+            )
+            assert st.placement_probe == ()  # no probe of its own
+            stats = second.gradient(inputs=x, targets=y)
+            assert stats.workers == (chosen[0] or CORES)
+            # resize: the count asked for, the cores shared among them, from now on.
+            second.resize(1)
+            st = second.status()
+            assert (st.placement, st.placement_workers, st.placement_threads) == (
+                "fixed",
+                0,
+                CORES,
+            ), st.text
+            stats = second.gradient(inputs=x, targets=y)
+            assert stats.workers == 1
+            torch.testing.assert_close(
+                second.gradient_tensors()[0], _reference(model, x, y)[0], rtol=1e-5, atol=1e-6
+            )
+    finally:
+        server.stop()
+
+
+def test_auto_refuses_what_would_fix_the_placement():
+    model = _mlp()
+    with pytest.raises(shmgrad.InvalidArgumentError, match="threads_per_worker"):
+        shmgrad.Engine(model=model, workers="auto", loss="cross_entropy", threads_per_worker=2)
+    with pytest.raises(shmgrad.InvalidArgumentError, match="devices="):
+        shmgrad.Engine(model=model, workers="auto", loss="cross_entropy", devices=["cuda:0"])
+    with pytest.raises(shmgrad.InvalidArgumentError, match='positive int or "auto"'):
+        shmgrad.Engine(model=model, workers="many", loss="cross_entropy")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--workers", "auto", "--threads-per-worker", "2"], "leave out --threads-per-worker"),
+        (["--workers", "lots"], "must be 1 to"),
+        (["--workers", "0"], "must be 1 to"),
+    ],
+)
+def test_serve_refuses_bad_workers(tmp_path, args, message):
+    out = subprocess.run(
+        [
+            shmgrad.program("shmgrad"),
+            "serve",
+            "--name",
+            "placement-bad",
+            "--model",
+            str(tmp_path / "none.pt"),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode != 0 and message in out.stderr, out.stderr
+
+
+def _context_switches(pid):
+    with open(f"/proc/{pid}/status") as f:
+        return sum(int(line.split()[1]) for line in f if "ctxt_switches" in line)
+
+
+def test_workers_a_step_leaves_out_are_not_woken_by_every_step():
+    """A step that takes one worker of three (a small batch, as a placement would) wakes
+    the other two once, when the first step goes on without them, not every step: their
+    context switches over 100 such steps stay far below 100 (each wait also ends every
+    200 ms to check the coordinator)."""
+    model = _mlp()
+    x, y = _batch(4)
+    with shmgrad.Engine(
+        model=model, workers=3, loss="cross_entropy", mode="script", min_examples_per_worker=4
+    ) as engine:
+        engine.gradient_tensors()
+        for _ in range(5):
+            assert engine.gradient(inputs=x, targets=y).workers == 1
+        st = engine.status()
+        idle = [w.pid for w in st.workers[1:]]  # the step takes the first ready worker
+        before = {pid: _context_switches(pid) for pid in idle}
+        t0 = time.monotonic()
+        for _ in range(100):
+            assert engine.gradient(inputs=x, targets=y).workers == 1
+        slices = (time.monotonic() - t0) / 0.2 + 2  # the 200 ms liveness checks
+        woken = {pid: _context_switches(pid) - n for pid, n in before.items()}
+        for pid in idle:
+            assert woken[pid] <= slices + 5, (woken, slices)
