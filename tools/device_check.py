@@ -923,7 +923,7 @@ class Checks:
         return run(
             [self.python, "-m", "shmgrad_tools.bench"]
             + ["--models", s["models"], "--batch-sizes", s["batch"], "--workers", s["workers"]]
-            + ["--systems", "single,shmgrad,ddp,ddp-shmgrad", "--repeats", str(s["repeats"])]
+            + ["--systems", "single,shmgrad,auto,ddp,ddp-shmgrad", "--repeats", str(s["repeats"])]
             + ["--warmup", str(s["warmup"]), "--budget", str(s["budget"])]
             + ["--out", self.path("bench")],
             timeout=timeout,

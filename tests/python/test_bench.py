@@ -287,6 +287,27 @@ def test_breakdown_tiny(tmp_path):
         assert parts["total"] > 0 and 0 <= parts["fixed"] <= parts["total"]
 
 
+def test_breakdown_with_sleeping_workers(tmp_path):
+    """`breakdown --sleep-ms 5`: the workers' compute is a 5 ms sleep, so each step's
+    compute part is at least that and the rest is the engine's own cost, at 1 and 3
+    workers."""
+    out = tmp_path / "breakdown.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "shmgrad_tools.bench.breakdown", "--sleep-ms", "5"]
+        + ["--workers", "1,3", "--steps", "12", "--warmup", "3", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "workers sleeping 5 ms instead of computing" in proc.stdout, proc.stdout
+    medians = json.loads(out.read_text())["medians_us"]
+    parts = medians.values() if isinstance(medians, dict) else medians
+    assert len(list(parts)) == 2
+    for p in medians.values() if isinstance(medians, dict) else medians:
+        assert p["compute"] >= 5000 and 0 <= p["fixed"] < p["total"], p
+
+
 def test_bf16_autocast_against_float32_eager(tmp_path):
     """`--systems shmgrad,eager,bf16`: eager workers under bfloat16 autocast, reported
     against the float32 eager workers of the same run."""
@@ -425,3 +446,27 @@ def test_collective_options_are_checked(tmp_path):
         )
         assert p.returncode != 0 and said in p.stderr, (args, p.stderr)
     assert not out.exists()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="auto over 2 cores needs 2 CPUs")
+def test_auto_placement_against_the_best_baseline(tmp_path):
+    """`--systems single,auto`: the engine with workers="auto" over N=2 cores probes its
+    placement on the batches first (the steps it took and what it chose are reported),
+    computes the single process's gradient, and each engine row says the best baseline
+    over it."""
+    result, table = _bench(tmp_path, "--tiny", "--workers", "2", "--systems", "single,shmgrad,auto")
+    by_system = {r["system"]: r for r in result["results"] if r["workers"] == 2}
+    auto, single = by_system["auto"], by_system["single"]
+    assert "error" not in auto, auto
+    w, t = map(int, auto["placement"].split("x"))
+    assert (w, t) in {(1, 2), (2, 1)}, auto["placement"]
+    assert auto["threads"] == t and auto["probe_steps"] >= 4 and auto["probe_s"] > 0, auto
+    assert {(c["workers"], c["threads_per_worker"]) for c in auto["probe"]} == {(1, 2), (2, 1)}
+    assert auto["grad_rel_err"] < 1e-4, auto
+    for system in ("shmgrad", "auto"):
+        r = by_system[system]
+        assert r["best_baseline"] == "single", r
+        assert r["best_baseline_over_this"] == single["median_s"] / r["median_s"], r
+    row = next(line for line in table.splitlines() if "| auto |" in line)
+    assert f"placed {w} workers x {t} threads" in row, row
+    assert f"single / this {auto['best_baseline_over_this']:.2f}x" in row, row

@@ -6,6 +6,10 @@
            (``engine.gradient(inputs=..., targets=...)``);
   eager    the same with eager Python workers (``mode="eager"``): the same models as
            plain nn.Modules, the same explicit batches;
+  auto, eager-auto  the same engines started with ``workers="auto"`` over N cores (the
+           bench process, and the engine it starts, restricted to N CPUs): the placement
+           probe (1 worker with N threads ... N workers with 1) runs on the batches first,
+           then the steps are timed with the placement it chose;
   compiled (not by default) eager workers that torch.compile their model
            (``compile=True``); compilation falls in the warm-up steps;
   bf16     (not by default) eager workers whose forward runs under
@@ -78,7 +82,30 @@ from . import collectives, models, report, runners
 from .nodes import NodeRun
 from .timing import Budget, log, now, summarize
 
-SYSTEMS = ("single", "shmgrad", "eager", "compiled", "bf16", "ddp", "ddp-shmgrad", "dask", "reduce")
+SYSTEMS = (
+    "single",
+    "shmgrad",
+    "eager",
+    "auto",
+    "eager-auto",
+    "compiled",
+    "bf16",
+    "ddp",
+    "ddp-shmgrad",
+    "dask",
+    "reduce",
+)
+# The engine's systems: (worker mode, torch.compile, workers="auto").
+ENGINE_SYSTEMS = {
+    "shmgrad": ("script", False, False),
+    "eager": ("eager", False, False),
+    "auto": ("script", False, True),
+    "eager-auto": ("eager", False, True),
+    "compiled": ("eager", True, False),
+    "bf16": ("eager", False, False),
+}
+# What a user would run instead: the best of these, per configuration, is the bar.
+BASELINES = ("single", "ddp")
 # DDP's systems and the process group backend of each.
 DDP_BACKENDS = {"ddp": "gloo", "ddp-shmgrad": "shmgrad"}
 # Compiling costs minutes; bf16 is a comparison of its own (--systems eager,bf16).
@@ -175,9 +202,10 @@ def build_parser():
         "--models",
         type=name_list(tuple(models.MODELS)),
         default=None,
-        help="comma-separated models: mlp (784-256-10), cnn (the Fashion-MNIST "
-        "CNN), wrn (Wide-ResNet-16-4 on [B,3,32,32]), tiny (64-32-10, for "
-        "tests). Default mlp,cnn,wrn; --quick: mlp,cnn; --tiny: tiny",
+        help="comma-separated models: mlp (784-256-10), mlp2 (784-1024-1024-10, "
+        "1.86 M parameters), cnn (the Fashion-MNIST CNN), wrn (Wide-ResNet-16-4 on "
+        "[B,3,32,32]), tiny (64-32-10, for tests). Default mlp,cnn,wrn; --quick: "
+        "mlp,cnn; --tiny: tiny",
     )
     ap.add_argument(
         "--batch-sizes",
@@ -534,13 +562,8 @@ def measure(args):
                         ref,
                     )
             engines = {}
-            for mode, system, compiled in (
-                ("script", "shmgrad", False),
-                ("eager", "eager", False),
-                ("eager", "compiled", True),
-                ("eager", "bf16", False),
-            ):
-                if system in systems:
+            for system, (mode, compiled, auto) in ENGINE_SYSTEMS.items():
+                if system in systems and not (auto and n > len(os.sched_getaffinity(0))):
                     engine_count += 1
                     name = f"bench-{os.getpid()}-{engine_count}"
                     engines[system], _ = record(
@@ -559,6 +582,7 @@ def measure(args):
                             mode=mode,
                             compile=compiled,
                             autocast=system == "bf16",
+                            auto=auto,
                         ),
                         ref,
                     )
@@ -609,6 +633,19 @@ def measure(args):
         }
         for system in ("shmgrad", "eager", "shmgrad-paired", "ddp")
     )
+    # Each engine system against the best baseline of its configuration (what a user
+    # would run instead: one process with N threads, DDP-gloo): > 1, the engine is faster.
+    best = {}
+    for r in records:
+        if r["system"] in BASELINES and "median_s" in r:
+            key = (r["model"], r["batch"], r["workers"])
+            if key not in best or r["median_s"] < best[key]["median_s"]:
+                best[key] = r
+    for r in records:
+        key = (r["model"], r["batch"], r["workers"])
+        if r["system"] in ENGINE_SYSTEMS and key in best and "median_s" in r:
+            r["best_baseline"] = best[key]["system"]
+            r["best_baseline_over_this"] = best[key]["median_s"] / r["median_s"]
     for r in records:
         key = (r["model"], r["batch"], r["workers"])
         s = (shm_paired if r["system"].endswith("-paired") else shm).get(key)

@@ -19,10 +19,17 @@ Alongside, in the same process and in alternating blocks of steps, ``eager`` tim
 forward and backward of the same model in this process with one thread (what DDP runs at
 N = 1), and ``copy`` times copying the batch alone. Medians in microseconds.
 
+With ``--sleep-ms S`` the workers' compute is a fixed sleep instead (eager workers whose
+forward sleeps S ms, then computes the loss of the tiny model): sleeping workers need no
+core, so many workers on a few cores measure what the engine's own wake-ups, barriers
+and reduction cost as the worker count grows. The batch is then 4 examples per worker.
+
 Run: ``.venv/bin/python -m shmgrad_tools.bench.breakdown --model mlp --batch 32 --workers 1,2``
+or ``... --sleep-ms 2 --workers 1,2,4,8,16``
 """
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -70,7 +77,14 @@ def step_parts(dt, st):
     }
 
 
-def measure(model_name, batch, workers, steps, warmup, seed=0):
+def sleeping_forward(seconds, model, batch):
+    """An eager worker's forward whose compute is a fixed sleep (--sleep-ms)."""
+    time.sleep(seconds)
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x), y, reduction="sum")
+
+
+def measure(model_name, batch, workers, steps, warmup, seed=0, sleep_ms=None):
     models.set_threads(1)
     batches = models.make_batches(model_name, batch, 8)
     eager_model = models.make_model(model_name, seed)
@@ -78,16 +92,23 @@ def measure(model_name, batch, workers, steps, warmup, seed=0):
     rows = {p: [] for p in PARTS}
     eager, copy = [], []
     buf = torch.empty_like(batches[0][0])
+    options = {"mode": "script", "loss": "cross_entropy"}
+    if sleep_ms is not None:
+        options = {
+            "mode": "eager",
+            "loss": "cross_entropy",
+            "forward": functools.partial(sleeping_forward, sleep_ms / 1e3),
+            "loss_reduction": "sum",
+        }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # TorchScript workers, on purpose
         engine = Engine(
             model=models.make_model(model_name, seed),
             workers=workers,
-            mode="script",
-            loss="cross_entropy",
             threads_per_worker=1,
             max_batch=batch,
             name=f"breakdown-{workers}-{int(time.time() * 1000) % 100000}",
+            **options,
         )
     with engine:
         engine.gradient_tensors()  # the grads are read directly: no module bound
@@ -131,6 +152,12 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--json", help="also write the medians here")
+    ap.add_argument(
+        "--sleep-ms",
+        type=float,
+        default=None,
+        help="workers sleep this long instead of computing (tiny model, 4 examples each)",
+    )
     args = ap.parse_args(argv)
     try:
         counts = [int(w) for w in args.workers.split(",")]
@@ -138,11 +165,22 @@ def main(argv=None):
         ap.error(f"--workers takes comma-separated integers, got {args.workers!r}")
     if args.steps < 1 or args.warmup < 1 or args.batch < 1 or min(counts) < 1:
         ap.error("--steps, --warmup, --batch and every worker count must be at least 1")
+    if args.sleep_ms is not None and not 0 <= args.sleep_ms <= 1000:
+        ap.error("--sleep-ms must be 0 to 1000")
     results = {}
     for n in counts:
-        results[n] = measure(args.model, args.batch, n, args.steps, args.warmup)
+        if args.sleep_ms is None:
+            results[n] = measure(args.model, args.batch, n, args.steps, args.warmup)
+        else:
+            results[n] = measure("tiny", 4 * n, n, args.steps, args.warmup, sleep_ms=args.sleep_ms)
     cols = PARTS + ("eager", "copy")
-    print(f"{args.model} batch {args.batch}: medians in microseconds over {args.steps} steps")
+    if args.sleep_ms is None:
+        print(f"{args.model} batch {args.batch}: medians in microseconds over {args.steps} steps")
+    else:
+        print(
+            f"workers sleeping {args.sleep_ms:g} ms instead of computing (tiny model, 4 examples "
+            f"each): medians in microseconds over {args.steps} steps"
+        )
     print("N  " + " ".join(f"{c:>9}" for c in cols))
     for n, med in results.items():
         print(f"{n:<3}" + " ".join(f"{med[c]:9.1f}" for c in cols))

@@ -29,6 +29,19 @@ class MLP(nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
+class WideMLP(nn.Module):
+    """784-1024-1024-10 (1.86 M parameters): GEMM-bound, what a new user tries first."""
+
+    def __init__(self, inputs: int = 784, hidden: int = 1024, classes: int = NUM_CLASSES):
+        super().__init__()
+        self.fc1 = nn.Linear(inputs, hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.fc3 = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
 class FashionCNN(nn.Module):
     """The Fashion-MNIST CNN of examples/fashion_mnist.py (copied: examples/ is not part of
     the package): two conv/ReLU/max-pool blocks and a linear classifier."""
@@ -106,6 +119,7 @@ class ModelSpec(NamedTuple):
 MODELS: Dict[str, ModelSpec] = {
     "tiny": ModelSpec("tiny", "tiny MLP 64-32-10 (tests)", (64,)),
     "mlp": ModelSpec("mlp", "MLP 784-256-10", (784,)),
+    "mlp2": ModelSpec("mlp2", "MLP 784-1024-1024-10 (1.86 M parameters)", (784,)),
     "cnn": ModelSpec("cnn", "Fashion-MNIST CNN (examples/fashion_mnist.py)", (1, 28, 28)),
     "wrn": ModelSpec("wrn", "Wide-ResNet-16-4, CIFAR-shaped inputs", (3, 32, 32)),
 }
@@ -118,6 +132,8 @@ def make_model(name: str, seed: int = 0) -> nn.Module:
         return MLP(64, 32)
     if name == "mlp":
         return MLP()
+    if name == "mlp2":
+        return WideMLP()
     if name == "cnn":
         return FashionCNN()
     if name == "wrn":
@@ -195,7 +211,9 @@ def engine(model, workers, name, batch, x0, startup_timeout, loss="cross_entropy
             workers=workers,
             loss=loss,
             name=name,
-            threads_per_worker=1,
+            # workers="auto" chooses the threads per worker itself (over the cores this
+            # process may run on: run_shmgrad restricts them to the N of the row).
+            **({} if workers == "auto" else {"threads_per_worker": 1}),
             **engine_capacity(batch, x0),
             startup_timeout=startup_timeout,
             **options,

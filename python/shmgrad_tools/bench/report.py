@@ -167,6 +167,8 @@ def table(records, reductions, targets):
         "single": 1,
         "shmgrad": 2,
         "eager": 3,
+        "auto": 3.1,
+        "eager-auto": 3.2,
         "compiled": 4,
         "bf16": 5,
         "ddp": 6,
@@ -199,7 +201,14 @@ def table(records, reductions, targets):
         else:
             ratio = f"{r['ratio_to_shmgrad']:.2f}x" if "ratio_to_shmgrad" in r else "-"
         notes = []
-        if r["system"] in ("shmgrad", "eager", "compiled", "bf16"):
+        if "placement" in r:
+            notes.append(
+                f"placed {r['placement'].replace('x', ' workers x ')} threads "
+                f"(probe {r['probe_steps']} steps, {r['probe_s']:.1f} s)"
+            )
+        if "best_baseline_over_this" in r:
+            notes.append(f"{r['best_baseline']} / this {r['best_baseline_over_this']:.2f}x")
+        if r["system"] in ("shmgrad", "eager", "auto", "eager-auto", "compiled", "bf16"):
             notes.append(f"overhead {r['overhead_median'] * 100:.1f}%")
             notes.append(f"slowest worker f+b {fmt_ms(r['compute_max_median_s'])} ms")
             notes.append(

@@ -73,20 +73,28 @@ def run_shmgrad(
     mode="script",
     compile=False,
     autocast=False,
+    auto=False,
 ):
     """An engine of ``workers`` workers, TorchScript (``mode="script"``) or eager Python
     (``mode="eager"``: the same nn.Module run as it is, torch.compile'd in each worker
     with ``compile``, its forward under bfloat16 autocast with ``autocast``), fed the
-    batches explicitly."""
+    batches explicitly. ``auto``: ``workers="auto"`` over ``workers`` cores (this process,
+    and so the engine it starts, restricted to that many CPUs while it runs); its placement
+    probe runs on the batches before the warm-up and the timed steps."""
     models.set_threads(1)  # the trainer only copies the batch in and waits
     model = models.make_model(model_name, seed)
     batch = batches[0][0].shape[0]
     engine = None
+    cpus = os.sched_getaffinity(0)
     try:
+        if auto:
+            if workers > len(cpus):
+                raise RuntimeError(f"{workers} cores asked for, {len(cpus)} available")
+            os.sched_setaffinity(0, sorted(cpus)[:workers])
         t_start = now()
         engine = models.engine(
             model,
-            workers,
+            "auto" if auto else workers,
             engine_name,
             batch,
             batches[0][0],
@@ -99,6 +107,10 @@ def run_shmgrad(
         overheads, engine_overheads, compute, reduce_s, engine_wall = [], [], [], [], []
         grads = engine.gradient_tensors()  # read directly: no module is bound
         grad = None
+        placement = {}
+        if auto:
+            placement = probe_placement(engine, batches, deadline)
+            workers = int(placement["placement"].split("x")[0])  # the steps' participants
 
         def step(i, x, y, left):
             nonlocal grad
@@ -124,11 +136,12 @@ def run_shmgrad(
             "shmgrad"
             if mode == "script"
             else f"shmgrad ({mode}{', compiled' if compile else ''}{', bf16' if autocast else ''})"
-        )
+        ) + (" auto" if auto else "")
         times = timed_steps(batches, warmup, budget, deadline, label, step)
         return {
+            **placement,
             "times_s": times,
-            "threads": 1,
+            "threads": placement.get("threads", 1),
             "startup_s": startup,
             "overhead_median": statistics.median(overheads),
             "overhead_per_step": overheads,
@@ -149,6 +162,33 @@ def run_shmgrad(
     finally:
         if engine is not None:
             engine.close()
+        os.sched_setaffinity(0, cpus)
+
+
+PROBE_LIMIT_S = 120  # the probe's own budget is 10 s after every candidate's first sample
+
+
+def probe_placement(engine, batches, deadline):
+    """Runs an engine started with workers="auto" on the batches, in turn, until its
+    placement probe has chosen: what it chose, its steps and seconds, and what it measured."""
+    t0, steps = now(), 0
+    # The probe settles and times each visit for 50 ms: thousands of steps this short.
+    while engine.status().placement == "probing":
+        if now() > min(deadline, t0 + PROBE_LIMIT_S):
+            raise RuntimeError(
+                f"the placement probe did not choose in {steps} steps ({now() - t0:.0f} s)"
+            )
+        x, y = batches[steps % len(batches)]
+        engine.gradient(inputs=x, targets=y, reduction="sum", timeout=max(1.0, deadline - now()))
+        steps += 1
+    st = engine.status()
+    return {
+        "threads": st.placement_threads,
+        "placement": f"{st.placement_workers or len(st.ready_workers)}x{st.placement_threads}",
+        "probe_steps": steps,
+        "probe_s": now() - t0,
+        "probe": list(st.placement_probe),
+    }
 
 
 # -- 3. DDP (gloo, or the shmgrad backend) ----------------------------------------------
