@@ -6,7 +6,14 @@ from typing import Sequence, Union
 import torch
 
 from . import errors
-from ._native import tunable, tunable_value  # noqa: F401  (re-exported for the tools)
+from ._native import _C, tunable, tunable_value  # noqa: F401  (re-exported for the tools)
+
+
+def physical_cores() -> int:
+    """The cores this process may run on, SMT siblings once: what ``workers="auto"``
+    starts one worker per."""
+    return _C.physical_cores()
+
 
 Tensors = Union[torch.Tensor, Sequence[torch.Tensor]]
 

@@ -67,6 +67,25 @@ def test_stress_short_run(tmp_path):
     assert counts["kills"] == sum(r["kills"] for r in counts["runs"].values())
 
 
+def test_stress_with_auto_placement(tmp_path):
+    """`--workers auto`: the engine places its steps itself, the probe running while
+    workers are killed and the engine is resized (which fixes the placement); still no
+    wrong gradient, hang or leak."""
+    counts_path = tmp_path / "stress.json"
+    out = _run_stress(
+        counts_path,
+        "--mode", "script", "--workers", "auto", "--steps", "16", "--kill-rate", "0.3",
+        "--resize-rate", "0.1", "--seed", "2", "--step-timeout", "30",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    with open(counts_path) as f:
+        counts = json.load(f)
+    run = counts["runs"]["script"]
+    assert run["ok"] is True and run["steps"] == 16 and run["kills"] > 0, run
+    for key in ("wrong", "hangs", "leaked_segments", "leftover_workers"):
+        assert run[key] == 0, (key, run)
+
+
 def test_stress_help_and_bad_arguments(capsys):
     # The command end to end once; its argument checks in this process (each command line
     # costs seconds of imports).
@@ -92,6 +111,7 @@ def test_stress_help_and_bad_arguments(capsys):
         ),
         (["--nodes", "2", "--duration", "1m"], "--duration (the soak) runs one node"),
         (["--node-kill-rate", "1.5"], "--node-kill-rate must be a probability"),
+        (["--workers", "many"], 'a number or "auto"'),
     ):
         with pytest.raises(SystemExit) as exit_info:
             parse_args(["--name", "x", *args])

@@ -119,7 +119,13 @@ def build_parser():
         help="probability per step of shrinking to a random size and growing back at once",
     )
     ap.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    ap.add_argument("--workers", type=int, default=3, help="worker processes (default 3)")
+    ap.add_argument(
+        "--workers",
+        type=_workers,
+        default=3,
+        help='worker processes (default 3), or "auto": one per core, the trainer choosing '
+        "the placement on its first steps (faults included)",
+    )
     ap.add_argument("--max-batch", type=int, default=400, help="largest random batch (default 400)")
     ap.add_argument(
         "--step-timeout",
@@ -186,10 +192,20 @@ def build_parser():
     return ap
 
 
+def _workers(text):
+    """--workers: a count, or "auto"."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'a number or "auto", got {text!r}') from None
+
+
 def parse_args(argv=None):
     ap = build_parser()
     args = ap.parse_args(argv)
-    if args.steps < 1 or args.workers < 1 or args.max_batch < 1:
+    if args.steps < 1 or (args.workers != "auto" and args.workers < 1) or args.max_batch < 1:
         ap.error("--steps, --workers and --max-batch must be >= 1")
     if not 0 < args.stop_timeout < args.step_timeout:
         ap.error(

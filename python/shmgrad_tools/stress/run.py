@@ -29,7 +29,7 @@ import time
 import torch
 
 from shmgrad import attach, errors, read_status
-from shmgrad.testing import tunable
+from shmgrad.testing import physical_cores, tunable
 from shmgrad.testing import relative_error
 from .soak import cpu_probe, shm_files
 from .workloads import CLASSES, DATASET_SIZE, INPUT_SHAPE
@@ -158,6 +158,8 @@ class StressRun:
         # where they were.
         self.scale_rng = random.Random(args.seed + 1)
         self.counts = Counts()
+        # --workers auto: one worker per core (resizes then fix the placement).
+        self.worker_count = physical_cores() if args.workers == "auto" else args.workers
         self.worker_pids_seen = set()
         self.model = workload.model
         self.trainer = None
@@ -212,7 +214,7 @@ class StressRun:
         a = self.args
         if self.rng.random() < a.trainer_restart_rate:
             self._restart_trainer()
-        if a.workers > 1 and self.rng.random() < a.resize_rate:
+        if self.worker_count > 1 and self.rng.random() < a.resize_rate:
             self._shrink_and_grow()
         x, y, mean, call = self._draw_batch()
         ref = _reference(self.model, self.workload.loss, x, y, mean)
@@ -301,9 +303,9 @@ class StressRun:
         time to exit."""
         self._remember_workers()
         self.trainer.resize(
-            self.rng.randint(1, self.args.workers - 1), timeout=self.args.step_timeout
+            self.rng.randint(1, self.worker_count - 1), timeout=self.args.step_timeout
         )
-        self.trainer.resize(self.args.workers, timeout=self.args.step_timeout)
+        self.trainer.resize(self.worker_count, timeout=self.args.step_timeout)
         self.counts.resizes += 1
 
     def _draw_batch(self):
