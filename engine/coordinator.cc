@@ -78,10 +78,14 @@ class Coordinator {
     ipc::bumpAndWake(&c().coordinator_wake);
     writeServeReport(opt_.status_fd, "serving", "", "");
     if (!opt_.quiet) {
-      std::printf("shmgrad: engine '%s' serving: %u workers, %u parameter tensors (%" PRIu64
+      // Eager workers run the job's own loss: the segment's loss kind is not theirs.
+      const std::string loss =
+          eager() ? std::string("the job's") : ipc::lossName(static_cast<ipc::LossKind>(h()->loss));
+      std::printf("shmgrad: engine '%s' serving: %u workers%s, %u parameter tensors (%" PRIu64
                   " floats), loss %s, segment %s (%.1f MiB)%s%s\n",
-                  opt_.name.c_str(), opt_.workers, h()->num_params, h()->param_floats,
-                  ipc::lossName(static_cast<ipc::LossKind>(h()->loss)),
+                  opt_.name.c_str(), opt_.workers,
+                  opt_.auto_placement ? " (workers auto: the trainer places each step)" : "",
+                  h()->num_params, h()->param_floats, loss.c_str(),
                   ipc::segmentPath(opt_.name).c_str(), seg_->size() / 1048576.0,
                   h()->data_count > 0 ? ", dataset " : "", h()->data_description);
       for (const auto& [ordinal, ptr] : device_ptrs_) {
