@@ -469,4 +469,12 @@ def test_auto_placement_against_the_best_baseline(tmp_path):
         assert r["best_baseline_over_this"] == single["median_s"] / r["median_s"], r
     row = next(line for line in table.splitlines() if "| auto |" in line)
     assert f"placed {w} workers x {t} threads" in row, row
+    # The efficiency curves: one process with one thread over N times each system's.
+    png = tmp_path / "bench" / "efficiency.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    single_1t = next(r for r in result["results"] if r["system"] == "single-1t")
+    from shmgrad_tools.bench.report import efficiency
+
+    curves = efficiency(result["results"])[("tiny", 128)]
+    assert curves["auto"] == [(2, single_1t["median_s"] / (2 * auto["median_s"]))], curves
     assert f"single / this {auto['best_baseline_over_this']:.2f}x" in row, row

@@ -975,6 +975,9 @@ def main(argv=None):
     try:
         if not args.nodes:
             report.plot(records, os.path.join(args.out, "bench.png"))
+            # Parallel efficiency against one process with one thread (the 16-core
+            # machine's curve in tools/device-check).
+            report.plot_efficiency(records, os.path.join(args.out, "efficiency.png"))
     except Exception as exc:
         log(f"plot failed: {type(exc).__name__}: {exc}")
     print(text)

@@ -10,6 +10,8 @@ LABELS = {
     "single": "single process, N threads",
     "shmgrad": "shmgrad, N workers",
     "eager": "shmgrad eager, N workers",
+    "auto": 'shmgrad, workers="auto" over N cores',
+    "eager-auto": 'shmgrad eager, workers="auto" over N cores',
     "compiled": "shmgrad eager, torch.compile'd, N workers",
     "bf16": "shmgrad eager, bfloat16 autocast, N workers",
     "ddp": "DDP gloo, N processes",
@@ -465,6 +467,8 @@ def plot(records, path):
         "single": ("tab:blue", "-", "o"),
         "shmgrad": ("tab:red", "-", "s"),
         "eager": ("tab:orange", "-", "v"),
+        "auto": ("tab:red", ":", "*"),
+        "eager-auto": ("tab:orange", ":", "*"),
         "compiled": ("tab:brown", "-", "^"),
         "bf16": ("tab:pink", "-", "x"),
         "ddp": ("tab:green", "-", "^"),
@@ -516,6 +520,71 @@ def plot(records, path):
     fig.tight_layout(rect=(0, 0.75 / height, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+EFFICIENCY_SYSTEMS = ("single", "shmgrad", "eager", "auto", "eager-auto", "ddp", "ddp-shmgrad")
+
+
+def efficiency(records):
+    """Parallel efficiency of each system at each N: one process with one thread's median
+    over N times the system's (1: N cores give N times the speed), per model and batch:
+    ``{(model, batch): {system: [(N, efficiency), ...]}}``."""
+    base = {
+        (r["model"], r["batch"]): r["median_s"]
+        for r in records
+        if r["system"] == "single-1t" and "median_s" in r
+    }
+    out = {}
+    for r in records:
+        key = (r["model"], r["batch"])
+        if r["system"] in EFFICIENCY_SYSTEMS and key in base and "median_s" in r:
+            eff = base[key] / (r["workers"] * r["median_s"])
+            out.setdefault(key, {}).setdefault(r["system"], []).append((r["workers"], eff))
+    for systems in out.values():
+        for points in systems.values():
+            points.sort()
+    return out
+
+
+def plot_efficiency(records, path):
+    """The efficiency curves (efficiency()) as one panel per model and batch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves = efficiency(records)
+    if not curves:
+        return False
+    models = list(dict.fromkeys(m for m, _ in curves))
+    batches = sorted({b for _, b in curves})
+    fig, axes = plt.subplots(
+        len(models),
+        len(batches),
+        squeeze=False,
+        figsize=(4.2 * len(batches), 3.4 * len(models)),
+    )
+    for key in curves:
+        ax = axes[models.index(key[0])][batches.index(key[1])]
+        for system, points in curves[key].items():
+            ax.plot(
+                [n for n, _ in points],
+                [e for _, e in points],
+                marker="o",
+                ls=":" if system.endswith("auto") else "-",
+                label=LABELS.get(system, system),
+            )
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_title(f"{key[0]}, batch {key[1]}")
+        ax.set_xlabel("cores N")
+        ax.set_ylabel("efficiency: t(1 process, 1 thread) / (N t)")
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def jsonable(x):
