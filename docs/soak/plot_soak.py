@@ -54,92 +54,68 @@ def plot(run, out):
             for ax in axes:
                 ax.axvline(ks[0]["t"] / 60.0, color="0.5", ls="--", lw=0.8)
         label = f" ({kind})"
+        first = kind == kinds[0]
+
+        def line(ax, fn, color, name, samples=ks, **style):
+            """One series of this kind's samples; named in the legend once."""
+            ax.plot(
+                *_series(samples, fn),
+                color=color,
+                label=name if first else None,
+                **{"marker": ".", **style},
+            )
+
+        def worker_mib(pick):
+            return lambda s: _workers(s, "rss_kib", pick) and _workers(s, "rss_kib", pick) / MIB
+
         for role, color in (("trainer", "C0"), ("coordinator", "C1")):
-            ax_rss.plot(
-                *_series(
-                    ks,
-                    lambda s: (
-                        s["procs"].get(role, {}).get("rss_kib", None)
-                        and s["procs"][role]["rss_kib"] / MIB
-                    ),
+            line(
+                ax_rss,
+                lambda s: (
+                    s["procs"].get(role, {}).get("rss_kib", None)
+                    and s["procs"][role]["rss_kib"] / MIB
                 ),
-                color=color,
-                marker=".",
-                label=role if kind == kinds[0] else None,
+                color,
+                role,
             )
-            ax_fd.plot(
-                *_series(ks, lambda s: s["procs"].get(role, {}).get("fds")),
-                color=color,
-                marker=".",
-                label=role if kind == kinds[0] else None,
-            )
-        ax_rss.plot(
-            *_series(
-                ks, lambda s: _workers(s, "rss_kib", max) and _workers(s, "rss_kib", max) / MIB
-            ),
-            color="C2",
-            marker=".",
-            label="largest worker" if kind == kinds[0] else None,
-        )
-        ax_rss.plot(
-            *_series(
-                ks, lambda s: _workers(s, "rss_kib", min) and _workers(s, "rss_kib", min) / MIB
-            ),
-            color="C2",
-            ls=":",
-            label="smallest worker" if kind == kinds[0] else None,
-        )
+            line(ax_fd, lambda s: s["procs"].get(role, {}).get("fds"), color, role)
+        line(ax_rss, worker_mib(max), "C2", "largest worker")
+        line(ax_rss, worker_mib(min), "C2", "smallest worker", ls=":", marker=None)
         # Growth since the warm-up's end, the quantity the bounds are on.
         base = ks[min(warm, len(ks) - 1)]
         for role, color in (("trainer", "C0"), ("coordinator", "C1")):
             b = base["procs"].get(role, {}).get("rss_kib")
             if b is not None:
-                ax_grow.plot(
-                    *_series(
-                        ks[warm:],
-                        lambda s: role in s["procs"] and (s["procs"][role]["rss_kib"] - b) / MIB,
-                    ),
-                    color=color,
-                    marker=".",
-                    label=role if kind == kinds[0] else None,
+                line(
+                    ax_grow,
+                    lambda s: role in s["procs"] and (s["procs"][role]["rss_kib"] - b) / MIB,
+                    color,
+                    role,
+                    samples=ks[warm:],
                 )
         bw = _workers(base, "rss_kib", max)
         if bw is not None:
-            ax_grow.plot(
-                *_series(
-                    ks[warm:],
-                    lambda s: (
-                        _workers(s, "rss_kib", max) and (_workers(s, "rss_kib", max) - bw) / MIB
-                    ),
-                ),
-                color="C2",
-                marker=".",
-                label="largest worker" if kind == kinds[0] else None,
+            line(
+                ax_grow,
+                lambda s: _workers(s, "rss_kib", max) and (_workers(s, "rss_kib", max) - bw) / MIB,
+                "C2",
+                "largest worker",
+                samples=ks[warm:],
             )
-        ax_fd.plot(
-            *_series(ks, lambda s: _workers(s, "fds", max)),
-            color="C2",
-            marker=".",
-            label="workers (largest)" if kind == kinds[0] else None,
+        line(ax_fd, lambda s: _workers(s, "fds", max), "C2", "workers (largest)")
+        line(
+            ax_shm,
+            lambda s: s["shm_bytes"] / 2**20,
+            "C3",
+            "engine's /dev/shm files (MiB allocated)",
         )
-        ax_shm.plot(
-            *_series(ks, lambda s: s["shm_bytes"] / 2**20),
-            color="C3",
-            marker=".",
-            label="engine's /dev/shm files (MiB allocated)" if kind == kinds[0] else None,
+        line(
+            ax_t,
+            lambda s: s["step_median_s"] and s["step_median_s"] * 1e3,
+            "C0",
+            "median step (ms)",
         )
-        ax_t.plot(
-            *_series(ks, lambda s: s["step_median_s"] and s["step_median_s"] * 1e3),
-            color="C0",
-            marker=".",
-            label="median step (ms)" if kind == kinds[0] else None,
-        )
-        ax_t.plot(
-            *_series(ks, lambda s: s.get("probe_s") and s["probe_s"] * 1e3),
-            color="C4",
-            marker=".",
-            label="probe (ms)" if kind == kinds[0] else None,
-        )
+        line(ax_t, lambda s: s.get("probe_s") and s["probe_s"] * 1e3, "C4", "probe (ms)")
         ax_rss.text(ks[0]["t"] / 60.0, 0.02, label, transform=ax_rss.get_xaxis_transform())
     if any(s.get("load1") is not None for s in samples):
         ax_load = ax_t.twinx()

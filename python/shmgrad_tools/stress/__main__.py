@@ -308,6 +308,20 @@ def report_nodes(label, c):
     )
 
 
+def finish(args, total_counts, runs):
+    """Writes --json (the totals at the top level, each kind's counts under "runs") and
+    returns the exit status: 0 when every count that must be 0 is."""
+    if args.json:
+        out = dict(
+            dataclasses.asdict(total_counts),
+            ok=total_counts.ok,
+            runs={k: dict(dataclasses.asdict(r), ok=r.ok) for k, r in runs.items()},
+        )
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0 if total_counts.ok else 1
+
+
 def main_nodes(args, kinds):
     from .nodes import NodeCounts, NodesRun
 
@@ -341,15 +355,7 @@ def main_nodes(args, kinds):
                 setattr(c, f.name, getattr(c, f.name) + v)
     if len(runs) > 1:
         report_nodes(f"stress {args.name} x{args.nodes} (all {len(runs)} kinds)", c)
-    if args.json:
-        out = dict(
-            dataclasses.asdict(c),
-            ok=c.ok,
-            runs={k: dict(dataclasses.asdict(r), ok=r.ok) for k, r in runs.items()},
-        )
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-    return 0 if c.ok else 1
+    return finish(args, c, runs)
 
 
 def main(argv=None):
@@ -405,15 +411,7 @@ def main(argv=None):
     c = total(runs.values())
     if len(runs) > 1:
         report(f"stress {args.name} (all {len(runs)} kinds)", c)
-    if args.json:
-        out = dict(
-            dataclasses.asdict(c),
-            ok=c.ok,
-            runs={k: dict(dataclasses.asdict(r), ok=r.ok) for k, r in runs.items()},
-        )
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-    return 0 if c.ok else 1
+    return finish(args, c, runs)
 
 
 if __name__ == "__main__":
