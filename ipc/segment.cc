@@ -383,13 +383,14 @@ void validateHeader(const SegmentHeader* h, uint64_t size) {
   checkRegion("req_indices", h->req_indices, size, static_cast<uint64_t>(h->max_batch) * 8);
   checkRegion("req_inputs", h->req_inputs, size, 0);
   checkRegion("req_targets", h->req_targets, size, 0);
-  checkRegion("device", h->device, size, 0);
-  if (h->device.size >= sizeof(DeviceTable) && h->device.offset % alignof(DeviceTable) == 0) {
-    // A CPU engine's table is all zeros (no device); a GPU engine's is checked in full.
-    validateDeviceTable(*reinterpret_cast<const DeviceTable*>(reinterpret_cast<const uint8_t*>(h) +
-                                                              h->device.offset),
-                        h->num_slots, h->param_floats, h->buffers.size, -1);
-  }
+  // Every engine has the table (a CPU engine's all zeros, no device), and every reader of
+  // the header may read all of it (status, the trainer, the workers): its region must
+  // hold it. A GPU engine's table is checked in full.
+  static_assert(kAlign % alignof(DeviceTable) == 0, "an aligned region aligns the table");
+  checkRegion("device", h->device, size, sizeof(DeviceTable));
+  validateDeviceTable(
+      *reinterpret_cast<const DeviceTable*>(reinterpret_cast<const uint8_t*>(h) + h->device.offset),
+      h->num_slots, h->param_floats, h->buffers.size, -1);
   {
     // No two regions may overlap: a worker writing its slot must never touch another.
     Region all[] = {h->params_table, h->params,       h->slots,      h->reduced,

@@ -545,6 +545,9 @@ TEST(ValidateHeaderTest, TargetedCorruptionsAreCorrupt) {
          h->params_table.size = std::numeric_limits<uint64_t>::max() - h->params_table.offset + 64;
        }},
       {"region too small", [](SegmentHeader* h, ParamEntry*) { h->params.size = 0; }},
+      // Found by fuzzing: status read the whole table past a region that could not hold it.
+      {"device table region smaller than the table",
+       [](SegmentHeader* h, ParamEntry*) { h->device.size = sizeof(DeviceTable) - 8; }},
       {"region misaligned", [](SegmentHeader* h, ParamEntry*) { h->params.offset += 4; }},
       {"table misaligned", [](SegmentHeader* h, ParamEntry*) { h->params_table.offset += 8; }},
       {"slots misaligned", [](SegmentHeader* h, ParamEntry*) { h->slots.offset += 1; }},
