@@ -97,8 +97,7 @@ EngineStatus statusOf(const std::string& name, const ipc::SegmentHeader* h) {
   // What the trainer writes (any value read here is only reported, never used).
   s.placement = ipc::placementStateName(static_cast<ipc::PlacementState>(c.placement_state.load()));
   s.placement_workers = c.placement_workers.load();
-  s.placement_threads = c.placement_threads.load();
-  if (s.placement_threads == 0) s.placement_threads = h->threads_per_worker;
+  s.placement_threads = ipc::stepThreads(c.placement_threads.load(), h->threads_per_worker);
   s.trainer_pid = c.trainer_pid.load();
   s.step_epoch = c.step_epoch.load();
   s.steps_served = c.steps_served.load();

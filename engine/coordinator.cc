@@ -110,10 +110,9 @@ class Coordinator {
                   "--loss-reduction is for eager jobs (TorchScript workers' losses are sums)");
     if (opt_.auto_placement) {
       // One worker per core, each able to use them all: the trainer places the steps.
-      const uint32_t cores = std::min(physicalCores(), ipc::kMaxThreadsPerWorker);
-      const uint32_t most = opt_.max_workers == 0 ? ipc::kMaxWorkers : opt_.max_workers;
-      opt_.workers = std::max<uint32_t>(1, std::min(cores, most));
-      opt_.threads_per_worker = cores;
+      const Placement start = autoStart(opt_.max_workers);
+      opt_.workers = start.workers;
+      opt_.threads_per_worker = start.threads;
     }
     SHMGRAD_CHECK(opt_.workers >= 1 && opt_.workers <= ipc::kMaxWorkers,
                   ErrorKind::kInvalidArgument, "--workers ", opt_.workers,

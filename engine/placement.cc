@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "ipc/error.h"
+#include "ipc/layout.h"
 
 namespace shmgrad::engine {
 
@@ -27,6 +28,12 @@ uint32_t physicalCores() {
     if (first == cpu || !CPU_ISSET(first, &cpus)) ++cores;
   }
   return std::max<uint32_t>(1, cores);
+}
+
+Placement autoStart(uint32_t max_workers) {
+  const uint32_t cores = std::min(physicalCores(), ipc::kMaxThreadsPerWorker);
+  const uint32_t most = max_workers == 0 ? ipc::kMaxWorkers : max_workers;
+  return {std::max<uint32_t>(1, std::min(cores, most)), cores};
 }
 
 std::vector<Placement> placementCandidates(uint32_t cores, uint32_t slots) {

@@ -17,6 +17,10 @@ struct Placement {
   uint32_t threads = 0;  // intra-op threads of each (0: the engine's threads_per_worker)
 };
 
+// What serve --workers auto starts: one worker per physical core (at most `max_workers`,
+// 0: no bound but the layout's), each able to use every core.
+Placement autoStart(uint32_t max_workers);
+
 // What the probe tries for `cores` cores and at most `slots` workers: one worker with
 // every thread, then 2, 4, 8, ... workers and one per core, each with cores / workers
 // threads (at least 1). One candidate when cores or slots is 1.

@@ -152,11 +152,13 @@ void Trainer::startPlacement() {
   ipc::ControlBlock& c = seg_->header()->control;
   if (c.placement_auto.load(std::memory_order_acquire) != 1) return;
   const auto state = static_cast<ipc::PlacementState>(c.placement_state.load());
-  if (state == ipc::PlacementState::kChosen || state == ipc::PlacementState::kFixed) {
-    placement_ = {c.placement_workers.load(), c.placement_threads.load()};
-    if (placement_.threads > ipc::kMaxThreadsPerWorker) placement_ = {};  // never trusted
-    if (state == ipc::PlacementState::kChosen || placement_.workers != 0 || placement_.threads != 0)
-      return;
+  const engine::Placement kept = {c.placement_workers.load(), c.placement_threads.load()};
+  // Chosen by a trainer before, or fixed by a resize (an engine nobody placed yet reads
+  // fixed with zeros): kept. A probe a dead trainer left unfinished starts again.
+  if (state == ipc::PlacementState::kChosen ||
+      (state == ipc::PlacementState::kFixed && (kept.workers != 0 || kept.threads != 0))) {
+    placement_ = kept.threads <= ipc::kMaxThreadsPerWorker ? kept : engine::Placement{};
+    return;
   }
   engine::ProbeOptions options;
   options.rounds = config::kPlacementProbeRounds;
@@ -201,7 +203,7 @@ PlacementStatus Trainer::placement() const {
   out.automatic = c.placement_auto.load() == 1;
   out.state = ipc::placementStateName(static_cast<ipc::PlacementState>(c.placement_state.load()));
   out.workers = placement_.workers;
-  out.threads = placement_.threads != 0 ? placement_.threads : seg_->header()->threads_per_worker;
+  out.threads = ipc::stepThreads(placement_.threads, seg_->header()->threads_per_worker);
   if (probe_ != nullptr) {
     for (const auto& r : probe_->results()) {
       out.probe.push_back(
@@ -675,8 +677,9 @@ uint32_t Trainer::publish(int64_t B, const GradientOptions& o, uint32_t kind,
   // barriers it is the participants' threads alone, as the trainer then either spins
   // (every process fits) or sleeps.
   r.threads = placement_.threads;
-  const uint32_t each = placement_.threads > 0 ? placement_.threads : h->threads_per_worker;
-  const uint64_t threads = static_cast<uint64_t>(p.n) * std::max<uint32_t>(1, each);
+  const uint64_t threads =
+      static_cast<uint64_t>(p.n) *
+      std::max<uint32_t>(1, ipc::stepThreads(placement_.threads, h->threads_per_worker));
   r.spin_ns = threads + 1 <= cores_ ? spin_ns_ : 0;
   r.barrier_spin_ns = threads <= cores_ ? spin_ns_ : 0;
   // Workers the step before went on without sleep on idle_wake: wake them only when this

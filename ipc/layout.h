@@ -322,6 +322,12 @@ inline void clearParamBit(uint64_t* bits, uint32_t i) {
 }
 inline bool paramBit(const uint64_t* bits, uint32_t i) { return (bits[i / 64] >> (i % 64)) & 1u; }
 
+// The intra-op threads a placement's `threads` stands for (StepRequest::threads,
+// ControlBlock::placement_threads): itself, or with 0 the engine's threads_per_worker.
+inline uint32_t stepThreads(uint32_t threads, uint32_t threads_per_worker) {
+  return threads != 0 ? threads : threads_per_worker;
+}
+
 // One tensor of a structured batch: B examples of `example_shape`, at `offset` bytes
 // into the req_inputs region (a multiple of kAlign).
 struct LeafEntry {
@@ -371,8 +377,9 @@ struct StepRequest {
   uint32_t buffer_rule;  // BufferRule
   uint32_t accumulate;   // Accumulate
   // Intra-op threads each participant computes this step with (the placement: the
-  // trainer's choice, PlacementControl); 0: the engine's threads_per_worker. A worker
-  // changes its thread count only when this differs from its last step's.
+  // trainer's choice, engine/placement.h); 0: the engine's threads_per_worker
+  // (stepThreads). A worker changes its thread count only when it differs from its last
+  // step's.
   uint32_t threads;
   // Accumulating with a mean: the count the previous result is the mean over. The
   // reducers take a = prev_count / (prev_count + C) and b = 1 / (prev_count + C), C the

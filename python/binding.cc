@@ -208,9 +208,12 @@ PYBIND11_MODULE(_C, m) {
         .def(py::init<>()) SHMGRAD_GRADIENT_STATS_FIELDS(SHMGRAD_DEF_READONLY);
   }
   m.attr("RECORDS") = recordDescriptions();
-  m.attr("MAX_WORKERS") = shmgrad::ipc::kMaxWorkers;
   m.def("physical_cores", &shmgrad::engine::physicalCores,
         "CPUs this process may run on, each physical core counted once (engine/placement.h)");
+  m.def(
+      "auto_workers",
+      [](uint32_t max_workers) { return shmgrad::engine::autoStart(max_workers).workers; },
+      py::arg("max_workers"), "the workers serve --workers auto starts (0: no bound)");
 
   py::class_<shmgrad::Trainer>(m, "Trainer")
       .def_static(

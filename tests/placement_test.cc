@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
 #include <utility>
 
@@ -22,6 +23,16 @@ std::vector<std::pair<uint32_t, uint32_t>> pairs(const std::vector<Placement>& p
   std::vector<std::pair<uint32_t, uint32_t>> out;
   for (const Placement& p : ps) out.emplace_back(p.workers, p.threads);
   return out;
+}
+
+TEST(AutoStart, OneWorkerPerCoreEachAbleToUseEveryCoreBoundedByMaxWorkers) {
+  const uint32_t cores = physicalCores();
+  const Placement all = autoStart(0);
+  EXPECT_EQ(all.threads, cores);
+  EXPECT_EQ(all.workers, std::min<uint32_t>(cores, 64));
+  const Placement one = autoStart(1);
+  EXPECT_EQ(one.workers, 1u);
+  EXPECT_EQ(one.threads, cores);
 }
 
 TEST(PlacementCandidates, OneWorkerWithEveryThreadFirstThenPowersOfTwoAndOnePerCore) {

@@ -17,6 +17,7 @@
 #include <limits>
 
 #include "ipc/error.h"
+#include "ipc/layout.h"
 
 namespace shmgrad::worker {
 
@@ -85,7 +86,7 @@ class StepThreads {
   explicit StepThreads(uint32_t started)
       : started_(std::max<uint32_t>(1, started)), current_(started_) {}
   void apply(uint32_t threads) {
-    const uint32_t want = threads == 0 ? started_ : threads;
+    const uint32_t want = ipc::stepThreads(threads, started_);
     if (want == current_) return;
     at::set_num_threads(static_cast<int>(want));
     current_ = want;

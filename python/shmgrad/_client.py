@@ -908,8 +908,8 @@ class Client:
             raise errors.InvalidArgumentError(f"workers must be a positive int, got {workers!r}")
         if t.placement()["auto"]:
             # An engine that placed its steps itself (workers="auto"): the count asked for
-            # is the placement from now on, the cores shared among its workers.
-            self._note_placement()
+            # is the placement from now on, the cores shared among its workers (a probe it
+            # ends is reported after the next step, as one that chose).
             t.set_placement(0, max(1, t.cores() // workers))
         _C.request_resize(self.name, workers)
         deadline = time.monotonic() + timeout

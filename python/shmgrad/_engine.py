@@ -141,7 +141,7 @@ def serve(
         _check_auto_placement(ordinals, threads_per_worker, max_workers)
         # serve starts one worker per physical core (at most max_workers) and the trainer
         # places each step on them; the checks below see that count.
-        workers = max(1, min(_C.physical_cores(), max_workers or _C.MAX_WORKERS))
+        workers = _C.auto_workers(max_workers or 0)
     workers = _gpu.workers_for(workers, ordinals)
     loss_names = _C.loss_names()
     compile_opts = eager.compile_options(compile)
