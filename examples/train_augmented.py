@@ -19,7 +19,7 @@ Measured on a 2-vCPU VM (AMD EPYC, Debian 12, torch 1.13.1 CPU) that other peopl
 builds, tests and benchmarks shared, with the defaults (2 workers, one epoch of the 60000
 training images, batch 128): test accuracy 86.02% (BatchNorm statistics recomputed),
 914 examples/s, 66 s of training, 85 s in all. Step time outside the workers' compute
-(transforms, forward, backward): 1.2%. See README.md, "Eager workers".
+(transforms, forward, backward): 1.2%. See docs/GUIDE.md, "Eager and TorchScript workers".
 
 Run: .venv/bin/python examples/train_augmented.py [--epochs E] [--workers N]
      [--batch-size B] [--train-examples K]
@@ -64,7 +64,7 @@ def as_images(x):
 class TransformedFashionMNIST(torch.utils.data.Dataset):
     """Fashion-MNIST as torchvision's datasets serve it: ``transform`` applied to one PIL
     image in ``__getitem__``. Every eager worker holds a copy (47 MB for all 60000
-    images); see README.md for datasets too large for that."""
+    images); see docs/GUIDE.md ("Batches and datasets") for datasets too large for that."""
 
     def __init__(self, images, labels, transform):
         self.images = images  # uint8 [N, 28, 28]

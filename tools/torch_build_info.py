@@ -11,7 +11,7 @@ import os
 import sys
 import sysconfig
 
-# The oldest torch shmgrad supports; the README's "Supported versions" names the tested ones.
+# The oldest torch shmgrad supports; the README's status table names the tested ones.
 MIN_TORCH = (2, 11)
 LIST_SEPARATOR = "|"
 

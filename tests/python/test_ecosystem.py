@@ -70,7 +70,7 @@ def test_hugging_face_causal_lm_token_mean_is_refused_as_written():
     """`model(**batch).loss` of a causal LM is the mean over the batch's tokens: weighted
     by each shard's examples it would be silently wrong, so the engine refuses it when it
     finds it out (the first sequences differ in length), naming the fix. The fix, the
-    README's (loss_sum, count) recipes, is tested in test_recipes.py."""
+    guide's (loss_sum, count) recipes (docs/GUIDE.md), is tested in test_recipes.py."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     ds = TokenSequences()

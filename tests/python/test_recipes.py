@@ -1,4 +1,4 @@
-"""The README's loss recipes, read from the README itself and run as written, each with
+"""docs/GUIDE.md's loss recipes, read from the guide itself and run as written, each with
 the kind of model it names, against the gradient of plain PyTorch's ``outputs.loss`` of
 the same batch (tiny models built from configs, no download)."""
 
@@ -23,31 +23,31 @@ from text_models import (
     token_tag_collate,
 )
 
-README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
+GUIDE = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "GUIDE.md")
 
 
-def _readme():
-    with open(README) as f:
+def _guide():
+    with open(GUIDE) as f:
         return f.read()
 
 
 def _python_block_defining(name):
-    """The README's python code block that defines ``name``, run: its namespace."""
-    for block in re.findall(r"```python\n(.*?)```", _readme(), re.S):
+    """The guide's python code block that defines ``name``, run: its namespace."""
+    for block in re.findall(r"```python\n(.*?)```", _guide(), re.S):
         if f"def {name}(" in block:
             namespace = {"torch": torch}
-            exec(compile(textwrap.dedent(block), README, "exec"), namespace)
+            exec(compile(textwrap.dedent(block), GUIDE, "exec"), namespace)
             return namespace
-    raise AssertionError(f"README.md has no python block defining {name}")
+    raise AssertionError(f"docs/GUIDE.md has no python block defining {name}")
 
 
 def _inline_forward(pattern):
-    """The one ``forward=lambda ...`` in the README's text that matches ``pattern``, as a
+    """The one ``forward=lambda ...`` in the guide's text that matches ``pattern``, as a
     function."""
-    found = set(re.findall(r"forward=(lambda m, b: [^`\n]*?)(?:`|\)$)", _readme(), re.M))
+    found = set(re.findall(r"forward=(lambda m, b: [^`\n]*?)(?:`|\)?$)", _guide(), re.M))
     chosen = [text for text in found if re.search(pattern, text)]
     assert len(chosen) == 1, (pattern, found)
-    return eval(chosen[0], {"torch": torch})  # noqa: S307 - the README's own text
+    return eval(chosen[0], {"torch": torch})  # noqa: S307 - the guide's own text
 
 
 def _recipe(name):
@@ -95,7 +95,7 @@ def test_readme_recipe_gives_outputs_loss_gradient(name, make_model, collate):
 
 
 def test_the_encoder_recipe_on_a_causal_lm_is_another_objective():
-    """Why the README keeps two per-token recipes apart: on a causal LM the unshifted one is
+    """Why the guide keeps two per-token recipes apart: on a causal LM the unshifted one is
     not the model's loss (it would teach the model to copy its input)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
