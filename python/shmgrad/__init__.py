@@ -32,7 +32,7 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _backend, errors, multinode, schedules, testing
 from ._client import Client, GradientStats, attach
-from ._eager import example_batch, example_seed, seed_everything, step_seed
+from ._seeding import example_batch, example_seed, seed_everything, step_seed
 from ._engine import Engine, Server, save_model, serve
 from ._launcher import installed_binary as _installed_binary
 from ._native import _C, build_info

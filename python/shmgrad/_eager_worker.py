@@ -32,16 +32,17 @@ class ShardRunner:
 
     def __init__(self, participant, job):
         import torch
-        from . import _eager as eager
+        from . import _losses, _seeding
+        from ._modules import shared_buffers
         from ._native import _C
 
         self._torch = torch
-        self._eager = eager
+        self._losses, self._seeding = _losses, _seeding
         self._batch_kind = _C.BatchKind
         self.model = job.model
-        self.loss = eager.resolve_loss(job.loss)
+        self.loss = _losses.resolve_loss(job.loss)
         # "sum", "mean", "weighted" (forward returns (loss_sum, count)), or None: found
-        # out on this worker's first pass (eager.probe_reduction).
+        # out on this worker's first pass (_losses.probe_reduction).
         self.loss_reduction = job.loss_reduction
         self.dataset = job.dataset
         # A dataset spec string (dataset="fashion-mnist"): tensors over the segment.
@@ -62,8 +63,8 @@ class ShardRunner:
             )
         self.params = [p for _, p in named]
         # The buffers the engine shares, by name, while the model is still on the CPU
-        # (eager.shared_buffers takes CPU float32/int64 buffers).
-        shared_names = [n for n, _ in eager.shared_buffers(self.model)]
+        # (shared_buffers takes CPU float32/int64 buffers).
+        shared_names = [n for n, _ in shared_buffers(self.model)]
         # An engine with devices: this worker's model, batches and gradient slot are on
         # its GPU (its buffers moved there; its parameters become views below).
         self.device = None if participant.device < 0 else torch.device("cuda", participant.device)
@@ -164,12 +165,12 @@ class ShardRunner:
         torch = self._torch
         batch = self._batch(shard, start, stop)
         if self.loss_reduction is None:
-            self.loss_reduction = self._eager.probe_reduction(
+            self.loss_reduction = self._losses.probe_reduction(
                 self.model, self.loss, self.forward, batch
             )
             # For trainers that attach without the job: gradient()'s default from now on.
             self._participant.publish_loss_reduction(self.loss_reduction)
-        out = self._eager.call_loss(self.run_model, self.loss, self.forward, batch)
+        out = self._losses.call_loss(self.run_model, self.loss, self.forward, batch)
         examples = stop - start
         per_example = 1  # what turns the loss into the pass's sum: its examples for a mean
         if isinstance(out, (tuple, list)):
@@ -203,7 +204,7 @@ class ShardRunner:
         if self.device is None:
             return batch
         # After collate: the step's inputs go to the device (never its gradients).
-        return self._eager._map_tensors(batch, lambda t: t.to(self.device, non_blocking=True))
+        return self._losses.map_tensors(batch, lambda t: t.to(self.device, non_blocking=True))
 
     def _host_batch(self, shard, start, stop):
         if shard.kind == self._batch_kind.explicit:
@@ -222,7 +223,7 @@ class ShardRunner:
             raise ValueError(
                 "this engine has no dataset: pass inputs= and targets=, or start it with dataset="
             )
-        return self._eager.example_batch(
+        return self._seeding.example_batch(
             self.dataset, shard.indices[start:stop].tolist(), shard.seed, self.collate
         )
 
@@ -247,7 +248,7 @@ def main(argv) -> int:
     try:
         _C.configure_threads(participant.threads_per_worker)
         from . import _numerics
-        from ._eager import load_job
+        from ._job import load_job
 
         _numerics.apply(participant.numerics)  # the trainer's, where it said
 

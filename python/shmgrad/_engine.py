@@ -11,7 +11,7 @@ from typing import Optional, Union
 
 import torch
 
-from . import _eager as eager
+from . import _job, _losses, _mode, _modules
 from . import _gpu, _numerics
 from . import errors
 from ._native import _C, DEFAULTS
@@ -144,9 +144,9 @@ def serve(
         workers = _C.auto_workers(max_workers or 0)
     workers = _gpu.workers_for(workers, ordinals)
     loss_names = _C.loss_names()
-    compile_opts = eager.compile_options(compile)
+    compile_opts = _modules.compile_options(compile)
     if isinstance(model, torch.nn.Module):
-        model, wrapped = eager.compiled_original(model)  # torch.compile(module) given
+        model, wrapped = _modules.compiled_original(model)  # torch.compile(module) given
         if wrapped is not None and compile_opts is None:
             compile_opts = wrapped
         lazy = next(
@@ -173,7 +173,7 @@ def serve(
                 "without SyncBatchNorm; for the whole batch's statistics, run one worker",
                 stacklevel=3,
             )
-    mode, mode_reason = eager.choose_mode(
+    mode, mode_reason = _mode.choose_mode(
         mode,
         model=model,
         loss=loss,
@@ -192,13 +192,13 @@ def serve(
             )
         _check_arguments(workers=workers, loss=loss, max_workers=max_workers)
     else:
-        eager.check_loss(loss, loss_names, forward=forward, loss_reduction=loss_reduction)
+        _losses.check_loss(loss, loss_names, forward=forward, loss_reduction=loss_reduction)
         _check_arguments(workers=workers, loss=loss_names[0], max_workers=max_workers)
     name = name or f"py{os.getpid()}-{next(_names)}"
     _C.check_engine_name(name)
     eager_job = None
     if mode == "eager":
-        eager_job = eager.prepare_job(
+        eager_job = _job.prepare_job(
             model=model,
             loss=loss,
             dataset=dataset,
@@ -435,16 +435,15 @@ class Engine(Client):
             server.stop()
             raise
         # gradient()'s default reduction follows the loss's; where the workers are to find
-        # it out, this trainer does on the first explicit batch (_default_reduction).
-        self._loss_reduction = server.loss_reduction
+        # it out, this trainer does on the first explicit batch (_reduction); and the
+        # workers train the parameters that required grad when the model was started.
+        probe_job = trainable = None
         if isinstance(model, torch.nn.Module):
-            original = eager.compiled_original(model)[0]
-            if self._loss_reduction is None:
-                self._probe_job = (original, eager.resolve_loss(loss), forward)
-            # What the workers train: the model's requires_grad flags as it was started.
-            flags = [p.requires_grad for p in original.parameters()]
-            if len(flags) == len(self._param_info):
-                self._engine_trainable = flags
+            original = _modules.compiled_original(model)[0]
+            if server.loss_reduction is None:
+                probe_job = (original, _losses.resolve_loss(loss), forward)
+            trainable = [p.requires_grad for p in original.parameters()]
+        self._adopt_job(server.loss_reduction, probe_job, trainable)
 
     def log(self) -> str:
         """What the engine's coordinator and workers have printed so far: worker restarts,

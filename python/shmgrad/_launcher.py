@@ -69,7 +69,7 @@ class ServeOptions:
     max_batch: int = DEFAULTS["max_batch"]
     input_capacity_mb: int = DEFAULTS["input_capacity_mb"]
     startup_timeout: float = DEFAULTS["startup_timeout"]
-    eager_job: Optional[object] = None  # shmgrad._eager.EagerJob: Python workers run it
+    eager_job: Optional[object] = None  # shmgrad._job.EagerJob: Python workers run it
     devices: Optional[tuple] = None  # CUDA ordinals (--devices); None: a CPU engine
     numerics: Optional[str] = None  # the workers' torch numerics (_numerics.spec())
 

@@ -34,7 +34,7 @@ def _split_arguments(args):
 
 def load_job_function(spec: str) -> dict:
     from . import errors
-    from ._eager import SERVE_JOB_KEYS as JOB_KEYS
+    from ._job import SERVE_JOB_KEYS as JOB_KEYS
 
     module_name, sep, func_name = spec.partition(":")
     if not sep or not module_name or not func_name:
@@ -76,7 +76,7 @@ def main(argv) -> int:
         return EXIT_FAILURE
     spec, status_fd = ours.eager, ours.status_fd
     try:
-        from . import _eager as eager
+        from . import _job
         from . import errors
         from ._native import _C
         from ._launcher import installed_binary
@@ -86,8 +86,8 @@ def main(argv) -> int:
         if ours.model is not None:
             raise errors.InvalidArgumentError("give --eager or --model, not both")
         job = load_job_function(spec)
-        prepared = eager.prepare_job(
-            **{**dict.fromkeys(eager.SERVE_JOB_KEYS), **job}, loss_names=_C.loss_names()
+        prepared = _job.prepare_job(
+            **{**dict.fromkeys(_job.SERVE_JOB_KEYS), **job}, loss_names=_C.loss_names()
         )
         serve = [
             installed_binary("shmgrad", "SHMGRAD_BINARY"),

@@ -50,7 +50,7 @@ from typing import Optional
 
 import torch
 
-from . import _eager, errors
+from . import _losses, errors
 from ._engine import Engine
 
 NAME = "shmgrad"
@@ -267,7 +267,7 @@ def probe_logging(module, batch, batch_idx: Optional[int], shard: int) -> LogPla
     own["log"], own["log_dict"], own["print"] = log, log_dict, _silent
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            output = call_training_step(module, _eager._examples(batch, 0, shard), batch_idx)
+            output = call_training_step(module, _losses.examples(batch, 0, shard), batch_idx)
             loss = loss_of(output)
     except Exception as exc:  # the workers will say what is wrong, if anything is
         warnings.warn(
@@ -490,7 +490,7 @@ class _EngineStrategyMixin:
             return super().training_step(*args, **kwargs)
         batch, batch_idx = self._step_arguments(args, kwargs)
         module, trainer = self.lightning_module, self.lightning_module.trainer
-        examples = _eager._batch_length(batch)
+        examples = _losses.batch_length(batch)
         if not examples:
             raise errors.InvalidArgumentError(
                 "strategy='shmgrad' splits each batch between its workers along its tensors' "

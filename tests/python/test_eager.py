@@ -146,7 +146,7 @@ def test_twenty_adam_steps_agree_with_plain_pytorch():
 def test_auto_mode_keeps_torchscript_workers_and_explicit_modes():
     model = nn.Sequential(nn.Linear(4, 3))
     # A module that scripts runs in TorchScript workers, unless torch deprecates TorchScript.
-    auto = "eager" if shmgrad._eager.torchscript_deprecated() else "script"
+    auto = "eager" if shmgrad._mode.torchscript_deprecated() else "script"
     with shmgrad.Engine(model=model, loss="mse", workers=1) as engine:
         assert engine.mode == auto and engine.status().worker_kind == auto
     with shmgrad.Engine(model=model, loss="mse", workers=1, mode="script") as engine:
@@ -555,7 +555,7 @@ def test_dataset_spec_is_read_from_shared_memory_by_either_kind_of_worker(npy_da
     torch.manual_seed(0)
     model = Cnn()
     ref_model = __import__("copy").deepcopy(model)
-    deprecated = shmgrad._eager.torchscript_deprecated()
+    deprecated = shmgrad._mode.torchscript_deprecated()
     for mode in ("auto", "script"):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -586,7 +586,7 @@ def test_dataset_spec_is_read_from_shared_memory_by_either_kind_of_worker(npy_da
 
 
 def test_auto_modes_reason_is_a_sentence():
-    from shmgrad import _eager as eager
+    from shmgrad import _mode as eager
 
     common = dict(model=nn.Linear(2, 2), collate_fn=None, forward=None, loss_names=["mse"])
     mode, why = eager.choose_mode(

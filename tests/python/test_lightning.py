@@ -262,7 +262,9 @@ class TinyData(pl.LightningDataModule):
 def test_the_docs_one_line_way_runs_as_written(tmp_path, monkeypatch):
     with open(DOC) as f:
         doc = f.read()
-    (block,) = [b for b in re.findall(r"```python\n(.*?)```", doc, re.S) if "strategy=" in b]
+    (block,) = [
+        b for b in re.findall(r"```python(?: fragment)?\n(.*?)```", doc, re.S) if "strategy=" in b
+    ]
     monkeypatch.chdir(tmp_path)  # the Trainer's default logger and checkpoints go here
     torch.manual_seed(0)
     net = Mlp()

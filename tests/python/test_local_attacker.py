@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import shmgrad
 from conftest import Mlp
-from shmgrad import _eager
+from shmgrad import _job
 from shmgrad._native import _C
 
 NOBODY = 65534
@@ -73,7 +73,7 @@ def test_the_eager_job_is_private_and_a_stranger_can_neither_read_nor_swap_it():
         assert stat.S_ISDIR(d.st_mode) and d.st_uid == os.geteuid()
         assert stat.S_IMODE(d.st_mode) == 0o700
         names = sorted(os.listdir(directory))
-        assert names == sorted([_eager.JOB_FILE, _eager.PARAMS_FILE]), names
+        assert names == sorted([_job.JOB_FILE, _job.PARAMS_FILE]), names
         for name in names:  # the pickled job and the parameters' file beside it
             st = os.lstat(os.path.join(directory, name))
             assert stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid(), name
@@ -135,7 +135,7 @@ def test_a_job_a_stranger_planted_is_refused_not_unpickled(
     as_nobody(PLANT_JOB, job, marker, dir_mode, file_mode)
     assert os.stat(job).st_uid == NOBODY
     with pytest.raises(shmgrad.BusyError, match=why) as info:
-        _eager.load_job(job)
+        _job.load_job(job)
     assert "refused" in str(info.value)
     assert not os.path.exists(marker), "the stranger's pickle ran as root"
 
@@ -146,23 +146,23 @@ def test_a_job_of_ours_that_others_could_change_or_a_link_is_refused(tmp_path):
     good = private / "job.pkl"
     with os.fdopen(os.open(good, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
         pickle.dump({"model": "ok"}, f)
-    assert _eager.load_job(str(good)) == {"model": "ok"}  # as the launcher writes it
+    assert _job.load_job(str(good)) == {"model": "ok"}  # as the launcher writes it
     link = private / "link.pkl"
     link.symlink_to(good)
     with pytest.raises(shmgrad.BusyError, match="symbolic link"):
-        _eager.load_job(str(link))
+        _job.load_job(str(link))
     os.chmod(good, 0o644)  # readable by others
     with pytest.raises(shmgrad.BusyError, match="has mode 0644"):
-        _eager.load_job(str(good))
+        _job.load_job(str(good))
     os.chmod(good, 0o600)
     os.chmod(private, 0o733)  # others may add and rename entries
     with pytest.raises(shmgrad.BusyError, match="has mode 0733"):
-        _eager.load_job(str(good))
+        _job.load_job(str(good))
     os.chmod(private, 0o700)
     fifo = private / "fifo.pkl"
     os.mkfifo(fifo)  # would block a plain open()
     with pytest.raises(shmgrad.BusyError, match="not a regular file"):
-        _eager.load_job(str(fifo))
+        _job.load_job(str(fifo))
 
 
 def test_stop_does_not_follow_a_link_swapped_in_for_the_job_directory(tmp_path):

@@ -135,15 +135,15 @@ def test_a_job_naming_what_the_worker_cannot_import_is_refused_naming_it():
 def test_the_callers_pickle_registry_is_left_as_it_was():
     import cloudpickle
 
-    from shmgrad import _eager
+    from shmgrad import _job
 
     before = set(cloudpickle.list_registry_pickle_by_value())
     fake_script = types.ModuleType("__mp_main__")
     saved = sys.modules.get("__mp_main__")
     sys.modules["__mp_main__"] = fake_script
     try:
-        assert _eager._script_modules() == [fake_script]
-        _eager._dumps(torch.nn.Linear(2, 2), cloudpickle)
+        assert _job._script_modules() == [fake_script]
+        _job._dumps(torch.nn.Linear(2, 2), cloudpickle)
     finally:
         if saved is None:
             del sys.modules["__mp_main__"]
