@@ -413,7 +413,7 @@ def test_lightning_pytorch_gets_a_strategy_class_of_its_own():
 # ------------------------------------------------------------ DDP over the shmgrad backend
 
 DDP_SCRIPT = """
-import json, sys
+import json, os, sys
 import torch, pytorch_lightning as pl
 import shmgrad, shmgrad.lightning
 from pytorch_lightning.strategies import DDPStrategy
@@ -455,7 +455,24 @@ trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_
                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
                      enable_model_summary=False, use_distributed_sampler=False)
 net = Net()
-trainer.fit(net, loader)
+if len(sys.argv) > 3:  # an epoch of 2 batches, checkpointed, a fresh module resumed for one more
+    def make(steps):
+        return pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy,
+                          max_steps=steps, limit_train_batches=2, logger=False,
+                          enable_checkpointing=False, enable_progress_bar=False,
+                          enable_model_summary=False, use_distributed_sampler=False)
+    trainer = make(2)
+    trainer.fit(net, loader)
+    ckpt = os.path.join(sys.argv[3], "epoch0.ckpt")
+    trainer.save_checkpoint(ckpt)  # every rank calls it; rank 0 writes
+    net = Net()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(1.0)  # other values: all must come from the checkpoint
+    trainer = make(4)
+    trainer.fit(net, loader, ckpt_path=ckpt)
+else:
+    trainer.fit(net, loader)
 if trainer.global_rank == 0:
     backend = (torch.distributed.get_backend() if torch.distributed.is_initialized()
                else None)
@@ -494,3 +511,34 @@ def test_ddp_over_the_shmgrad_backend_trains_as_one_process(tmp_path, mode):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-5, atol=1e-6)
     # The last step's logged loss: the mean of the two ranks' means = the batch's mean.
     assert abs(results[mode]["loss"] - results["single"]["loss"]) < 1e-5
+
+
+@pytest.mark.full  # long: CI stays under 40 minutes
+def test_ddp_shmgrad_checkpoint_and_resume_as_lightning_on_one_device(tmp_path):
+    """strategy="ddp_shmgrad": an epoch of 2 steps, a checkpoint, a fresh module (other
+    values) resumed from it for a second epoch, ends where Lightning's single-device run
+    does the same (parameters and optimizer state from the checkpoint)."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "ddp.py"
+    script.write_text(DDP_SCRIPT)
+    results = {}
+    for mode in ("single", "word"):
+        out, ckpts = tmp_path / f"{mode}.json", tmp_path / mode
+        ckpts.mkdir()
+        proc = subprocess.run(
+            [sys.executable, str(script), mode, str(out), str(ckpts)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tmp_path,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"},
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert (ckpts / "epoch0.ckpt").exists()
+        results[mode] = json.loads(out.read_text())
+    assert results["word"]["backend"] == "shmgrad"
+    for a, b in zip(results["word"]["params"], results["single"]["params"]):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-5, atol=1e-6)
