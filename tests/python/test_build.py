@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import shmgrad
-from shmgrad import _eager as eager
+from shmgrad import _mode as eager
 
 from conftest import Mlp, reference_gradient, relative_error
 
