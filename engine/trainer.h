@@ -34,42 +34,57 @@ namespace gpu {
 class EngineMemory;
 }  // namespace gpu
 
+// The options of attach and of a gradient call, each declared once as a list
+// X(type, name, default, doc) (ipc/record.h): the structs below, the Python binding's
+// arguments (by field name, in the list's order) and shmgrad._C.ATTACH_OPTIONS and
+// GRADIENT_OPTIONS come from these lists; shmgrad.attach's and Client.gradient's defaults
+// are taken from there, and a test checks every Python default against them.
+// To add an option: one line in its list, its use in engine/trainer.cc, in Python the
+// argument it comes from (python/shmgrad/_client.py, GRADIENT_OPTION_SOURCES) where a user
+// gives it, and its test.
+
+// cuda_library's default is gpu::CudaLibrary::defaultPath().
+#define SHMGRAD_ATTACH_OPTIONS_FIELDS(X)                                             \
+  X(double, timeout_seconds, 30, "wait this long for the engine to exist and serve") \
+  X(bool, lease, true, "false: a read-only observer (status), no gradients")         \
+  X(std::string, cuda_library, "",                                                   \
+    "an engine with devices: the libshmgrad_cuda.so to load where "                  \
+    "$SHMGRAD_CUDA_LIBRARY does not say (empty: the package's)")
 struct AttachOptions {
-  double timeout_seconds = 30;  // wait this long for the engine to exist and serve
-  bool lease = true;            // false: read-only observer (status), no gradients
-  // For an engine with devices: libshmgrad_cuda.so, where $SHMGRAD_CUDA_LIBRARY does not
-  // say (empty: gpu::CudaLibrary::defaultPath()).
-  std::string cuda_library;
+  SHMGRAD_ATTACH_OPTIONS_FIELDS(SHMGRAD_DECLARE_OPTION)
 };
 
+// What the docs of the list below leave out:
+// - sum_through_mean: with mean false, the sum still, but computed through the batch's mean
+//   (workers backpropagate it, the reducers multiply by B; ipc::Reduction::kSumThroughMean),
+//   so float16 with a loss_scale overflows where backward of the mean would. What a node of
+//   several asks for when the mean is over the global count, taken after the all-reduce.
+// - loss_scale: workers backpropagate the loss times this (a GradScaler's scale, as its
+//   scale(loss).backward() does): the reduced gradient is loss_scale times the gradient,
+//   overflowing to inf where the scale is too large.
+// - seed, train: eager workers draw each example i after seeding with example_seed(seed, i).
+// - average_buffers: false is DDP's rule (the first participant's buffers).
+// - accumulate (ipc::Accumulate): the reduction writes the buffer that does not hold the
+//   previous result; prev_count: with mean, the count the previous result is the mean over.
+#define SHMGRAD_GRADIENT_OPTIONS_FIELDS(X)                                                \
+  X(bool, mean, false, "the reduced gradient of the mean instead of the sum")             \
+  X(bool, sum_through_mean, false, "with mean false: the sum, computed through the mean") \
+  X(double, timeout_seconds, 600, "the whole call, retries included")                     \
+  X(int, max_retries, 3, "re-runs of a step that lost a worker")                          \
+  X(int64_t, min_examples_per_worker, 1, "fewer workers take part in a small batch")      \
+  X(int64_t, max_examples_per_pass, 0, ">0: workers process their shard in passes")       \
+  X(bool, raise_on_nonfinite, false, "a NaN/inf loss or gradient raises NonFinite")       \
+  X(float, loss_scale, 1.0f, "workers backpropagate the loss times this (finite, > 0)")   \
+  X(uint64_t, seed, 0, "eager workers: the step's seed")                                  \
+  X(bool, train, true, "eager workers: the model runs in train mode")                     \
+  X(bool, average_buffers, true,                                                          \
+    "shared buffers (BatchNorm statistics) after the step: the participants' average "    \
+    "weighted by their examples, or the first participant's")                             \
+  X(::shmgrad::ipc::Accumulate, accumulate, ::shmgrad::ipc::Accumulate::kFresh,           \
+    "add to the previous result instead of replacing it (ipc::Accumulate)")               \
+  X(double, prev_count, 0, "with mean and accumulate: the count the previous result is over")
 struct GradientOptions {
-  bool mean = false;  // reduced gradient of the mean instead of the sum
-  // With mean false: the sum still, but computed through the batch's mean (workers
-  // backpropagate it, the reducers multiply by B; ipc::Reduction::kSumThroughMean), so
-  // float16 with a loss_scale overflows where backward of the mean would. What a node of
-  // several asks for when the mean is over the global count, taken after the all-reduce.
-  bool sum_through_mean = false;
-  double timeout_seconds = 600;         // the whole call, retries included
-  int max_retries = 3;                  // re-runs of a step that lost a worker
-  int64_t min_examples_per_worker = 1;  // fewer workers take part in a small batch
-  int64_t max_examples_per_pass = 0;    // >0: workers process their shard in passes
-  bool raise_on_nonfinite = false;      // NaN/inf loss or gradient raises NonFinite
-  // Workers backpropagate the loss times this (a GradScaler's scale, as its
-  // scale(loss).backward() does): the reduced gradient is loss_scale times the gradient,
-  // overflowing to inf where the scale is too large. Finite and > 0.
-  float loss_scale = 1.0f;
-  // Eager workers: the step's seed (each example i is drawn after seeding with
-  // example_seed(seed, i)) and whether the model runs in train mode.
-  uint64_t seed = 0;
-  bool train = true;
-  // After the step the shared buffers (BatchNorm statistics) hold the participants'
-  // average weighted by their examples (true), or the first participant's (DDP's rule).
-  bool average_buffers = true;
-  // Add to the previous result instead of replacing it (ipc::Accumulate): the reduction
-  // writes the buffer that does not hold it. prev_count: with mean, the count the
-  // previous result is the mean over.
-  ipc::Accumulate accumulate = ipc::Accumulate::kFresh;
-  double prev_count = 0;
+  SHMGRAD_GRADIENT_OPTIONS_FIELDS(SHMGRAD_DECLARE_OPTION)
 };
 
 // A gradient call's statistics, each record written once (ipc/record.h): the structs,

@@ -63,7 +63,7 @@ py::dict statusToDict(const shmgrad::engine::EngineStatus& s) {
 template <typename T>
 const char* pyTypeName() {
   if constexpr (std::is_same_v<T, bool>) return "bool";
-  if constexpr (std::is_integral_v<T>) return "int";
+  if constexpr (std::is_integral_v<T> || std::is_enum_v<T>) return "int";
   if constexpr (std::is_floating_point_v<T>) return "float";
   if constexpr (std::is_same_v<T, std::string>) return "str";
   if constexpr (std::is_same_v<T, std::vector<shmgrad::engine::WorkerStatus>>)
@@ -110,26 +110,47 @@ py::dict lossFunctions() {
   return functions;
 }
 
-shmgrad::GradientOptions makeOptions(bool mean, double timeout, int max_retries,
-                                     int64_t min_examples_per_worker, int64_t max_examples_per_pass,
-                                     bool raise_on_nonfinite, uint64_t seed, bool train,
-                                     bool average_buffers, uint32_t accumulate, double prev_count,
-                                     float loss_scale, bool sum_through_mean) {
-  shmgrad::GradientOptions o;
-  o.loss_scale = loss_scale;
-  o.sum_through_mean = sum_through_mean;
-  o.average_buffers = average_buffers;
-  o.accumulate = static_cast<shmgrad::ipc::Accumulate>(accumulate);
-  o.prev_count = prev_count;
-  o.seed = seed;
-  o.train = train;
-  o.mean = mean;
-  o.timeout_seconds = timeout;
-  o.max_retries = max_retries;
-  o.min_examples_per_worker = min_examples_per_worker;
-  o.max_examples_per_pass = max_examples_per_pass;
-  o.raise_on_nonfinite = raise_on_nonfinite;
-  return o;
+// Options to Python, from their lists (engine/trainer.h): each
+// field crosses the binding as its own type, an enum as its underlying integer, by field name
+// and in its list's order; _C.*_OPTIONS describes each list as (name, type, default, doc,
+// ...) tuples, the default as Python sees it.
+template <typename T, bool = std::is_enum_v<T>>
+struct Wire {
+  using type = T;
+};
+template <typename T>
+struct Wire<T, true> {
+  using type = std::underlying_type_t<T>;
+};
+template <typename T>
+using WireType = typename Wire<T>::type;
+
+// A lambda's parameter, its assignment into the options struct `options`, and its py::arg
+// with the struct's default (GradientOptions', AttachOptions').
+#define SHMGRAD_OPTION_PARAMETER(type, name, ...) , WireType<type> name
+#define SHMGRAD_OPTION_FROM_PARAMETER(type, name, ...) options.name = static_cast<type>(name);
+#define SHMGRAD_GRADIENT_OPTION_ARG(type, name, ...) \
+  , py::arg(#name) = static_cast<WireType<type>>(shmgrad::GradientOptions{}.name)
+#define SHMGRAD_ATTACH_OPTION_ARG(type, name, ...) \
+  , py::arg(#name) = static_cast<WireType<type>>(shmgrad::AttachOptions{}.name)
+
+// (name, type, default, doc) of each field of the gradient and attach lists.
+#define SHMGRAD_OPTION_DESCRIPTION(type, name, default_value, doc) \
+  fields.append(py::make_tuple(#name, pyTypeName<type>(),          \
+                               py::cast(static_cast<WireType<type>>(Defaults{}.name)), doc));
+
+py::list gradientOptionDescriptions() {
+  using Defaults = shmgrad::GradientOptions;
+  py::list fields;
+  SHMGRAD_GRADIENT_OPTIONS_FIELDS(SHMGRAD_OPTION_DESCRIPTION)
+  return fields;
+}
+
+py::list attachOptionDescriptions() {
+  using Defaults = shmgrad::AttachOptions;
+  py::list fields;
+  SHMGRAD_ATTACH_OPTIONS_FIELDS(SHMGRAD_OPTION_DESCRIPTION)
+  return fields;
 }
 
 }  // namespace
@@ -208,6 +229,8 @@ PYBIND11_MODULE(_C, m) {
         .def(py::init<>()) SHMGRAD_GRADIENT_STATS_FIELDS(SHMGRAD_DEF_READONLY);
   }
   m.attr("RECORDS") = recordDescriptions();
+  m.attr("GRADIENT_OPTIONS") = gradientOptionDescriptions();
+  m.attr("ATTACH_OPTIONS") = attachOptionDescriptions();
   m.def("physical_cores", &shmgrad::engine::physicalCores,
         "CPUs this process may run on, each physical core counted once (engine/placement.h)");
   m.def(
@@ -218,16 +241,13 @@ PYBIND11_MODULE(_C, m) {
   py::class_<shmgrad::Trainer>(m, "Trainer")
       .def_static(
           "attach",
-          [](const std::string& name, double timeout, bool lease, const std::string& cuda_library) {
-            shmgrad::AttachOptions o;
-            o.timeout_seconds = timeout;
-            o.lease = lease;
-            o.cuda_library = cuda_library;
+          [](const std::string& name SHMGRAD_ATTACH_OPTIONS_FIELDS(SHMGRAD_OPTION_PARAMETER)) {
+            shmgrad::AttachOptions options;
+            SHMGRAD_ATTACH_OPTIONS_FIELDS(SHMGRAD_OPTION_FROM_PARAMETER)
             py::gil_scoped_release nogil;
-            return shmgrad::Trainer::attach(name, o);
+            return shmgrad::Trainer::attach(name, options);
           },
-          py::arg("name"), py::arg("timeout") = 30.0, py::arg("lease") = true,
-          py::arg("cuda_library") = "")
+          py::arg("name") SHMGRAD_ATTACH_OPTIONS_FIELDS(SHMGRAD_ATTACH_OPTION_ARG))
       .def_property_readonly("device", &shmgrad::Trainer::device,
                              "the CUDA device its views are on, or -1 (a CPU engine)")
       .def_property_readonly("on_device", &shmgrad::Trainer::onDevice,
@@ -282,53 +302,43 @@ PYBIND11_MODULE(_C, m) {
       .def("coordinator_pid", &shmgrad::Trainer::coordinatorPid)
       .def("closed", &shmgrad::Trainer::closed)
       .def("close", &shmgrad::Trainer::close)
+      // The gradient of one batch: `indices` into the engine's dataset, or `inputs` and
+      // `targets`; then every GradientOptions field, positional in its list's order
+      // (_C.GRADIENT_OPTIONS: Python's Client.gradient builds the tuple in that order).
       .def(
           "gradient",
-          // One batch: `indices` into the engine's dataset, or `inputs` and `targets`.
           [](shmgrad::Trainer& t, std::optional<at::Tensor> indices,
-             std::optional<at::Tensor> inputs, std::optional<at::Tensor> targets, bool mean,
-             double timeout, int max_retries, int64_t min_epw, int64_t max_epp,
-             bool raise_nonfinite, uint64_t seed, bool train, bool average_buffers,
-             uint32_t accumulate, double prev_count, float loss_scale, bool sum_through_mean) {
+             std::optional<at::Tensor> inputs,
+             std::optional<at::Tensor> targets SHMGRAD_GRADIENT_OPTIONS_FIELDS(
+                 SHMGRAD_OPTION_PARAMETER)) {
             SHMGRAD_CHECK(inputs.has_value() == targets.has_value() &&
                               indices.has_value() != inputs.has_value(),
                           shmgrad::ErrorKind::kInvalidArgument,
                           "give either indices or both inputs and targets");
-            auto o = makeOptions(mean, timeout, max_retries, min_epw, max_epp, raise_nonfinite,
-                                 seed, train, average_buffers, accumulate, prev_count, loss_scale,
-                                 sum_through_mean);
+            shmgrad::GradientOptions options;
+            SHMGRAD_GRADIENT_OPTIONS_FIELDS(SHMGRAD_OPTION_FROM_PARAMETER)
             shmgrad::GradientStats s;
             {
               py::gil_scoped_release nogil;
-              s = indices ? t.gradient(*indices, o) : t.gradient(*inputs, *targets, o);
+              s = indices ? t.gradient(*indices, options) : t.gradient(*inputs, *targets, options);
             }
             return s;
           },
-          py::arg("indices"), py::arg("inputs"), py::arg("targets"), py::arg("mean"),
-          py::arg("timeout"), py::arg("max_retries"), py::arg("min_examples_per_worker"),
-          py::arg("max_examples_per_pass"), py::arg("raise_on_nonfinite"), py::arg("seed") = 0,
-          py::arg("train") = true, py::arg("average_buffers") = true, py::arg("accumulate") = 0,
-          py::arg("prev_count") = 0.0, py::arg("loss_scale") = 1.0f,
-          py::arg("sum_through_mean") = false)
+          py::arg("indices"), py::arg("inputs"),
+          py::arg("targets") SHMGRAD_GRADIENT_OPTIONS_FIELDS(SHMGRAD_GRADIENT_OPTION_ARG))
+      // A structured batch (eager workers): its tensors and how they nest; then the options.
       .def(
           "gradient_structured",
-          // A structured batch (eager workers): its tensors and how they nest.
           [](shmgrad::Trainer& t, const std::vector<at::Tensor>& leaves,
-             const std::string& structure, bool mean, double timeout, int max_retries,
-             int64_t min_epw, int64_t max_epp, bool raise_nonfinite, uint64_t seed, bool train,
-             bool average_buffers, uint32_t accumulate, double prev_count, float loss_scale,
-             bool sum_through_mean) {
-            auto o = makeOptions(mean, timeout, max_retries, min_epw, max_epp, raise_nonfinite,
-                                 seed, train, average_buffers, accumulate, prev_count, loss_scale,
-                                 sum_through_mean);
+             const std::string& structure SHMGRAD_GRADIENT_OPTIONS_FIELDS(
+                 SHMGRAD_OPTION_PARAMETER)) {
+            shmgrad::GradientOptions options;
+            SHMGRAD_GRADIENT_OPTIONS_FIELDS(SHMGRAD_OPTION_FROM_PARAMETER)
             py::gil_scoped_release nogil;
-            return t.gradient(leaves, structure, o);
+            return t.gradient(leaves, structure, options);
           },
-          py::arg("leaves"), py::arg("structure"), py::arg("mean"), py::arg("timeout"),
-          py::arg("max_retries"), py::arg("min_examples_per_worker"),
-          py::arg("max_examples_per_pass"), py::arg("raise_on_nonfinite"), py::arg("seed"),
-          py::arg("train"), py::arg("average_buffers"), py::arg("accumulate"),
-          py::arg("prev_count"), py::arg("loss_scale") = 1.0f, py::arg("sum_through_mean") = false);
+          py::arg("leaves"),
+          py::arg("structure") SHMGRAD_GRADIENT_OPTIONS_FIELDS(SHMGRAD_GRADIENT_OPTION_ARG));
 
   // The client side of a running engine (engine/control.h).
   m.def(

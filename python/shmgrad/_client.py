@@ -18,7 +18,7 @@ import torch
 from . import _gpu, _request, errors, multinode
 from ._accumulation import Accumulation
 from ._binding import Binding
-from ._native import _C, DEFAULTS
+from ._native import _C, ATTACH_OPTIONS, DEFAULTS, GRADIENT_OPTIONS, positional_packer
 from ._reduction import DefaultReduction
 from ._seeding import step_seed
 from ._stats import GradientStats
@@ -29,6 +29,38 @@ __all__ = ["Client", "GradientStats", "attach"]
 BUFFER_RULES = ("average", "first")  # how a step publishes BatchNorm statistics
 STATE_VERSION = 1  # Client.state_dict()'s format
 RESIZE_POLL_S = 0.01  # how often resize() looks at the ready worker count
+
+# A gradient call's options are declared once, in engine/trainer.h's list
+# (SHMGRAD_GRADIENT_OPTIONS_FIELDS, here GRADIENT_OPTIONS): the defaults below come from it,
+# and the native call takes them positionally, in the list's order, as _gradient_options
+# packs them (one tuple a call: no dict, no attribute set per option). Where gradient() takes
+# each from: its argument of that name, or None where it derives it (from the bound module or
+# this client's state). To add an option: its line in the list, its source here and its
+# argument in gradient() (or attach() and Engine for a client-wide default), and its test.
+GRADIENT_OPTION_SOURCES = {
+    "mean": "reduction",  # "mean" on one node
+    "sum_through_mean": "reduction",  # "mean" across nodes, taken after the all-reduce
+    "timeout_seconds": "timeout",
+    "max_retries": "max_retries",
+    "min_examples_per_worker": "min_examples_per_worker",  # None: the client's
+    "max_examples_per_pass": "max_examples_per_pass",  # None: the client's
+    "raise_on_nonfinite": "raise_on_nonfinite",
+    "loss_scale": "loss_scale",
+    "seed": "seed",  # None: derived from the client's seed and step count
+    "train": None,  # the bound module's mode
+    "average_buffers": None,  # the client's buffers= rule
+    "accumulate": "accumulate",  # and whether a result is there to add to
+    "prev_count": None,  # what the previous result is over
+}
+if set(GRADIENT_OPTION_SOURCES) != set(GRADIENT_OPTIONS):  # pragma: no cover - a build skew
+    raise ImportError(
+        f"engine/trainer.h's gradient options {sorted(GRADIENT_OPTIONS)} differ from "
+        f"{__name__}.GRADIENT_OPTION_SOURCES {sorted(GRADIENT_OPTION_SOURCES)}: say where "
+        "gradient() takes each from"
+    )
+_gradient_options = positional_packer("_gradient_options", GRADIENT_OPTIONS)
+GRADIENT_DEFAULTS = {name: option.default for name, option in GRADIENT_OPTIONS.items()}
+DEFAULT_BUFFERS = BUFFER_RULES[0] if GRADIENT_DEFAULTS["average_buffers"] else BUFFER_RULES[1]
 
 
 def _check_buffers(buffers: str) -> str:
@@ -67,11 +99,11 @@ class Client:
         trainer,
         *,
         seed: int = 0,
-        min_examples_per_worker: int = 1,
-        max_examples_per_pass: int = 0,
+        min_examples_per_worker: int = GRADIENT_DEFAULTS["min_examples_per_worker"],
+        max_examples_per_pass: int = GRADIENT_DEFAULTS["max_examples_per_pass"],
         process_group=None,
         bucket_cap_mb: Optional[float] = None,
-        buffers: str = "average",
+        buffers: str = DEFAULT_BUFFERS,
     ):
         """Wraps ``trainer``, a native ``_C.Trainer`` attached to engine ``name``. Use
         :func:`attach` (or :class:`shmgrad.Engine`) rather than this."""
@@ -209,15 +241,15 @@ class Client:
         inputs=None,
         targets=None,
         reduction: Optional[str] = None,
-        timeout: float = 600.0,
-        max_retries: int = 3,
+        timeout: float = GRADIENT_DEFAULTS["timeout_seconds"],
+        max_retries: int = GRADIENT_DEFAULTS["max_retries"],
         min_examples_per_worker: Optional[int] = None,
         max_examples_per_pass: Optional[int] = None,
-        raise_on_nonfinite: bool = False,
+        raise_on_nonfinite: bool = GRADIENT_DEFAULTS["raise_on_nonfinite"],
         seed: Optional[int] = None,
         accumulate: bool = False,
         batch=None,
-        loss_scale=1.0,
+        loss_scale=GRADIENT_DEFAULTS["loss_scale"],
     ) -> GradientStats:
         """Computes the gradient of the loss over a batch into the reduced gradient (and so
         into the ``.grad`` of a bound module).
@@ -304,23 +336,23 @@ class Client:
         train = binding.training
         if mepp > 0 and train and binding.has_batchnorm:
             self._warn_passes(mepp)
-        args = (
-            mean and nodes is None,
-            float(timeout),
-            int(max_retries),
-            int(mepw),
-            int(mepp),
-            bool(raise_on_nonfinite),
-            seed,
-            train,
-            self.buffers == "average",
-            mode,
-            prev_count,
-            scale,
+        args = _gradient_options(
+            mean=mean and nodes is None,
             # Across nodes a mean is taken after the all-reduce, over the global count: the
             # node computes its sum through its batch's mean (as DDP's ranks backpropagate
             # theirs), so float16 with a GradScaler overflows where DDP's would.
-            mean and nodes is not None,
+            sum_through_mean=mean and nodes is not None,
+            timeout_seconds=float(timeout),
+            max_retries=int(max_retries),
+            min_examples_per_worker=int(mepw),
+            max_examples_per_pass=int(mepp),
+            raise_on_nonfinite=bool(raise_on_nonfinite),
+            loss_scale=scale,
+            seed=seed,
+            train=train,
+            average_buffers=self.buffers == "average",
+            accumulate=mode,
+            prev_count=prev_count,
         )
         local_step, empty = _request.local_step(
             t, args, indices, inputs, targets, batch, nodes is not None
@@ -493,13 +525,13 @@ class Client:
 def attach(
     name: str,
     *,
-    timeout: float = 30.0,
+    timeout: float = ATTACH_OPTIONS["timeout_seconds"].default,
     seed: int = 0,
-    min_examples_per_worker: int = 1,
-    max_examples_per_pass: int = 0,
+    min_examples_per_worker: int = GRADIENT_DEFAULTS["min_examples_per_worker"],
+    max_examples_per_pass: int = GRADIENT_DEFAULTS["max_examples_per_pass"],
     process_group=None,
     bucket_cap_mb: Optional[float] = None,
-    buffers: str = "average",
+    buffers: str = DEFAULT_BUFFERS,
 ) -> Client:
     """Attaches to an engine started with ``shmgrad serve --name NAME``.
 
@@ -514,7 +546,7 @@ def attach(
     """
     _C.check_engine_name(name)
     _check_buffers(buffers)
-    trainer = _C.Trainer.attach(name, timeout=timeout, cuda_library=_gpu.LIBRARY)
+    trainer = _C.Trainer.attach(name, timeout_seconds=timeout, cuda_library=_gpu.LIBRARY)
     return Client(
         name,
         trainer,

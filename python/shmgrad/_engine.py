@@ -15,7 +15,7 @@ from . import _job, _losses, _mode, _modules
 from . import _gpu, _numerics
 from . import errors
 from ._native import _C, DEFAULTS
-from ._client import Client, _check_buffers
+from ._client import DEFAULT_BUFFERS, GRADIENT_DEFAULTS, Client, _check_buffers
 from ._launcher import STOP_TIMEOUT_S, Launcher, ServeOptions
 from ._status import read_status
 
@@ -377,13 +377,13 @@ class Engine(Client):
         max_batch: int = DEFAULTS["max_batch"],
         input_capacity_mb: int = DEFAULTS["input_capacity_mb"],
         startup_timeout: float = DEFAULTS["startup_timeout"],
-        min_examples_per_worker: int = 1,
-        max_examples_per_pass: int = 0,
+        min_examples_per_worker: int = GRADIENT_DEFAULTS["min_examples_per_worker"],
+        max_examples_per_pass: int = GRADIENT_DEFAULTS["max_examples_per_pass"],
         process_group=None,
         bucket_cap_mb: Optional[float] = None,
         compile=False,
         loss_reduction: Optional[str] = None,
-        buffers: str = "average",
+        buffers: str = DEFAULT_BUFFERS,
         devices=None,
         device=None,
         trainer_device=None,
@@ -413,7 +413,7 @@ class Engine(Client):
         )
         try:
             trainer = _C.Trainer.attach(
-                server.name, timeout=ATTACH_TIMEOUT_S, cuda_library=_gpu.LIBRARY
+                server.name, timeout_seconds=ATTACH_TIMEOUT_S, cuda_library=_gpu.LIBRARY
             )
         except BaseException:
             server.stop()

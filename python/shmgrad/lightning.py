@@ -51,6 +51,7 @@ from typing import Optional
 import torch
 
 from . import _losses, errors
+from ._client import GRADIENT_DEFAULTS
 from ._engine import Engine
 
 NAME = "shmgrad"
@@ -325,8 +326,8 @@ class _EngineStrategyMixin:
         *,
         workers: Optional[int] = None,
         loss_reduction: Optional[str] = "mean",
-        timeout: float = 600.0,
-        max_retries: int = 3,
+        timeout: float = GRADIENT_DEFAULTS["timeout_seconds"],
+        max_retries: int = GRADIENT_DEFAULTS["max_retries"],
         checkpoint_io=None,
         **engine_options,
     ):

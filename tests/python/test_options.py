@@ -1,0 +1,102 @@
+"""Options declared once: a gradient call's and attach's (engine/trainer.h). The binding
+passes them by field name in their lists' order, and every Python signature takes its
+defaults from the lists: each is checked here against them."""
+
+import inspect
+import re
+
+import pytest
+
+import shmgrad
+from shmgrad import _client, _engine
+from shmgrad._native import _C, ATTACH_OPTIONS, GRADIENT_OPTIONS, positional_packer
+
+
+def _native_parameters(function):
+    """(name, default repr or None) of a pybind function's parameters, from its signature."""
+    signature = function.__doc__.splitlines()[0]
+    inside = signature[signature.index("(") + 1 : signature.rindex(") ->")]
+    found = re.findall(
+        r"(\w+): (?:[^=,]|, (?!\w+: ))+?(?: = ((?:[^,]|, (?!\w+: ))+))?(?=, \w+: |$)", inside
+    )
+    return [(name, default or None) for name, default in found]
+
+
+@pytest.mark.parametrize(
+    "function,leading,options",
+    [
+        (_C.Trainer.gradient, ["self", "indices", "inputs", "targets"], GRADIENT_OPTIONS),
+        (_C.Trainer.gradient_structured, ["self", "leaves", "structure"], GRADIENT_OPTIONS),
+        (_C.Trainer.attach, ["name"], ATTACH_OPTIONS),
+    ],
+)
+def test_options_cross_the_binding_by_name_in_their_lists_order(function, leading, options):
+    params = _native_parameters(function)
+    assert [n for n, _ in params] == leading + list(options), function.__doc__
+    for name, default in params[len(leading) :]:
+        assert default == repr(options[name].default), (name, default)
+
+
+def test_the_lists_say_what_each_option_is():
+    for options in (GRADIENT_OPTIONS, ATTACH_OPTIONS):
+        for name, option in options.items():
+            assert option.type in ("int", "float", "bool", "str"), (name, option)
+            assert option.doc and "\n\n" not in option.doc, name
+            kind = {"int": int, "float": float, "bool": bool, "str": str}
+            assert type(option.default) is kind[option.type], (name, option)
+    # What users and the docs rely on: a change of one of these is a change of the API.
+    defaults = {n: o.default for n, o in GRADIENT_OPTIONS.items()}
+    assert (defaults["timeout_seconds"], defaults["max_retries"]) == (600.0, 3)
+    assert (defaults["min_examples_per_worker"], defaults["max_examples_per_pass"]) == (1, 0)
+    assert defaults["mean"] is False and defaults["average_buffers"] is True
+    assert (defaults["accumulate"], defaults["loss_scale"]) == (0, 1.0)
+    assert ATTACH_OPTIONS["timeout_seconds"].default == 30.0
+
+
+def test_gradient_packs_its_options_in_the_lists_order():
+    names = list(GRADIENT_OPTIONS)
+    values = {name: i for i, name in enumerate(names)}
+    # Keywords in any order: the tuple is in the list's, as the binding takes it.
+    assert _client._gradient_options(**dict(reversed(values.items()))) == tuple(range(len(names)))
+    with pytest.raises(TypeError, match="missing 1 required keyword-only argument"):
+        _client._gradient_options(**{n: 0 for n in names[1:]})
+    with pytest.raises(TypeError, match="unexpected keyword argument"):
+        _client._gradient_options(**values, not_an_option=1)
+    assert set(_client.GRADIENT_OPTION_SOURCES) == set(names)
+    with pytest.raises(ImportError, match="not a list of field names"):
+        positional_packer("p", ["ok", "not a name"])
+
+
+def _default(function, name):
+    return inspect.signature(function).parameters[name].default
+
+
+def test_gradient_and_attach_defaults_are_the_lists():
+    gradient = inspect.signature(shmgrad.Client.gradient).parameters
+    for native, source in _client.GRADIENT_OPTION_SOURCES.items():
+        if source is None:
+            continue
+        assert source in gradient, f"GRADIENT_OPTION_SOURCES: gradient() has no {source!r}"
+        default = gradient[source].default
+        if default is None or source == "reduction":
+            continue  # derived per call (the client's default, the loss's reduction, a seed)
+        assert default == GRADIENT_OPTIONS[native].default, (source, default)
+        assert type(default) is type(GRADIENT_OPTIONS[native].default) or source == "accumulate"
+    # The client-wide defaults of what gradient() leaves at None, wherever they are taken.
+    lightning = pytest.importorskip("shmgrad.lightning")
+    for function in (shmgrad.Client.__init__, shmgrad.attach, shmgrad.Engine.__init__):
+        for name in ("min_examples_per_worker", "max_examples_per_pass"):
+            assert _default(function, name) == GRADIENT_OPTIONS[name].default, (function, name)
+        assert _default(function, "buffers") == "average"  # average_buffers
+    strategy = lightning.EngineStrategy.__init__
+    assert _default(strategy, "timeout") == GRADIENT_OPTIONS["timeout_seconds"].default
+    assert _default(strategy, "max_retries") == GRADIENT_OPTIONS["max_retries"].default
+    assert _default(shmgrad.attach, "timeout") == ATTACH_OPTIONS["timeout_seconds"].default
+
+
+def test_engine_module_defaults_are_not_restated():
+    # The sources give no literal default for what the lists declare: they name the list.
+    for module in (_client, _engine):
+        source = inspect.getsource(module)
+        for literal in ("= 600.0", 'buffers: str = "average"', "max_retries: int = 3"):
+            assert literal not in source, (module.__name__, literal)
