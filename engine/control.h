@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "ipc/config.h"
 #include "ipc/layout.h"
 #include "ipc/record.h"
 
@@ -96,8 +97,8 @@ EngineStatus statusOf(const std::string& name, const ipc::SegmentHeader* h);
 std::string formatStatus(const EngineStatus& status);
 
 // How long `shmgrad stop` and the Python package wait for an engine to stop, unless
-// told otherwise: the coordinator gives its workers 5 s, then reaps and unlinks.
-constexpr double kDefaultStopTimeoutS = 30;
+// told otherwise (declared in ipc/config.h).
+constexpr double kDefaultStopTimeoutS = config::kDefaultStopTimeoutS;
 // The longest stop wait requestStop accepts (a day).
 constexpr double kMaxStopTimeoutS = 86400;
 

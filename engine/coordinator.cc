@@ -47,7 +47,7 @@ constexpr uint64_t kRestartBackoffFirstNs = 100000000;      // 100 ms
 constexpr uint64_t kRestartBackoffMaxNs = 5000000000;       // 5 s
 constexpr auto kReadyPoll = std::chrono::milliseconds(50);  // start-up: workers becoming ready
 // Stopping: how long the devices' memory waits for the trainer that maps it to let go.
-// Within the launcher's SIGTERM-to-SIGKILL grace (python/shmgrad/_launcher.py STOP_TIMEOUT_S).
+// Within the launcher's SIGTERM-to-SIGKILL grace (config::kDefaultStopTimeoutS).
 constexpr auto kDeviceDetachTimeout = std::chrono::seconds(5);
 constexpr auto kStopPoll = std::chrono::milliseconds(10);  // stop: workers exiting
 constexpr uint64_t kStopGraceNs = 5000000000ull;           // then SIGKILL

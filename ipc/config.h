@@ -15,6 +15,9 @@ constexpr uint64_t kDefaultInputCapacityMb = 64;  // explicit-batch inputs, MiB
 constexpr double kDefaultStartupTimeoutS = 120;   // every worker has loaded the model
 constexpr uint32_t kDefaultThreadsPerWorker = 1;  // intra-op threads of a worker
 constexpr double kDefaultResizeTimeoutS = 120;    // resize: the new workers are ready
+// `shmgrad stop`, Python's engine stop: the engine is gone (its segment removed) within this,
+// else serve is killed (the coordinator gives its workers 5 s, then reaps and unlinks).
+constexpr double kDefaultStopTimeoutS = 30;
 // Placement probe (serve --workers auto, engine/placement.h): rounds over the candidates;
 // a visit settles (untimed steps: OpenMP threads of a worker whose thread count went down
 // spin on for milliseconds), then is timed, each phase at least one step and this long;

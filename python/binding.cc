@@ -418,6 +418,7 @@ PYBIND11_MODULE(_C, m) {
     d["startup_timeout"] = config::kDefaultStartupTimeoutS;
     d["threads_per_worker"] = config::kDefaultThreadsPerWorker;
     d["resize_timeout"] = config::kDefaultResizeTimeoutS;
+    d["stop_timeout"] = config::kDefaultStopTimeoutS;
     m.attr("DEFAULTS") = d;
     // TUNABLES: (name, the default in words, meaning); TUNABLE_VALUES: name -> the value
     // that applies when unset, for those declared with one.

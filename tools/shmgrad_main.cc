@@ -258,10 +258,13 @@ struct StopArgs {
 
 Command addStop(CLI::App& app, StopArgs* a) {
   CLI::App* cmd = app.add_subcommand("stop", "stop a running engine");
-  cmd->footer("Asks engine NAME to stop and waits (default 30 s) until its segment is gone.");
+  cmd->footer("Asks engine NAME to stop and waits (default " +
+              CLI::detail::to_string(engine::kDefaultStopTimeoutS) +
+              " s) until its segment is gone.");
   cmd->add_option("NAME", a->name, "engine name")->required();
-  cmd->add_option("--timeout", a->timeout_s, "seconds to wait for the engine to stop (default 30)")
+  cmd->add_option("--timeout", a->timeout_s, "seconds to wait for the engine to stop")
       ->type_name("S")
+      ->default_str(CLI::detail::to_string(engine::kDefaultStopTimeoutS))
       ->check(CLI::Range(0.0, engine::kMaxStopTimeoutS));
   return {cmd, [a] {
             if (!engine::requestStop(a->name, a->timeout_s)) {

@@ -30,7 +30,7 @@ from . import errors
 from ._native import DEFAULTS, tunable
 
 STATUS_LINE_MARGIN_S = 10.0  # waited for the status line beyond serve's --startup-timeout
-STOP_TIMEOUT_S = 30.0  # SIGTERM to exit: serve stops its workers, removes the segment
+STOP_TIMEOUT_S = DEFAULTS["stop_timeout"]  # SIGTERM to exit: serve stops, removes its segment
 KILL_WAIT_S = 10.0  # SIGKILL to exit
 POLL_INTERVAL_S = 0.2  # how often the wait for the status line checks serve is alive
 LOG_TAIL_LINES = 20  # of serve's output, quoted when it dies without reporting

@@ -4,12 +4,13 @@ defaults from the lists: each is checked here against them."""
 
 import inspect
 import re
+import subprocess
 
 import pytest
 
 import shmgrad
-from shmgrad import _client, _engine
-from shmgrad._native import _C, ATTACH_OPTIONS, GRADIENT_OPTIONS, positional_packer
+from shmgrad import _client, _engine, _launcher
+from shmgrad._native import _C, ATTACH_OPTIONS, DEFAULTS, GRADIENT_OPTIONS, positional_packer
 
 
 def _native_parameters(function):
@@ -51,6 +52,7 @@ def test_the_lists_say_what_each_option_is():
     assert defaults["mean"] is False and defaults["average_buffers"] is True
     assert (defaults["accumulate"], defaults["loss_scale"]) == (0, 1.0)
     assert ATTACH_OPTIONS["timeout_seconds"].default == 30.0
+    assert DEFAULTS["stop_timeout"] == 30.0 and _launcher.STOP_TIMEOUT_S == 30.0
 
 
 def test_gradient_packs_its_options_in_the_lists_order():
@@ -83,20 +85,32 @@ def test_gradient_and_attach_defaults_are_the_lists():
         assert default == GRADIENT_OPTIONS[native].default, (source, default)
         assert type(default) is type(GRADIENT_OPTIONS[native].default) or source == "accumulate"
     # The client-wide defaults of what gradient() leaves at None, wherever they are taken.
-    lightning = pytest.importorskip("shmgrad.lightning")
     for function in (shmgrad.Client.__init__, shmgrad.attach, shmgrad.Engine.__init__):
         for name in ("min_examples_per_worker", "max_examples_per_pass"):
             assert _default(function, name) == GRADIENT_OPTIONS[name].default, (function, name)
         assert _default(function, "buffers") == "average"  # average_buffers
+    assert _default(shmgrad.attach, "timeout") == ATTACH_OPTIONS["timeout_seconds"].default
+    for function in (_engine.Server.stop, shmgrad.Engine.close):
+        assert _default(function, "timeout") == DEFAULTS["stop_timeout"]
+    lightning = pytest.importorskip("shmgrad.lightning")  # the strategy's step options
     strategy = lightning.EngineStrategy.__init__
     assert _default(strategy, "timeout") == GRADIENT_OPTIONS["timeout_seconds"].default
     assert _default(strategy, "max_retries") == GRADIENT_OPTIONS["max_retries"].default
-    assert _default(shmgrad.attach, "timeout") == ATTACH_OPTIONS["timeout_seconds"].default
+
+
+def test_stop_help_shows_the_stop_timeout():
+    out = subprocess.run(
+        [shmgrad.program("shmgrad"), "stop", "--help"], capture_output=True, text=True, timeout=60
+    )
+    timeout = f"{DEFAULTS['stop_timeout']:g}"
+    assert f"S:FLOAT in [0 - 86400]={timeout}" in out.stdout, out.stdout
+    assert f"(default {timeout} s)" in out.stdout, out.stdout
 
 
 def test_engine_module_defaults_are_not_restated():
-    # The sources give no literal default for what the lists declare: they name the list.
-    for module in (_client, _engine):
+    # The sources give no literal default for what the lists declare (ipc/config.h's are
+    # taken through DEFAULTS): they name the list.
+    for module in (_client, _engine, _launcher):
         source = inspect.getsource(module)
-        for literal in ("= 600.0", 'buffers: str = "average"', "max_retries: int = 3"):
+        for literal in ("= 600.0", "= 30.0", 'buffers: str = "average"', "max_retries: int = 3"):
             assert literal not in source, (module.__name__, literal)
