@@ -369,7 +369,7 @@ class Coordinator {
     // Its messages, until it exits (it writes little: an error, a warning).
     std::string text;
     const uint64_t deadline =
-        ipc::monotonicNs() + static_cast<uint64_t>(opt_.startup_timeout_s * 1e9);
+        ipc::monotonicNs() + static_cast<uint64_t>(opt_.startup_timeout * 1e9);
     SHMGRAD_SYSCHECK(fcntl(pipefd[0], F_SETFL, O_NONBLOCK), "fcntl(O_NONBLOCK)");
     auto drain = [&] {
       char buf[4096];
@@ -386,7 +386,7 @@ class Coordinator {
         SHMGRAD_SYSCHECK_OK(waitpid(pid, nullptr, 0), "waitpid", ECHILD);
         close(pipefd[0]);
         raise(ErrorKind::kTimeout, "describing the model ", path, " took more than ",
-              opt_.startup_timeout_s, " s (--startup-timeout)");
+              opt_.startup_timeout, " s (--startup-timeout)");
       }
       if (!exited) std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
@@ -457,7 +457,7 @@ class Coordinator {
   // Start-up: until every worker is ready. Returns "" when they are, else why not.
   std::string waitReady() {
     const uint64_t deadline =
-        ipc::monotonicNs() + static_cast<uint64_t>(opt_.startup_timeout_s * 1e9);
+        ipc::monotonicNs() + static_cast<uint64_t>(opt_.startup_timeout * 1e9);
     for (;;) {
       uint32_t ready = 0;
       for (uint32_t i = 0; i < active_; ++i) {
@@ -477,7 +477,7 @@ class Coordinator {
       }
       if (g_signal != 0) return "interrupted by a signal while the workers started";
       if (ipc::monotonicNs() > deadline) {
-        return "workers not ready after " + std::to_string(opt_.startup_timeout_s) +
+        return "workers not ready after " + std::to_string(opt_.startup_timeout) +
                " s (--startup-timeout)";
       }
       const uint32_t v = c().coordinator_wake.load();

@@ -13,6 +13,7 @@
 #include "engine/control.h"
 #include "engine/model_file.h"
 #include "engine/placement.h"
+#include "engine/serve_options.h"
 #include "engine/trainer.h"
 #include "gpu/cuda_library.h"
 #include "ipc/device_table.h"
@@ -72,6 +73,7 @@ const char* pyTypeName() {
     return "list:StepSummary";
   if constexpr (std::is_same_v<T, std::vector<shmgrad::WorkerStepStats>>)
     return "list:WorkerStepStats";
+  if constexpr (std::is_same_v<T, std::vector<int>>) return "list:int";
   return "object";
 }
 #define SHMGRAD_FIELD_DESCRIPTION(type, name, comment) \
@@ -110,7 +112,7 @@ py::dict lossFunctions() {
   return functions;
 }
 
-// Options to Python, from their lists (engine/trainer.h): each
+// Options to Python, from their lists (engine/trainer.h, engine/serve_options.h): each
 // field crosses the binding as its own type, an enum as its underlying integer, by field name
 // and in its list's order; _C.*_OPTIONS describes each list as (name, type, default, doc,
 // ...) tuples, the default as Python sees it.
@@ -134,10 +136,17 @@ using WireType = typename Wire<T>::type;
 #define SHMGRAD_ATTACH_OPTION_ARG(type, name, ...) \
   , py::arg(#name) = static_cast<WireType<type>>(shmgrad::AttachOptions{}.name)
 
-// (name, type, default, doc) of each field of the gradient and attach lists.
+// (name, type, default, doc) of the gradient and attach lists; (name, type, default, doc,
+// flag, internal) of serve's, whose internal options are the launchers' (hidden in --help).
 #define SHMGRAD_OPTION_DESCRIPTION(type, name, default_value, doc) \
   fields.append(py::make_tuple(#name, pyTypeName<type>(),          \
                                py::cast(static_cast<WireType<type>>(Defaults{}.name)), doc));
+#define SHMGRAD_SERVE_USER_OPTION(type, name, default_value, flag, doc) \
+  fields.append(                                                        \
+      py::make_tuple(#name, pyTypeName<type>(), py::cast(Defaults{}.name), doc, flag, false));
+#define SHMGRAD_SERVE_LAUNCHER_OPTION(type, name, default_value, flag, doc) \
+  fields.append(                                                            \
+      py::make_tuple(#name, pyTypeName<type>(), py::cast(Defaults{}.name), doc, flag, true));
 
 py::list gradientOptionDescriptions() {
   using Defaults = shmgrad::GradientOptions;
@@ -150,6 +159,14 @@ py::list attachOptionDescriptions() {
   using Defaults = shmgrad::AttachOptions;
   py::list fields;
   SHMGRAD_ATTACH_OPTIONS_FIELDS(SHMGRAD_OPTION_DESCRIPTION)
+  return fields;
+}
+
+py::list serveOptionDescriptions() {
+  using Defaults = shmgrad::engine::ServeOptions;
+  py::list fields;
+  SHMGRAD_SERVE_USER_OPTIONS(SHMGRAD_SERVE_USER_OPTION)
+  SHMGRAD_SERVE_LAUNCHER_OPTIONS(SHMGRAD_SERVE_LAUNCHER_OPTION)
   return fields;
 }
 
@@ -231,6 +248,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("RECORDS") = recordDescriptions();
   m.attr("GRADIENT_OPTIONS") = gradientOptionDescriptions();
   m.attr("ATTACH_OPTIONS") = attachOptionDescriptions();
+  m.attr("SERVE_OPTIONS") = serveOptionDescriptions();
   m.def("physical_cores", &shmgrad::engine::physicalCores,
         "CPUs this process may run on, each physical core counted once (engine/placement.h)");
   m.def(

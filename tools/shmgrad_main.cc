@@ -15,10 +15,12 @@
 #include <functional>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "engine/control.h"
 #include "engine/coordinator.h"
+#include "engine/serve_options.h"
 #include "ipc/config.h"
 #include "ipc/error.h"
 #include "ipc/layout.h"
@@ -135,19 +137,64 @@ int runServe(const engine::ServeOptions& o) {
   }
 }
 
+// A serve option's default as --help shows it ("=65536"): a value, not one that says
+// "none" (0, -1, empty: the option's doc says what those mean), nor a switch's.
+template <typename T>
+std::string shownDefault(const T& value) {
+  if constexpr (std::is_same_v<T, std::string>) {
+    return value;
+  } else if constexpr (std::is_arithmetic_v<T> && !std::is_same_v<T, bool>) {
+    return value > 0 ? CLI::detail::to_string(value) : std::string();
+  } else {
+    return {};
+  }
+}
+
+// One ServeOptions field's option from its list entry (engine/serve_options.h): `flag` is
+// the option and its value's name ("--max-batch N"), then its help and shown default. A bool
+// is a switch, a list takes commas.
+template <typename T>
+CLI::Option* addServeOption(CLI::App* cmd, const std::string& flag, const char* doc, T* value) {
+  const size_t space = flag.find(' ');
+  CLI::Option* option = cmd->add_option(flag.substr(0, space), *value, doc);
+  if (space != std::string::npos) option->type_name(flag.substr(space + 1));
+  if constexpr (std::is_same_v<T, std::vector<int>>) option->delimiter(',');
+  return option->default_str(shownDefault(*value));
+}
+CLI::Option* addServeOption(CLI::App* cmd, const std::string& flag, const char* doc, bool* value) {
+  return cmd->add_flag(flag, *value, doc);
+}
+
+#define SHMGRAD_ADD_SERVE_OPTION(type, name, default_value, flag, doc) \
+  if (*(flag) != '\0') addServeOption(cmd, flag, doc, &o->name);
+#define SHMGRAD_ADD_LAUNCHER_OPTION(type, name, default_value, flag, doc) \
+  addServeOption(cmd, flag, doc, &o->name)->group("");
+
+// --workers: a count, or auto (ServeOptions::auto_placement), which leaves the count at its
+// default for the coordinator to replace (engine::autoStart).
+std::string workersOrAuto(engine::ServeOptions* o, std::string& value) {
+  if (value == "auto") {
+    o->auto_placement = true;
+    value = CLI::detail::to_string(engine::ServeOptions{}.workers);
+    return {};
+  }
+  int64_t n = 0;
+  if (!CLI::detail::lexical_cast(value, n) || n < 1 || n > shmgrad::ipc::kMaxWorkers) {
+    return "'" + value + "' must be 1 to " + std::to_string(shmgrad::ipc::kMaxWorkers) + " or auto";
+  }
+  return {};
+}
+
 Command addServe(CLI::App& app, engine::ServeOptions* o) {
   CLI::App* cmd = app.add_subcommand("serve", "start an engine and run until stopped");
   cmd->footer(
       "Starts an engine: creates its shared-memory segment (/dev/shm/shmgrad-<uid>-NAME,\n"
       "mode 0600), forks N worker processes and serves gradients until `shmgrad stop NAME`,\n"
       "SIGTERM or SIGINT, then removes everything.");
-  cmd->add_option("--name", o->name, "engine name: 1-64 of [A-Za-z0-9_.-] (required)")
-      ->required()
-      ->type_name("NAME");
-  CLI::Option* model = cmd->add_option("--model", o->model_path,
-                                       "TorchScript model file, from torch.jit.save or\n"
-                                       "shmgrad.save_model (required unless --eager)")
-                           ->type_name("PATH");
+  // Every option, its help and its default from ServeOptions' lists; what CLI11 cannot say
+  // from the type follows, by flag.
+  SHMGRAD_SERVE_USER_OPTIONS(SHMGRAD_ADD_SERVE_OPTION)
+  SHMGRAD_SERVE_LAUNCHER_OPTIONS(SHMGRAD_ADD_LAUNCHER_OPTION)
   CLI::Option* eager = cmd->add_option("--eager", g_eager_spec,
                                        "eager Python workers instead: MODULE:FUNCTION, where\n"
                                        "FUNCTION() returns a dict with model, loss, dataset\n"
@@ -155,89 +202,21 @@ Command addServe(CLI::App& app, engine::ServeOptions* o) {
                                        "any nn.Module, any loss, any torch Dataset (python3 -m\n"
                                        "shmgrad._serve_eager prepares it)")
                            ->type_name("MODULE:FUNCTION");
-  model->excludes(eager);
-  // Set by the eager launcher (shmgrad._serve_eager or shmgrad.Engine); not for users.
-  cmd->add_option("--eager-job", o->eager_job, "pickled eager job")->group("");
-  cmd->add_option("--loss-reduction", o->loss_reduction, "sum, mean or weighted")->group("");
-  cmd->add_option("--numerics", o->numerics,
-                  "the workers' torch numerics, e.g. matmul_precision=high,cudnn_tf32=1,\n"
-                  "cudnn_benchmark=0,cudnn_deterministic=0 (default: torch's; Engine and\n"
-                  "shmgrad.serve give the trainer's own)")
-      ->type_name("SPEC");
-  cmd->add_option("--python", o->python, "interpreter of the eager workers")->group("");
-  cmd->add_option("--eager-dataset-size", o->eager_dataset_size, "examples the workers hold")
-      ->group("")
+  cmd->get_option("--name")->required();
+  cmd->get_option("--model")->excludes(eager);
+  cmd->get_option("--workers")
+      ->transform(CLI::Validator([o](std::string& v) { return workersOrAuto(o, v); }, ""));
+  integerIn(cmd->get_option("--max-workers"), uint32_t{0}, shmgrad::ipc::kMaxWorkers);
+  CLI::Option* loss = cmd->get_option("--loss");
+  loss->description(lossChoices() + ": " + loss->get_description());
+  integerIn(cmd->get_option("--threads-per-worker"), uint32_t{1},
+            shmgrad::ipc::kMaxThreadsPerWorker);
+  integerIn(cmd->get_option("--max-batch"), int64_t{1}, shmgrad::ipc::kMaxBatch - 1);
+  integerIn(cmd->get_option("--input-capacity-mb"), uint64_t{0}, kMaxInputCapacityMb);
+  cmd->get_option("--startup-timeout")->check(CLI::Range(kMinStartupTimeoutS, kMaxStartupTimeoutS));
+  cmd->get_option("--status-fd")->check(kOpenDescriptor);
+  cmd->get_option("--eager-dataset-size")
       ->check(CLI::Range(int64_t{0}, shmgrad::ipc::kMaxBatch - 1));
-  cmd->add_option("--owned-dir", o->owned_dir, "removed with the engine")->group("");
-  cmd->add_option_function<std::string>(
-         "--workers",
-         [o](const std::string& v) {
-           if (v == "auto") {
-             o->auto_placement = true;
-             return;
-           }
-           int64_t n = 0;
-           if (!CLI::detail::lexical_cast(v, n) || n < 1 || n > shmgrad::ipc::kMaxWorkers) {
-             throw CLI::ValidationError("--workers", "'" + v + "' must be 1 to " +
-                                                         std::to_string(shmgrad::ipc::kMaxWorkers) +
-                                                         " or auto");
-           }
-           o->workers = static_cast<uint32_t>(n);
-         },
-         "worker processes (default 1), or auto: one per core, and\n"
-         "the trainer times workers x threads per worker on its\n"
-         "first steps and keeps the fastest (status shows it)")
-      ->type_name("N|auto");
-  integerIn(cmd->add_option("--max-workers", o->max_workers,
-                            "gradient slots, the most workers `resize` may ask for\n"
-                            "(default: --workers)")
-                ->type_name("N"),
-            uint32_t{0}, shmgrad::ipc::kMaxWorkers);
-  cmd->add_option("--loss", o->loss,
-                  lossChoices() + " (default " + shmgrad::ipc::kLossNames[1] +
-                      "); the loss\nis summed over the batch")
-      ->type_name("LOSS");
-  cmd->add_option("--dataset", o->dataset,
-                  "load a dataset once into shared memory: fashion-mnist\n"
-                  "(Debian's dataset-fashion-mnist, train split),\n"
-                  "fashion-mnist:test, or npy:INPUTS.npy,TARGETS.npy")
-      ->type_name("SPEC");
-  integerIn(cmd->add_option("--threads-per-worker", o->threads_per_worker,
-                            "intra-op threads of each worker")
-                ->default_val(shmgrad::config::kDefaultThreadsPerWorker)
-                ->type_name("T"),
-            uint32_t{1}, shmgrad::ipc::kMaxThreadsPerWorker);
-  integerIn(cmd->add_option("--max-batch", o->max_batch, "most examples in one step")
-                ->default_val(shmgrad::config::kDefaultMaxBatch)
-                ->type_name("N"),
-            int64_t{1}, shmgrad::ipc::kMaxBatch - 1);
-  integerIn(cmd->add_option("--input-capacity-mb", o->input_capacity_mb,
-                            "room for an explicit batch's inputs")
-                ->default_val(shmgrad::config::kDefaultInputCapacityMb)
-                ->type_name("M"),
-            uint64_t{0}, kMaxInputCapacityMb);
-  cmd->add_option("--startup-timeout", o->startup_timeout_s,
-                  "seconds for all workers to load the model")
-      ->default_val(shmgrad::config::kDefaultStartupTimeoutS)
-      ->type_name("S")
-      ->check(CLI::Range(kMinStartupTimeoutS, kMaxStartupTimeoutS));
-  cmd->add_option("--status-fd", o->status_fd,
-                  "write one JSON line to this open file descriptor:\n"
-                  "{\"event\":\"serving\",...} once the workers are ready, or\n"
-                  "{\"event\":\"failed\",\"kind\":...,\"message\":...} if serve fails")
-      ->type_name("FD")
-      ->check(kOpenDescriptor);
-  cmd->add_option("--devices", o->devices,
-                  "CUDA ordinals (0,1): the workers compute on these GPUs,\n"
-                  "round-robin; the first holds the trainer's parameters and\n"
-                  "reduced gradient (docs/GPU.md)")
-      ->delimiter(',')
-      ->type_name("N,N");
-  cmd->add_flag("--quiet", o->quiet, "print nothing but errors");
-  // Tests run workers from another binary; not for users.
-  cmd->add_option("--worker-binary", o->worker_binary,
-                  "the TorchScript worker program (default: shmgrad-worker next to this one)")
-      ->group("");
   return {cmd, [o, cmd] {
             if (o->auto_placement && cmd->count("--threads-per-worker") > 0) {
               throw shmgrad::Error(shmgrad::ErrorKind::kInvalidArgument,

@@ -14,9 +14,9 @@ import torch
 from . import _job, _losses, _mode, _modules
 from . import _gpu, _numerics
 from . import errors
-from ._native import _C, DEFAULTS
+from ._native import _C
 from ._client import DEFAULT_BUFFERS, GRADIENT_DEFAULTS, Client, _check_buffers
-from ._launcher import STOP_TIMEOUT_S, Launcher, ServeOptions
+from ._launcher import SERVE_DEFAULTS, STOP_TIMEOUT_S, Launcher, ServeOptions
 from ._status import read_status
 
 ATTACH_TIMEOUT_S = 10.0  # attaching to an engine that has just reported it serves
@@ -119,11 +119,11 @@ def serve(
     collate_fn=None,
     forward=None,
     name: Optional[str] = None,
-    threads_per_worker: int = DEFAULTS["threads_per_worker"],
+    threads_per_worker: int = SERVE_DEFAULTS["threads_per_worker"],
     max_workers: Optional[int] = None,
-    max_batch: int = DEFAULTS["max_batch"],
-    input_capacity_mb: int = DEFAULTS["input_capacity_mb"],
-    startup_timeout: float = DEFAULTS["startup_timeout"],
+    max_batch: int = SERVE_DEFAULTS["max_batch"],
+    input_capacity_mb: int = SERVE_DEFAULTS["input_capacity_mb"],
+    startup_timeout: float = SERVE_DEFAULTS["startup_timeout"],
     compile=False,
     loss_reduction: Optional[str] = None,
     devices=None,
@@ -372,11 +372,11 @@ class Engine(Client):
         collate_fn=None,
         forward=None,
         name: Optional[str] = None,
-        threads_per_worker: int = DEFAULTS["threads_per_worker"],
+        threads_per_worker: int = SERVE_DEFAULTS["threads_per_worker"],
         max_workers: Optional[int] = None,
-        max_batch: int = DEFAULTS["max_batch"],
-        input_capacity_mb: int = DEFAULTS["input_capacity_mb"],
-        startup_timeout: float = DEFAULTS["startup_timeout"],
+        max_batch: int = SERVE_DEFAULTS["max_batch"],
+        input_capacity_mb: int = SERVE_DEFAULTS["input_capacity_mb"],
+        startup_timeout: float = SERVE_DEFAULTS["startup_timeout"],
         min_examples_per_worker: int = GRADIENT_DEFAULTS["min_examples_per_worker"],
         max_examples_per_pass: int = GRADIENT_DEFAULTS["max_examples_per_pass"],
         process_group=None,
@@ -472,7 +472,7 @@ def _check_auto_placement(ordinals, threads_per_worker, max_workers):
             'workers="auto" places the CPU\'s cores; with devices= leave workers out (one '
             "worker per GPU) or give a number"
         )
-    if threads_per_worker != DEFAULTS["threads_per_worker"]:
+    if threads_per_worker != SERVE_DEFAULTS["threads_per_worker"]:
         raise errors.InvalidArgumentError(
             'workers="auto" chooses the threads per worker too: leave threads_per_worker '
             "out, or give workers a number"

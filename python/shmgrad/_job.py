@@ -57,16 +57,18 @@ class EagerJob(NamedTuple):
         """The options that make ``shmgrad serve`` run this job in eager workers, with
         this interpreter, and remove the job's directory with the engine; and what the loss
         returns, where known, for the segment (so that an attached trainer knows it too)."""
+        from ._launcher import SERVE_FLAGS as flag  # engine/serve_options.h's launcher options
+
         return [
-            "--eager-job",
+            flag["eager_job"],
             self.job_path,
-            "--python",
+            flag["python"],
             sys.executable,
-            "--eager-dataset-size",
+            flag["eager_dataset_size"],
             str(self.dataset_size),
-            "--owned-dir",
+            flag["owned_dir"],
             self.directory,
-        ] + (["--loss-reduction", self.loss_reduction] if self.loss_reduction else [])
+        ] + ([flag["loss_reduction"], self.loss_reduction] if self.loss_reduction else [])
 
 
 def _rebuild_parametrized(cls, state, specs):

@@ -27,7 +27,7 @@ import weakref
 from typing import List, Optional, Union
 
 from . import errors
-from ._native import DEFAULTS, tunable
+from ._native import DEFAULTS, SERVE_OPTIONS, tunable
 
 STATUS_LINE_MARGIN_S = 10.0  # waited for the status line beyond serve's --startup-timeout
 STOP_TIMEOUT_S = DEFAULTS["stop_timeout"]  # SIGTERM to exit: serve stops, removes its segment
@@ -55,20 +55,28 @@ def installed_binary(program: str, env_var: str) -> str:
     )
 
 
+# `shmgrad serve`'s options, declared once in engine/serve_options.h: name -> its flag
+# ("--max-batch"), and name -> its default.
+SERVE_FLAGS = {name: option.flag.split(" ")[0] for name, option in SERVE_OPTIONS.items()}
+SERVE_DEFAULTS = {name: option.default for name, option in SERVE_OPTIONS.items()}
+
+
 @dataclasses.dataclass(frozen=True)
 class ServeOptions:
-    """The options of one ``shmgrad serve`` (see ``shmgrad serve --help``)."""
+    """The options of one ``shmgrad serve`` (see ``shmgrad serve --help``): each field is
+    the serve option of that name (engine/serve_options.h), given as its flag unless it is
+    None or empty (serve's default then applies); ``eager_job`` gives the launchers' own."""
 
     name: str
     model_path: str
     workers: Union[int, str]  # or "auto" (serve --workers auto)
     loss: str
     dataset: Optional[str] = None
-    threads_per_worker: int = DEFAULTS["threads_per_worker"]
+    threads_per_worker: int = SERVE_DEFAULTS["threads_per_worker"]
     max_workers: Optional[int] = None
-    max_batch: int = DEFAULTS["max_batch"]
-    input_capacity_mb: int = DEFAULTS["input_capacity_mb"]
-    startup_timeout: float = DEFAULTS["startup_timeout"]
+    max_batch: int = SERVE_DEFAULTS["max_batch"]
+    input_capacity_mb: int = SERVE_DEFAULTS["input_capacity_mb"]
+    startup_timeout: float = SERVE_DEFAULTS["startup_timeout"]
     eager_job: Optional[object] = None  # shmgrad._job.EagerJob: Python workers run it
     devices: Optional[tuple] = None  # CUDA ordinals (--devices); None: a CPU engine
     numerics: Optional[str] = None  # the workers' torch numerics (_numerics.spec())
@@ -85,34 +93,20 @@ class ServeOptions:
         return env
 
     def arguments(self) -> List[str]:
-        args = [
-            "--name",
-            self.name,
-            "--model",
-            self.model_path,
-            "--workers",
-            str(self.workers),
-            "--loss",
-            self.loss,
-            "--max-batch",
-            str(self.max_batch),
-            "--input-capacity-mb",
-            str(self.input_capacity_mb),
-            "--startup-timeout",
-            str(self.startup_timeout),
-        ]
-        if self.workers != "auto":  # auto: serve chooses the threads too
-            args += ["--threads-per-worker", str(self.threads_per_worker)]
-        if self.max_workers is not None:
-            args += ["--max-workers", str(self.max_workers)]
-        if self.dataset is not None:
-            args += ["--dataset", str(self.dataset)]
+        """serve's command line: each field's flag (from the native list) and value, a list
+        joined by commas; the eager job's options; the threads left to serve with auto."""
+        args = []
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name == "eager_job" or value is None or value in ("", ()):
+                continue  # serve's default
+            if field.name == "threads_per_worker" and self.workers == "auto":
+                continue  # auto: serve chooses the threads too
+            if isinstance(value, (tuple, list)):
+                value = ",".join(str(v) for v in value)
+            args += [SERVE_FLAGS[field.name], str(value)]
         if self.eager_job is not None:
             args += self.eager_job.serve_arguments()
-        if self.devices:
-            args += ["--devices", ",".join(str(d) for d in self.devices)]
-        if self.numerics:
-            args += ["--numerics", self.numerics]
         return args
 
 
@@ -157,7 +151,7 @@ class Launcher:
                 installed_binary("shmgrad", "SHMGRAD_BINARY"),
                 "serve",
                 *self.options.arguments(),
-                "--status-fd",
+                SERVE_FLAGS["status_fd"],
                 str(write_end),
             ]
             self._log = tempfile.TemporaryFile()

@@ -34,16 +34,19 @@ DEFAULTS = dict(_C.DEFAULTS)
 
 
 class Option(NamedTuple):
-    """One field of a native options list (engine/trainer.h's)."""
+    """One field of a native options list (engine/trainer.h's, engine/serve_options.h's)."""
 
-    type: str  # "int", "float", "bool", "str"
+    type: str  # "int", "float", "bool", "str", "list:int"
     default: object  # as Python sees it (an enum's as its integer)
     doc: str
+    flag: str = ""  # serve: the option and its value's name ("--max-batch N"); "" for none
+    internal: bool = False  # serve: set by the launchers, hidden in --help
 
 
-# name -> Option, in each list's order: a gradient call's and attach's options.
+# name -> Option, in each list's order: a gradient call's and attach's options, and serve's.
 GRADIENT_OPTIONS = {name: Option(*rest) for name, *rest in _C.GRADIENT_OPTIONS}
 ATTACH_OPTIONS = {name: Option(*rest) for name, *rest in _C.ATTACH_OPTIONS}
+SERVE_OPTIONS = {name: Option(*rest) for name, *rest in _C.SERVE_OPTIONS}
 
 
 def positional_packer(name: str, fields) -> Callable[..., tuple]:

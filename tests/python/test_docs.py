@@ -201,6 +201,32 @@ def test_cli_reference_options_exist_and_serve_is_complete():
     assert serve_flags and serve_flags <= seen, f"docs/CLI.md lacks {sorted(serve_flags - seen)}"
 
 
+def test_cli_reference_serve_table_is_the_option_list():
+    """Each row of serve's table names its option and value as engine/serve_options.h's
+    list does ("`--max-batch N`"), every option users give has a row, and a default a row
+    states is the list's; the stop timeout stated is ipc/config.h's."""
+    from shmgrad._native import DEFAULTS, SERVE_OPTIONS
+
+    with open(os.path.join(ROOT, "docs", "CLI.md")) as f:
+        text = f.read()
+    options = {o.flag.split(" ")[0]: o for o in SERVE_OPTIONS.values() if o.flag}
+    rows = re.findall(r"^\| `(--[a-z-]+)( [^`]+)?`[^|]*\| (.*) \|$", text, re.M)
+    assert len(rows) > 10, rows
+    seen = set()
+    for flag, value, meaning in rows:
+        if flag == "--eager":
+            continue  # the command line's own: python -m shmgrad._serve_eager
+        option = options[flag]
+        assert flag + value.replace("\\|", "|") == option.flag, (flag, value, option.flag)
+        stated = re.search(r"\(default (\d[\d.]*)\)", meaning)
+        if stated:
+            assert float(stated.group(1)) == option.default, (flag, stated.group(0))
+        seen.add(flag)
+    assert seen == {f for f, o in options.items() if not o.internal}, seen
+    stop = re.search(r"`--timeout`, default (\d+) s", text)
+    assert stop and float(stop.group(1)) == DEFAULTS["stop_timeout"], stop
+
+
 def test_documents_the_readme_names_exist():
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()

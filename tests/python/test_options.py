@@ -1,7 +1,9 @@
-"""Options declared once: a gradient call's and attach's (engine/trainer.h). The binding
-passes them by field name in their lists' order, and every Python signature takes its
-defaults from the lists: each is checked here against them."""
+"""Options declared once: a gradient call's and attach's (engine/trainer.h) and serve's
+(engine/serve_options.h). The binding passes them by field name in their lists' order, and
+every Python signature, the launcher's command line and `shmgrad serve --help` take their
+names, flags and defaults from the lists: each is checked here against them."""
 
+import dataclasses
 import inspect
 import re
 import subprocess
@@ -9,8 +11,15 @@ import subprocess
 import pytest
 
 import shmgrad
-from shmgrad import _client, _engine, _launcher
-from shmgrad._native import _C, ATTACH_OPTIONS, DEFAULTS, GRADIENT_OPTIONS, positional_packer
+from shmgrad import _client, _engine, _job, _launcher
+from shmgrad._native import (
+    _C,
+    ATTACH_OPTIONS,
+    DEFAULTS,
+    GRADIENT_OPTIONS,
+    SERVE_OPTIONS,
+    positional_packer,
+)
 
 
 def _native_parameters(function):
@@ -39,11 +48,11 @@ def test_options_cross_the_binding_by_name_in_their_lists_order(function, leadin
 
 
 def test_the_lists_say_what_each_option_is():
-    for options in (GRADIENT_OPTIONS, ATTACH_OPTIONS):
+    for options in (GRADIENT_OPTIONS, ATTACH_OPTIONS, SERVE_OPTIONS):
         for name, option in options.items():
-            assert option.type in ("int", "float", "bool", "str"), (name, option)
+            assert option.type in ("int", "float", "bool", "str", "list:int"), (name, option)
             assert option.doc and "\n\n" not in option.doc, name
-            kind = {"int": int, "float": float, "bool": bool, "str": str}
+            kind = {"int": int, "float": float, "bool": bool, "str": str, "list:int": list}
             assert type(option.default) is kind[option.type], (name, option)
     # What users and the docs rely on: a change of one of these is a change of the API.
     defaults = {n: o.default for n, o in GRADIENT_OPTIONS.items()}
@@ -96,6 +105,99 @@ def test_gradient_and_attach_defaults_are_the_lists():
     strategy = lightning.EngineStrategy.__init__
     assert _default(strategy, "timeout") == GRADIENT_OPTIONS["timeout_seconds"].default
     assert _default(strategy, "max_retries") == GRADIENT_OPTIONS["max_retries"].default
+
+
+# serve's options that shmgrad.serve() does not take under their own name, and why.
+SERVE_NOT_IN_PYTHON = {
+    "model_path": "model= (a module is saved first)",
+    "auto_placement": 'workers="auto"',
+    "numerics": "always the trainer's own",
+    "status_fd": "the launcher's pipe",
+    "quiet": "the engine's output goes to Engine.log()",
+}
+
+
+def test_serve_and_engine_take_serves_options_with_its_defaults():
+    user = {n for n, o in SERVE_OPTIONS.items() if not o.internal}
+    for function in (shmgrad.serve, shmgrad.Engine.__init__):
+        params = inspect.signature(function).parameters
+        missing = user - set(params) - set(SERVE_NOT_IN_PYTHON)
+        assert not missing, f"{function.__qualname__} lacks serve's {sorted(missing)}"
+        for name in user & set(params):
+            default = params[name].default
+            assert default is None or default == SERVE_OPTIONS[name].default, (name, default)
+    assert set(SERVE_NOT_IN_PYTHON) <= user
+
+
+def test_the_launcher_gives_each_option_its_flag_from_the_list():
+    fields = {f.name: f for f in dataclasses.fields(_launcher.ServeOptions)}
+    assert set(fields) - {"eager_job"} <= set(SERVE_OPTIONS), set(fields) - set(SERVE_OPTIONS)
+    for name, field in fields.items():
+        if field.default is not dataclasses.MISSING and field.default is not None:
+            assert field.default == SERVE_OPTIONS[name].default, name
+    given = _launcher.ServeOptions(
+        name="n",
+        model_path="m.pt",
+        workers=3,
+        loss="mse",
+        dataset="fashion-mnist",
+        max_workers=4,
+        devices=(0, 1),
+        numerics="cudnn_tf32=1",
+    )
+    args = given.arguments()
+    pairs = dict(zip(args[::2], args[1::2]))
+    flags = {o.flag.split(" ")[0]: n for n, o in SERVE_OPTIONS.items()}
+    assert set(pairs) <= set(flags), set(pairs) - set(flags)
+    for flag, value in pairs.items():
+        expected = getattr(given, flags[flag])
+        expected = ",".join(map(str, expected)) if isinstance(expected, tuple) else str(expected)
+        assert value == expected, (flag, value)
+    assert "--threads-per-worker" not in dataclasses.replace(given, workers="auto").arguments()
+    # The eager job's options are the launchers' (hidden in --help).
+    job = _job.EagerJob("d", "holder.bin", "job.pkl", 2, "mean")
+    internal = {o.flag.split(" ")[0] for o in SERVE_OPTIONS.values() if o.internal}
+    assert set(job.serve_arguments()[::2]) <= internal, job.serve_arguments()
+
+
+def test_serve_eager_names_serves_own_flags():
+    # `shmgrad serve --eager` re-execs serve with these (its own --eager aside).
+    from shmgrad import _serve_eager
+
+    flags = {o.flag.split(" ")[0] for o in SERVE_OPTIONS.values() if o.flag}
+    named = set(re.findall(r"""["'](--[a-z][a-z-]*)["']""", inspect.getsource(_serve_eager)))
+    assert named and named - {"--eager"} <= flags, named - flags
+
+
+def test_serve_help_is_the_list():
+    out = subprocess.run(
+        [shmgrad.program("shmgrad"), "serve", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    for option in SERVE_OPTIONS.values():
+        if not option.flag:
+            continue
+        flag, _, value_name = option.flag.partition(" ")
+        at = [i for i, line in enumerate(lines) if re.match(rf"\s+{flag}\b", line)]
+        if option.internal:
+            assert not at, f"{flag} is the launchers': hidden in --help"
+            continue
+        assert len(at) == 1, (flag, out.stdout)
+        column = re.split(r"\s{2,}", lines[at[0]].strip())[0]  # "--max-batch N:INT ...=65536"
+        if value_name:
+            assert column.split()[1].startswith(value_name), (flag, column)
+        # The default, where it is a value (not 0, -1, empty or a switch's: the doc says).
+        shown = option.default
+        if isinstance(shown, (int, float)) and not isinstance(shown, bool) and shown > 0:
+            assert column.endswith(f"={shown:g}"), (flag, column, shown)
+        elif isinstance(shown, str) and shown:
+            assert column.endswith(f"={shown}"), (flag, column, shown)
+        else:
+            assert "=" not in column, (flag, column)
+        text = " ".join(" ".join(lines[at[0] : at[0] + 6]).split())
+        first_line = " ".join(option.doc.splitlines()[0].split())
+        assert first_line in text, (flag, first_line, text)
 
 
 def test_stop_help_shows_the_stop_timeout():
