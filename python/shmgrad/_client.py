@@ -18,7 +18,7 @@ import torch
 from . import _gpu, _request, errors, multinode
 from ._accumulation import Accumulation
 from ._binding import Binding
-from ._native import _C, ATTACH_OPTIONS, DEFAULTS, GRADIENT_OPTIONS, positional_packer
+from ._native import _C, ATTACH_OPTIONS, DEFAULTS, GRADIENT_OPTIONS
 from ._reduction import DefaultReduction
 from ._seeding import step_seed
 from ._stats import GradientStats
@@ -32,11 +32,14 @@ RESIZE_POLL_S = 0.01  # how often resize() looks at the ready worker count
 
 # A gradient call's options are declared once, in engine/trainer.h's list
 # (SHMGRAD_GRADIENT_OPTIONS_FIELDS, here GRADIENT_OPTIONS): the defaults below come from it,
-# and the native call takes them positionally, in the list's order, as _gradient_options
-# packs them (one tuple a call: no dict, no attribute set per option). Where gradient() takes
-# each from: its argument of that name, or None where it derives it (from the bound module or
-# this client's state). To add an option: its line in the list, its source here and its
-# argument in gradient() (or attach() and Engine for a client-wide default), and its test.
+# and the native call takes them positionally, in the list's order: gradient() writes them as
+# one tuple (the cheapest call: no dict, no attribute set per option) in the order of
+# GRADIENT_OPTION_SOURCES, which import checks against the list's; test_options.py checks
+# that each value reaches its field. Where gradient() takes each from: its argument of that
+# name, or None where it derives it (from the bound module or this client's state).
+# To add an option: its line in the list, its line here and in gradient()'s tuple at the same
+# place, its argument in gradient() (or attach() and Engine for a client-wide default), and
+# its test.
 GRADIENT_OPTION_SOURCES = {
     "mean": "reduction",  # "mean" on one node
     "sum_through_mean": "reduction",  # "mean" across nodes, taken after the all-reduce
@@ -52,13 +55,12 @@ GRADIENT_OPTION_SOURCES = {
     "accumulate": "accumulate",  # and whether a result is there to add to
     "prev_count": None,  # what the previous result is over
 }
-if set(GRADIENT_OPTION_SOURCES) != set(GRADIENT_OPTIONS):  # pragma: no cover - a build skew
+if tuple(GRADIENT_OPTION_SOURCES) != tuple(GRADIENT_OPTIONS):  # pragma: no cover - build skew
     raise ImportError(
-        f"engine/trainer.h's gradient options {sorted(GRADIENT_OPTIONS)} differ from "
-        f"{__name__}.GRADIENT_OPTION_SOURCES {sorted(GRADIENT_OPTION_SOURCES)}: say where "
-        "gradient() takes each from"
+        f"engine/trainer.h's gradient options {list(GRADIENT_OPTIONS)} differ from "
+        f"{__name__}.GRADIENT_OPTION_SOURCES {list(GRADIENT_OPTION_SOURCES)}: list each, in "
+        "the same order, there and in Client.gradient's tuple of native options"
     )
-_gradient_options = positional_packer("_gradient_options", GRADIENT_OPTIONS)
 GRADIENT_DEFAULTS = {name: option.default for name, option in GRADIENT_OPTIONS.items()}
 DEFAULT_BUFFERS = BUFFER_RULES[0] if GRADIENT_DEFAULTS["average_buffers"] else BUFFER_RULES[1]
 
@@ -336,23 +338,25 @@ class Client:
         train = binding.training
         if mepp > 0 and train and binding.has_batchnorm:
             self._warn_passes(mepp)
-        args = _gradient_options(
-            mean=mean and nodes is None,
-            # Across nodes a mean is taken after the all-reduce, over the global count: the
-            # node computes its sum through its batch's mean (as DDP's ranks backpropagate
-            # theirs), so float16 with a GradScaler overflows where DDP's would.
-            sum_through_mean=mean and nodes is not None,
-            timeout_seconds=float(timeout),
-            max_retries=int(max_retries),
-            min_examples_per_worker=int(mepw),
-            max_examples_per_pass=int(mepp),
-            raise_on_nonfinite=bool(raise_on_nonfinite),
-            loss_scale=scale,
-            seed=seed,
-            train=train,
-            average_buffers=self.buffers == "average",
-            accumulate=mode,
-            prev_count=prev_count,
+        # The native options, one per field of GRADIENT_OPTION_SOURCES, in its order.
+        args = (
+            mean and nodes is None,  # mean
+            # sum_through_mean: across nodes a mean is taken after the all-reduce, over the
+            # global count: the node computes its sum through its batch's mean (as DDP's
+            # ranks backpropagate theirs), so float16 with a GradScaler overflows where
+            # DDP's would.
+            mean and nodes is not None,
+            float(timeout),  # timeout_seconds
+            int(max_retries),
+            int(mepw),  # min_examples_per_worker
+            int(mepp),  # max_examples_per_pass
+            bool(raise_on_nonfinite),
+            scale,  # loss_scale
+            seed,
+            train,
+            self.buffers == "average",  # average_buffers
+            mode,  # accumulate
+            prev_count,
         )
         local_step, empty = _request.local_step(
             t, args, indices, inputs, targets, batch, nodes is not None

@@ -1,7 +1,7 @@
 """The native extension ``shmgrad._C``, with a clear error when it is not built or was
 built against another torch than the one imported."""
 
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -47,24 +47,6 @@ class Option(NamedTuple):
 GRADIENT_OPTIONS = {name: Option(*rest) for name, *rest in _C.GRADIENT_OPTIONS}
 ATTACH_OPTIONS = {name: Option(*rest) for name, *rest in _C.ATTACH_OPTIONS}
 SERVE_OPTIONS = {name: Option(*rest) for name, *rest in _C.SERVE_OPTIONS}
-
-
-def positional_packer(name: str, fields) -> Callable[..., tuple]:
-    """A function that takes each of ``fields`` as a keyword-only argument, all required,
-    and returns their values as a tuple in ``fields``' order: a native call's positional
-    options in the order its list declares them, however the caller orders its keywords.
-    Generated once, as namedtuple and dataclasses generate theirs; a call costs what a plain
-    function's does (a namedtuple's would copy itself for ``*args``)."""
-    fields = tuple(fields)
-    if not fields or not all(f.isidentifier() and not f.startswith("_") for f in fields):
-        raise ImportError(f"{name}: not a list of field names: {fields!r}")
-    source = f"def {name}(*, {', '.join(fields)}):\n    return ({', '.join(fields)},)\n"
-    namespace = {}
-    exec(source, namespace)  # the names are the native list's, checked above
-    packer = namespace[name]
-    packer.__module__ = __name__
-    return packer
-
 
 # TUNABLES: name -> (value, default, meaning): the value that applies when it is unset (None
 # where the default is not one value), the default in words, and what it tunes.

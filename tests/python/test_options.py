@@ -9,17 +9,11 @@ import re
 import subprocess
 
 import pytest
+import torch
 
 import shmgrad
 from shmgrad import _client, _engine, _job, _launcher
-from shmgrad._native import (
-    _C,
-    ATTACH_OPTIONS,
-    DEFAULTS,
-    GRADIENT_OPTIONS,
-    SERVE_OPTIONS,
-    positional_packer,
-)
+from shmgrad._native import _C, ATTACH_OPTIONS, DEFAULTS, GRADIENT_OPTIONS, SERVE_OPTIONS
 
 
 def _native_parameters(function):
@@ -64,18 +58,70 @@ def test_the_lists_say_what_each_option_is():
     assert DEFAULTS["stop_timeout"] == 30.0 and _launcher.STOP_TIMEOUT_S == 30.0
 
 
-def test_gradient_packs_its_options_in_the_lists_order():
-    names = list(GRADIENT_OPTIONS)
-    values = {name: i for i, name in enumerate(names)}
-    # Keywords in any order: the tuple is in the list's, as the binding takes it.
-    assert _client._gradient_options(**dict(reversed(values.items()))) == tuple(range(len(names)))
-    with pytest.raises(TypeError, match="missing 1 required keyword-only argument"):
-        _client._gradient_options(**{n: 0 for n in names[1:]})
-    with pytest.raises(TypeError, match="unexpected keyword argument"):
-        _client._gradient_options(**values, not_an_option=1)
-    assert set(_client.GRADIENT_OPTION_SOURCES) == set(names)
-    with pytest.raises(ImportError, match="not a list of field names"):
-        positional_packer("p", ["ok", "not a name"])
+class _Recorder:
+    """A native trainer's stand-in that records what gradient() passes and returns the last
+    real step's statistics."""
+
+    def __init__(self, trainer, native):
+        self._trainer, self._native, self.calls = trainer, native, []
+
+    def __getattr__(self, name):
+        return getattr(self._trainer, name)
+
+    def gradient(self, *args):
+        self.calls.append(args)
+        return self._native
+
+
+def test_gradient_gives_each_native_option_its_field():
+    # gradient()'s tuple is written in GRADIENT_OPTION_SOURCES' order, which import checks
+    # against the list's; here each value must reach the field it is for. Three calls give
+    # each bool option its own pattern, and every other option its own value.
+    assert tuple(_client.GRADIENT_OPTION_SOURCES) == tuple(GRADIENT_OPTIONS)
+    model = torch.nn.Linear(3, 2)
+    x, y = torch.randn(4, 3), torch.randint(0, 2, (4,))
+    with shmgrad.Engine(model=model, workers=1, loss="cross_entropy") as engine:
+        engine.bind(model)
+        real = engine._trainer
+        recorder = engine._trainer = _Recorder(real, engine.gradient(inputs=x, targets=y)._native)
+        try:
+            given = dict(timeout=123.0, max_retries=7, min_examples_per_worker=5, seed=42)
+            given.update(max_examples_per_pass=9, loss_scale=2.0)
+            expected = []
+            for mean, raise_on_nonfinite, train in ((1, 0, 1), (0, 1, 0), (1, 1, 0)):
+                model.train(bool(train))
+                engine.gradient(
+                    inputs=x,
+                    targets=y,
+                    reduction="mean" if mean else "sum",
+                    raise_on_nonfinite=bool(raise_on_nonfinite),
+                    **given,
+                )
+                expected.append(
+                    dict(
+                        mean=bool(mean),
+                        sum_through_mean=False,
+                        timeout_seconds=123.0,
+                        max_retries=7,
+                        min_examples_per_worker=5,
+                        max_examples_per_pass=9,
+                        raise_on_nonfinite=bool(raise_on_nonfinite),
+                        loss_scale=2.0,
+                        seed=42,
+                        train=bool(train),
+                        average_buffers=True,
+                        accumulate=0,
+                        prev_count=0.0,
+                    )
+                )
+        finally:
+            engine._trainer = real
+    assert len(recorder.calls) == 3
+    for args, want in zip(recorder.calls, expected):
+        assert args[1] is x and args[2] is y
+        got = dict(zip(GRADIENT_OPTIONS, args[3:]))
+        assert got == want
+        assert [type(v) for v in got.values()] == [type(v) for v in want.values()], got
 
 
 def _default(function, name):
