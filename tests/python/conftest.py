@@ -14,6 +14,7 @@ import copy
 import glob
 import json
 import os
+import re
 import time
 import shutil
 import subprocess
@@ -61,6 +62,23 @@ class Branchy(torch.nn.Module):
 
 
 AUX = (4, 5)  # Branchy's aux.weight and aux.bias, in named_parameters() order
+
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+_PYTHON_BLOCK = re.compile(r"^( *)```python( fragment)?\n(.*?)^\1```", re.S | re.M)
+
+
+def python_blocks(doc):
+    """The python code blocks of ``doc`` (a path from the checkout's root): (line,
+    is_fragment, code) each, the code dedented as written in a list item. A block marked
+    ``python fragment`` is not a whole program (tests/python/test_docs.py only parses it)."""
+    with open(os.path.join(ROOT, doc)) as f:
+        text = f.read()
+    out = []
+    for m in _PYTHON_BLOCK.finditer(text):
+        code = "\n".join(s[len(m.group(1)) :] for s in m.group(3).splitlines()) + "\n"
+        out.append((text.count("\n", 0, m.start()) + 1, bool(m.group(2)), code))
+    return out
 
 
 def shard_gradients(model, x, y, shards):

@@ -7,7 +7,7 @@ import os
 import re
 import subprocess
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+from conftest import ROOT, python_blocks
 
 
 def _commands(doc):
@@ -56,20 +56,11 @@ def test_multinode_torchrun_on_one_machine_runs_as_written():
 DOCS = ["README.md"] + sorted(
     os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs")) if f.endswith(".md")
 )
-_BLOCK = re.compile(r"^( *)```python( fragment)?\n(.*?)^\1```", re.S | re.M)
 
 
 def _python_blocks():
     """(document, line, is_fragment, code) of every python block of the README and docs/."""
-    out = []
-    for doc in DOCS:
-        with open(os.path.join(ROOT, doc)) as f:
-            text = f.read()
-        for m in _BLOCK.finditer(text):
-            line = text.count("\n", 0, m.start()) + 1
-            code = "\n".join(s[len(m.group(1)) :] for s in m.group(3).splitlines())
-            out.append((doc, line, bool(m.group(2)), code))
-    return out
+    return [(doc, *block) for doc in DOCS for block in python_blocks(doc)]
 
 
 def test_every_python_block_parses():

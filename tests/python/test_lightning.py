@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import shmgrad
-from conftest import Mlp
+from conftest import Mlp, python_blocks
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "LIGHTNING.md")
 STEPS = 4
@@ -31,8 +31,7 @@ pl = pytest.importorskip("pytorch_lightning")
 
 
 def _recipe():
-    with open(DOC) as f:
-        blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
+    blocks = [code for _, _, code in python_blocks("docs/LIGHTNING.md")]
     (block,) = [b for b in blocks if "class EngineClassifier" in b]  # the manual recipe
     namespace = {}
     exec(compile(block, DOC, "exec"), namespace)
@@ -262,9 +261,7 @@ class TinyData(pl.LightningDataModule):
 def test_the_docs_one_line_way_runs_as_written(tmp_path, monkeypatch):
     with open(DOC) as f:
         doc = f.read()
-    (block,) = [
-        b for b in re.findall(r"```python(?: fragment)?\n(.*?)```", doc, re.S) if "strategy=" in b
-    ]
+    (block,) = [b for _, _, b in python_blocks("docs/LIGHTNING.md") if "strategy=" in b]
     monkeypatch.chdir(tmp_path)  # the Trainer's default logger and checkpoints go here
     torch.manual_seed(0)
     net = Mlp()
@@ -447,21 +444,20 @@ g = torch.Generator().manual_seed(1)
 data = torch.utils.data.TensorDataset(torch.randn(64, 6, generator=g),
                                       torch.randint(0, 3, (64,), generator=g))
 if devices > 1:  # rank r's batch i: examples 8 i + 4 r .. 8 i + 4 r + 3, of the same batches
-    import os
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     data = torch.utils.data.Subset(data, [i for i in range(64) if (i % 8) // 4 == rank])
 loader = torch.utils.data.DataLoader(data, batch_size=batch, shuffle=False)
-trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=4,
-                     logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                     enable_model_summary=False, use_distributed_sampler=False)
+
+
+def make(steps, **options):
+    return pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps,
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, use_distributed_sampler=False, **options)
+
+
 net = Net()
 if len(sys.argv) > 3:  # an epoch of 2 batches, checkpointed, a fresh module resumed for one more
-    def make(steps):
-        return pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy,
-                          max_steps=steps, limit_train_batches=2, logger=False,
-                          enable_checkpointing=False, enable_progress_bar=False,
-                          enable_model_summary=False, use_distributed_sampler=False)
-    trainer = make(2)
+    trainer = make(2, limit_train_batches=2)
     trainer.fit(net, loader)
     ckpt = os.path.join(sys.argv[3], "epoch0.ckpt")
     trainer.save_checkpoint(ckpt)  # every rank calls it; rank 0 writes
@@ -469,9 +465,10 @@ if len(sys.argv) > 3:  # an epoch of 2 batches, checkpointed, a fresh module res
     with torch.no_grad():
         for p in net.parameters():
             p.add_(1.0)  # other values: all must come from the checkpoint
-    trainer = make(4)
+    trainer = make(4, limit_train_batches=2)
     trainer.fit(net, loader, ckpt_path=ckpt)
 else:
+    trainer = make(4)
     trainer.fit(net, loader)
 if trainer.global_rank == 0:
     backend = (torch.distributed.get_backend() if torch.distributed.is_initialized()
@@ -482,11 +479,9 @@ if trainer.global_rank == 0:
 """
 
 
-@pytest.mark.parametrize("mode", ["word", pytest.param("class", marks=pytest.mark.full)])
-def test_ddp_over_the_shmgrad_backend_trains_as_one_process(tmp_path, mode):
-    """strategy="ddp_shmgrad" and DDPStrategy(process_group_backend="shmgrad"): two DDP
-    processes (Lightning launches them) on interleaved halves of each batch end where one
-    process on the whole batches does, with sync_dist logging through the backend."""
+def _run_ddp_script(tmp_path, modes, *, checkpoints=False):
+    """DDP_SCRIPT once for each of ``modes`` (Lightning launches its ranks), each run with a
+    folder of its own for checkpoints with ``checkpoints``: mode -> the run's result."""
     import json
     import subprocess
     import sys
@@ -494,10 +489,13 @@ def test_ddp_over_the_shmgrad_backend_trains_as_one_process(tmp_path, mode):
     script = tmp_path / "ddp.py"
     script.write_text(DDP_SCRIPT)
     results = {}
-    for m in ("single", mode):
-        out = tmp_path / f"{m}.json"
+    for mode in modes:
+        out, extra = tmp_path / f"{mode}.json", []
+        if checkpoints:
+            (tmp_path / mode).mkdir()
+            extra = [str(tmp_path / mode)]
         proc = subprocess.run(
-            [sys.executable, str(script), m, str(out)],
+            [sys.executable, str(script), mode, str(out), *extra],
             capture_output=True,
             text=True,
             timeout=300,
@@ -505,10 +503,23 @@ def test_ddp_over_the_shmgrad_backend_trains_as_one_process(tmp_path, mode):
             env={**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"},
         )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        results[m] = json.loads(out.read_text())
+        results[mode] = json.loads(out.read_text())
+    return results
+
+
+def _assert_shmgrad_ends_where_single_does(results, mode):
     assert results[mode]["backend"] == "shmgrad"
     for a, b in zip(results[mode]["params"], results["single"]["params"]):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["word", pytest.param("class", marks=pytest.mark.full)])
+def test_ddp_over_the_shmgrad_backend_trains_as_one_process(tmp_path, mode):
+    """strategy="ddp_shmgrad" and DDPStrategy(process_group_backend="shmgrad"): two DDP
+    processes (Lightning launches them) on interleaved halves of each batch end where one
+    process on the whole batches does, with sync_dist logging through the backend."""
+    results = _run_ddp_script(tmp_path, ("single", mode))
+    _assert_shmgrad_ends_where_single_does(results, mode)
     # The last step's logged loss: the mean of the two ranks' means = the batch's mean.
     assert abs(results[mode]["loss"] - results["single"]["loss"]) < 1e-5
 
@@ -518,27 +529,7 @@ def test_ddp_shmgrad_checkpoint_and_resume_as_lightning_on_one_device(tmp_path):
     """strategy="ddp_shmgrad": an epoch of 2 steps, a checkpoint, a fresh module (other
     values) resumed from it for a second epoch, ends where Lightning's single-device run
     does the same (parameters and optimizer state from the checkpoint)."""
-    import json
-    import subprocess
-    import sys
-
-    script = tmp_path / "ddp.py"
-    script.write_text(DDP_SCRIPT)
-    results = {}
-    for mode in ("single", "word"):
-        out, ckpts = tmp_path / f"{mode}.json", tmp_path / mode
-        ckpts.mkdir()
-        proc = subprocess.run(
-            [sys.executable, str(script), mode, str(out), str(ckpts)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            cwd=tmp_path,
-            env={**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"},
-        )
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        assert (ckpts / "epoch0.ckpt").exists()
-        results[mode] = json.loads(out.read_text())
-    assert results["word"]["backend"] == "shmgrad"
-    for a, b in zip(results["word"]["params"], results["single"]["params"]):
-        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-5, atol=1e-6)
+    results = _run_ddp_script(tmp_path, ("single", "word"), checkpoints=True)
+    for mode in results:
+        assert (tmp_path / mode / "epoch0.ckpt").exists()
+    _assert_shmgrad_ends_where_single_does(results, "word")

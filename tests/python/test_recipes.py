@@ -5,13 +5,12 @@ the same batch (tiny models built from configs, no download)."""
 import copy
 import os
 import re
-import textwrap
 
 import pytest
 import torch
 
 import shmgrad
-from conftest import ci_runs, relative_error
+from conftest import ci_runs, python_blocks, relative_error
 from text_models import (
     UNEVEN_BATCH,
     TokenSequences,
@@ -33,10 +32,10 @@ def _guide():
 
 def _python_block_defining(name):
     """The guide's python code block that defines ``name``, run: its namespace."""
-    for block in re.findall(r"```python\n(.*?)```", _guide(), re.S):
+    for _, _, block in python_blocks("docs/GUIDE.md"):
         if f"def {name}(" in block:
             namespace = {"torch": torch}
-            exec(compile(textwrap.dedent(block), GUIDE, "exec"), namespace)
+            exec(compile(block, GUIDE, "exec"), namespace)
             return namespace
     raise AssertionError(f"docs/GUIDE.md has no python block defining {name}")
 
