@@ -60,6 +60,7 @@ StepSummary stepSummary(const ipc::StepRecord& r) {
   s.wall_seconds = r.wall_ns / kNsPerSecond;
   s.compute_seconds = r.compute_max_ns / kNsPerSecond;
   s.reduce_seconds = r.reduce_max_ns / kNsPerSecond;
+  s.reduce_early_seconds = r.reduce_early_max_ns / kNsPerSecond;
   s.wait_seconds = r.wait_ns / kNsPerSecond;
   return s;
 }

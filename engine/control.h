@@ -39,6 +39,8 @@ struct WorkerStatus {
   X(double, wall_seconds, "the step published to the end of its reduction") \
   X(double, compute_seconds, "the slowest worker's forward and backward")   \
   X(double, reduce_seconds, "the slowest worker's slice of the reduction")  \
+  X(double, reduce_early_seconds,                                           \
+    "bucketed: the most of a slice done before the last worker computed")   \
   X(double, wait_seconds, "wall - compute - reduce: synchronisation")
 struct StepSummary {
   SHMGRAD_STEP_SUMMARY_FIELDS(SHMGRAD_DECLARE_FIELD)

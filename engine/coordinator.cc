@@ -769,6 +769,7 @@ class Coordinator {
     ipc::wakeWorkers(c());
     ipc::futexWake(&c().compute_barrier);
     ipc::futexWake(&c().reduce_barrier);
+    ipc::bumpAndWake(&c().bucket_progress);
     ipc::bumpAndWake(&c().trainer_wake);
     try {
       stopWorkers();

@@ -26,6 +26,7 @@ WorkerResult readWorkerResult(const ipc::WorkerRecord& w, uint32_t e, uint32_t s
   r.count = w.count;
   r.compute_ns = w.compute_ns;
   r.reduce_ns = w.reduce_ns;
+  r.reduce_early_ns = w.reduce_early_ns;
   r.barrier_wait_ns = w.barrier_wait_ns;
   r.nonfinite_loss = w.nonfinite_loss != 0;
   r.nonfinite_grad = w.nonfinite_grad.load() != 0;

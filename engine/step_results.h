@@ -16,6 +16,7 @@ struct WorkerResult {
   double count = 0;
   uint64_t compute_ns = 0;
   uint64_t reduce_ns = 0;
+  uint64_t reduce_early_ns = 0;
   uint64_t barrier_wait_ns = 0;
   bool nonfinite_loss = false;
   bool nonfinite_grad = false;

@@ -126,6 +126,17 @@ Trainer::Trainer(std::string name, std::shared_ptr<ipc::Segment> seg, const Atta
                   "' must be microseconds from 0 to ", ipc::kMaxSpinNs / 1000);
     spin_ns_ = static_cast<uint64_t>(us * 1000);
   }
+  {
+    const char* env = config::tunableValue("SHMGRAD_BUCKET_KB");
+    char* end = nullptr;
+    const double kb = std::strtod(env, &end);
+    SHMGRAD_CHECK(end != env && *end == '\0' && kb >= 0 && kb <= 1e9, ErrorKind::kInvalidArgument,
+                  "SHMGRAD_BUCKET_KB='", env,
+                  "' must be KiB from 0 (no buckets) to 1e9; unset it for the default");
+    const ipc::SegmentHeader* h = seg_->header();
+    num_buckets_ = ipc::bucketCuts(seg_->paramTable(), std::min(h->num_params, ipc::kMaxParams),
+                                   h->param_floats, static_cast<uint64_t>(kb * 256), bucket_cuts_);
+  }
   const ipc::ParamEntry* table = seg_->paramTable();
   for (uint32_t i = 0; i < seg_->header()->num_params; ++i) {
     ParamInfo p;
@@ -671,6 +682,18 @@ uint32_t Trainer::publish(int64_t B, const GradientOptions& o, uint32_t kind,
   }
   c.compute_barrier.store(ipc::barrierTag(e), std::memory_order_relaxed);
   c.reduce_barrier.store(ipc::barrierTag(e), std::memory_order_relaxed);
+  // Buckets where backward's order can hide the reduction: a fresh step of two or more
+  // participants in host memory (an accumulating step's weights need every count first).
+  const bool bucketed =
+      num_buckets_ > 0 && p.n >= 2 && o.accumulate == ipc::Accumulate::kFresh && !onDevice();
+  r.num_buckets = bucketed ? num_buckets_ : 0;
+  if (bucketed) {
+    std::copy(bucket_cuts_, bucket_cuts_ + num_buckets_ + 1, r.bucket_begin);
+    for (uint32_t k = 0; k < num_buckets_; ++k) {
+      c.buckets[k].ready.store(ipc::barrierTag(e), std::memory_order_relaxed);
+      c.buckets[k].claimed.store(ipc::barrierTag(e), std::memory_order_relaxed);
+    }
+  }
   // Spin only if every process that runs meanwhile has a core. Between steps and while
   // the trainer waits, that is the participants' threads and this trainer; otherwise a
   // spinning waiter would take a core from a worker, and the trainer sleeps. At the
@@ -752,6 +775,7 @@ void Trainer::collect(uint32_t e, const Participants& p, int64_t B, const Gradie
     ws.count = w.count;
     ws.compute_seconds = w.compute_ns / 1e9;
     ws.reduce_seconds = w.reduce_ns / 1e9;
+    ws.reduce_early_seconds = w.reduce_early_ns / 1e9;
     ws.wait_seconds = w.barrier_wait_ns / 1e9;
     ws.nonfinite_loss = w.nonfinite_loss;
     ws.nonfinite_grad = w.nonfinite_grad;

@@ -98,6 +98,8 @@ struct GradientOptions {
   X(double, count, "its weight in a mean: examples, or forward's count") \
   X(double, compute_seconds, "forward + backward")                       \
   X(double, reduce_seconds, "its slice of the reduction")                \
+  X(double, reduce_early_seconds,                                        \
+    "bucketed: of reduce_seconds, done before the last worker computed") \
   X(double, wait_seconds, "waiting for the other workers after compute") \
   X(bool, nonfinite_loss, "")                                            \
   X(bool, nonfinite_grad, "")
@@ -272,6 +274,10 @@ class Trainer {
   bool dirty_ = true;     // a previous step may have left stale workers running
   uint32_t cores_ = 1;    // CPUs this process may run on (sched_getaffinity)
   uint64_t spin_ns_ = 0;  // spin budget for steps whose processes all have a core
+  // The bucketed reduction's cuts (ipc::bucketCuts, SHMGRAD_BUCKET_KB), used by fresh steps
+  // of two or more participants on the host; 0 buckets: none.
+  uint64_t bucket_cuts_[ipc::kMaxBuckets + 1] = {};
+  uint32_t num_buckets_ = 0;
   std::unique_ptr<ipc::AdaptiveSpin> await_spin_;  // how long spinning for a step's end pays
   std::vector<ParamInfo> params_;
   // The placement steps use, and the probe choosing it (serve --workers auto) until done.

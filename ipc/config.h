@@ -70,6 +70,10 @@ inline constexpr Tunable kTunables[] = {
     {"SHMGRAD_SPIN_US", "1000", nullptr,
      "microseconds a trainer spins before it sleeps on a futex while workers compute (0 to "
      "10000; the workers' spin adapts to how long they waited before)"},
+    {"SHMGRAD_BUCKET_KB", "1024", nullptr,
+     "KiB of gradient per bucket that workers reduce while the slowest still computes "
+     "(cut at parameters; at most 16 buckets; 0: reduce after every backward, in one slice "
+     "each)"},
     {"SHMGRAD_FASHION_MNIST_DIR", "/usr/share/datasets/fashion-mnist", nullptr,
      "the folder of the Fashion-MNIST files (dataset='fashion-mnist')"},
     {"SHMGRAD_PYTHON", "python3", nullptr,

@@ -37,7 +37,7 @@
 namespace shmgrad::ipc {
 
 constexpr uint64_t kMagic = 0x31444152474d4853ull;  // "SHMGRAD1", little endian
-constexpr uint32_t kLayoutVersion = 16;
+constexpr uint32_t kLayoutVersion = 17;
 constexpr uint64_t kAlign = 64;  // every region and tensor starts on a cache line
 constexpr uint32_t kAlignFloats = kAlign / sizeof(float);
 constexpr uint32_t kMaxWorkers = 64;            // gradient slots in one segment, at most
@@ -48,9 +48,12 @@ constexpr uint32_t kMaxBuffers = 1024;  // shared buffer tensors (BatchNorm stat
 constexpr uint32_t kMaxDims = 8;        // dimensions of a tensor, at most
 constexpr uint32_t kNameLen = 128;      // parameter name, NUL-terminated
 constexpr uint32_t kErrorLen = 8192;    // a worker's error message (with traceback), NUL-terminated
-constexpr uint32_t kErrorTypeLen = 128;     // the error's type name ("TypeError"), NUL-terminated
-constexpr uint32_t kPathLen = 512;          // model path, NUL-terminated
-constexpr uint32_t kStatsRing = 16;         // last steps kept for `shmgrad status`
+constexpr uint32_t kErrorTypeLen = 128;  // the error's type name ("TypeError"), NUL-terminated
+constexpr uint32_t kPathLen = 512;       // model path, NUL-terminated
+constexpr uint32_t kStatsRing = 16;
+// Buckets of a step's gradient reduced as backward completes them (StepRequest::buckets),
+// at most; each is cut into one piece per participant.
+constexpr uint32_t kMaxBuckets = 16;        // last steps kept for `shmgrad status`
 constexpr uint32_t kDeviceReserved = 8192;  // bytes kept for CUDA IPC handles
 
 // Limits on what a header, a spec or a step request may say. One definition each:
@@ -296,14 +299,17 @@ struct alignas(64) WorkerRecord {
   // Result of the step in result_epoch, written by the worker before it arrives at
   // the compute barrier (compute part) and at the reduce barrier (reduce_ns).
   uint32_t result_epoch;
-  uint32_t error;            // 1: error_type and error_text say why this shard failed
-  uint64_t start_ns;         // CLOCK_MONOTONIC when it saw the step (wake-up latency)
-  int64_t examples;          // examples in this worker's shard
-  double loss_sum;           // sum of the loss over the shard
-  double count;              // the shard's weight in a mean: examples, or the counts
-                             // (tokens) its loss sums over; finite and >= 0
-  uint64_t compute_ns;       // forward + backward
-  uint64_t reduce_ns;        // its slice of the reduction
+  uint32_t error;       // 1: error_type and error_text say why this shard failed
+  uint64_t start_ns;    // CLOCK_MONOTONIC when it saw the step (wake-up latency)
+  int64_t examples;     // examples in this worker's shard
+  double loss_sum;      // sum of the loss over the shard
+  double count;         // the shard's weight in a mean: examples, or the counts
+                        // (tokens) its loss sums over; finite and >= 0
+  uint64_t compute_ns;  // forward + backward
+  uint64_t reduce_ns;   // its slice of the reduction (bucketed: the pieces it took)
+  // Bucketed steps: of reduce_ns, what it reduced before the step's last participant
+  // finished computing (hidden behind that wait).
+  uint64_t reduce_early_ns;
   uint64_t barrier_wait_ns;  // time spent waiting for the others
   uint32_t nonfinite_loss;   // 1 when loss_sum is NaN or infinite
   std::atomic<uint32_t>
@@ -388,7 +394,15 @@ struct StepRequest {
   // kStructured: the tensors (the rows of each lie in req_inputs) and how they nest, a
   // string the eager workers parse (python/shmgrad/_batch.py); never trusted unchecked.
   uint32_t num_leaves;
-  uint32_t reserved3;
+  // Bucketed reduction (docs/DESIGN.md, "Buckets"): 0, the reduction starts after every
+  // participant's backward (one slice each); else the gradient's floats are cut at
+  // bucket_begin[0] = 0 < ... < bucket_begin[num_buckets] = param_floats (parameter
+  // offsets, multiples of 16 floats), each bucket reduced in one piece per participant as
+  // soon as every participant's backward completed it, by whichever participant claims the
+  // piece first (ControlBlock::buckets). Only for a fresh step of two or more
+  // participants on the host; never trusted unchecked.
+  uint32_t num_buckets;
+  uint64_t bucket_begin[kMaxBuckets + 1];
   char structure[kStructureLen];
   LeafEntry leaves[kMaxLeaves];
   uint8_t participants[kMaxWorkers];  // slot ids, rank order
@@ -401,10 +415,11 @@ struct StepRecord {
   uint32_t workers;
   int64_t examples;
   double loss_sum;
-  uint64_t wall_ns;         // publish to end of reduction
-  uint64_t compute_max_ns;  // slowest worker's forward + backward
-  uint64_t reduce_max_ns;   // slowest worker's reduction slice
-  uint64_t wait_ns;         // wall - compute_max - reduce_max: synchronisation cost
+  uint64_t wall_ns;              // publish to end of reduction
+  uint64_t compute_max_ns;       // slowest worker's forward + backward
+  uint64_t reduce_max_ns;        // slowest worker's reduction slice
+  uint64_t reduce_early_max_ns;  // bucketed: the most of it done before compute ended
+  uint64_t wait_ns;              // wall - compute_max - reduce_max: synchronisation cost
 };
 
 struct alignas(64) ControlBlock {
@@ -419,9 +434,18 @@ struct alignas(64) ControlBlock {
   // of the workers (ipc::wakeWorkers). So a placement or a small batch that leaves
   // workers out does not wake them every step.
   alignas(64) std::atomic<uint32_t> idle_wake;
-  std::atomic<uint32_t> done_epoch;   // last reducer: step finished
-  uint64_t done_ns;                   // CLOCK_MONOTONIC of the last done_epoch store
-  std::atomic<uint32_t> abort_epoch;  // coordinator: step lost a worker
+  // Bucketed steps (StepRequest::num_buckets). Per bucket, the participants whose backward
+  // has completed it and the pieces of it claimed so far (tag | count each, reset by the
+  // trainer like the barriers; a bucket has one piece per participant); bumped and woken
+  // by whoever completes a bucket, for participants with nothing ready to take.
+  alignas(64) std::atomic<uint32_t> bucket_progress;
+  struct alignas(64) BucketWord {
+    std::atomic<uint32_t> ready;
+    std::atomic<uint32_t> claimed;
+  } buckets[kMaxBuckets];
+  alignas(64) std::atomic<uint32_t> done_epoch;  // last reducer: step finished
+  uint64_t done_ns;                              // CLOCK_MONOTONIC of the last done_epoch store
+  std::atomic<uint32_t> abort_epoch;             // coordinator: step lost a worker
   // trainer: the last step it gave up on at its timeout; a worker held up by it
   // (ipc::heldByAbandoned) after the coordinator's grace period is killed and replaced.
   std::atomic<uint32_t> abandon_epoch;

@@ -14,6 +14,23 @@ void sliceBounds(uint64_t total, uint32_t parts, uint32_t rank, uint64_t* begin,
   *end = std::min(total, hi * 16);
 }
 
+uint32_t bucketCuts(const ParamEntry* table, uint32_t num_params, uint64_t param_floats,
+                    uint64_t target_floats, uint64_t cuts[kMaxBuckets + 1]) {
+  if (target_floats == 0 || param_floats == 0) return 0;
+  const uint64_t target = std::max(target_floats, (param_floats + kMaxBuckets - 1) / kMaxBuckets);
+  uint32_t k = 0;
+  cuts[0] = 0;
+  uint64_t last = 0;
+  for (uint32_t i = 0; i < num_params; ++i) {
+    const uint64_t offset = table[i].offset;
+    if (offset < last || offset >= param_floats || offset % kAlignFloats != 0) return 0;
+    last = offset;
+    if (offset - cuts[k] >= target && k + 1 < kMaxBuckets) cuts[++k] = offset;
+  }
+  cuts[++k] = param_floats;
+  return k >= 2 ? k : 0;
+}
+
 namespace {
 
 // Blocks keep the partial sums in L1/L2 while the inputs stream through.

@@ -5,7 +5,17 @@
 
 #include <cstdint>
 
+#include "ipc/layout.h"
+
 namespace shmgrad::ipc {
+
+// The buckets of a bucketed reduction (StepRequest::num_buckets): cuts at parameter
+// offsets, each bucket but the last holding at least `target_floats` (raised so that there
+// are at most kMaxBuckets), in the parameters' order. Writes cuts[0] = 0 < ... <
+// cuts[K] = param_floats and returns K; returns 0 (no buckets) when target_floats is 0,
+// when fewer than two buckets would result or when the offsets do not increase.
+uint32_t bucketCuts(const ParamEntry* table, uint32_t num_params, uint64_t param_floats,
+                    uint64_t target_floats, uint64_t cuts[kMaxBuckets + 1]);
 
 // The slice [begin, end) of `total` floats that rank `rank` of `parts` reduces.
 // Slice edges are multiples of 16 floats (one cache line), so no two workers write

@@ -29,6 +29,7 @@ inline bool abortStep(ControlBlock& c, uint32_t e) {
   bumpAndWake(&c.trainer_wake);
   futexWake(&c.compute_barrier);
   futexWake(&c.reduce_barrier);
+  bumpAndWake(&c.bucket_progress);  // bucketed steps' participants with nothing to take
   return previous != e;
 }
 

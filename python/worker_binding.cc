@@ -12,6 +12,7 @@
 #include "ipc/layout.h"
 #include "ipc/segment.h"
 #include "views/segment_views.h"
+#include "worker/grad_hooks.h"
 #include "worker/process.h"
 #include "worker/step_protocol.h"
 
@@ -172,9 +173,16 @@ class EagerParticipant {
     return participant_->serve(computer);
   }
 
+  // Hooks the model's parameters (the engine's, in order): their gradients' completion in
+  // backward starts the bucketed reduction's buckets.
+  void watchGradients(const std::vector<torch::Tensor>& params) {
+    hooks_.watch(*participant_, params);
+  }
+
   std::shared_ptr<ipc::Segment> seg_;
   uint32_t slot_;
   std::unique_ptr<worker::StepParticipant> participant_;
+  worker::GradReadyHooks hooks_;  // after participant_: removed before it goes
 };
 
 }  // namespace
@@ -261,6 +269,9 @@ void bindEagerWorker(py::module_& m) {
            [](EagerParticipant& p, const std::string& text) {
              p.participant_->reportStartupFailure(text);
            })
+      .def("watch_gradients", &EagerParticipant::watchGradients, py::arg("params"),
+           "hook the parameters' gradient accumulators (the engine's parameters, in order): "
+           "backward's completed buckets are reduced while it runs")
       .def("become_ready", [](EagerParticipant& p) { return p.participant_->becomeReady(); })
       .def(
           "dataset_views",

@@ -174,6 +174,30 @@ TEST(ReduceTest, ReduceSliceOnlyWritesItsSlice) {
   }
 }
 
+TEST(ReduceTest, BucketCutsFallOnParametersInOrder) {
+  ParamEntry table[6] = {};
+  const uint64_t offsets[6] = {0, 800, 816, 1824, 1840, 2000};  // numels 800, 16, 1008, ...
+  for (int i = 0; i < 6; ++i) table[i].offset = offsets[i];
+  uint64_t cuts[kMaxBuckets + 1];
+  // At least 500 floats each but the last: cut before the 2nd and the 4th parameter.
+  ASSERT_EQ(bucketCuts(table, 6, 2016, 500, cuts), 3u);
+  EXPECT_EQ(std::vector<uint64_t>(cuts, cuts + 4), (std::vector<uint64_t>{0, 800, 1824, 2016}));
+  EXPECT_EQ(bucketCuts(table, 6, 2016, 0, cuts), 0u);     // buckets off
+  EXPECT_EQ(bucketCuts(table, 6, 2016, 5000, cuts), 0u);  // one bucket: none
+  // Never more than kMaxBuckets, however small the target.
+  ParamEntry many[40] = {};
+  for (int i = 0; i < 40; ++i) many[i].offset = 16 * i;
+  const uint32_t k = bucketCuts(many, 40, 640, 1, cuts);  // each >= 640 / 16 floats
+  ASSERT_GE(k, 2u);
+  ASSERT_LE(k, kMaxBuckets);
+  for (uint32_t i = 0; i + 1 < k; ++i) EXPECT_GE(cuts[i + 1] - cuts[i], 40u);
+  EXPECT_LT(cuts[k - 1], cuts[k]);
+  EXPECT_EQ(cuts[k], 640u);
+  // Offsets that do not increase, or lie off a cache line: no buckets.
+  many[3].offset = 8;
+  EXPECT_EQ(bucketCuts(many, 40, 640, 1, cuts), 0u);
+}
+
 TEST(ReduceTest, SliceBoundsPartitionOnCacheLines) {
   for (uint32_t parts = 1; parts <= 9; ++parts) {
     for (uint64_t total = 0; total <= 200; ++total) {

@@ -64,12 +64,17 @@ class FakeComputer : public ShardComputer {
       }
       loss += static_cast<double>(i);
     }
+    // As backward's hooks would (worker/grad_hooks.h): the last parameter first.
+    if (hooked != nullptr) {
+      for (uint32_t i = seg_.header()->num_params; i-- > 0;) hooked->gradReady(i);
+    }
     last_grads = s.grads;
     last_grad_scale = s.grad_scale;
     return {loss, count_per_example * static_cast<double>(end - begin)};
   }
   int64_t fail_on = -1;
-  double count_per_example = 1;  // the pass's count: a weighted mean's denominator
+  double count_per_example = 1;       // the pass's count: a weighted mean's denominator
+  StepParticipant* hooked = nullptr;  // tells it each parameter's gradient is complete
   float* last_grads = nullptr;
   float last_grad_scale = 0;
   std::atomic<int> passes{0};
@@ -82,7 +87,7 @@ class FakeComputer : public ShardComputer {
 // A segment, n participant threads and an attached trainer.
 class Engine {
  public:
-  explicit Engine(uint32_t workers) : name_(uniqueName()) {
+  explicit Engine(uint32_t workers, bool hooks = false) : name_(uniqueName()) {
     SegmentSpec spec;
     spec.name = name_;
     spec.model_path = "/nonexistent/model.pt";
@@ -101,6 +106,12 @@ class Engine {
       seg_->header()->workers[i].pid.store(getpid());
       computers_.push_back(std::make_unique<FakeComputer>(*seg_, &calls_));
       participants_.push_back(std::make_unique<StepParticipant>(*seg_, i, getppid()));
+      if (hooks) {
+        for (uint32_t p = 0; p < seg_->header()->num_params; ++p) {
+          participants_[i]->watchGrad(p, worker::GradWatch::kHooked);
+        }
+        computers_[i]->hooked = participants_[i].get();
+      }
       if (!participants_[i]->becomeReady()) throw std::runtime_error("slot not starting");
     }
     for (uint32_t i = 0; i < workers; ++i) {
@@ -196,6 +207,40 @@ INSTANTIATE_TEST_SUITE_P(WorkersBatchesMean, StepProtocolTest,
                          ::testing::Combine(::testing::Values(1u, 2u, 3u),
                                             ::testing::Values(int64_t{1}, int64_t{7}, int64_t{40}),
                                             ::testing::Bool()));
+
+// The bucketed reduction (SHMGRAD_BUCKET_KB small enough for two buckets here): the same
+// bits as the unbucketed one, with the compute phase's hooks or without (every bucket
+// complete at the end of compute), for a sum, a mean and a mean over other counts (pieces
+// reduced before the counts are in are rescaled after).
+TEST(StepProtocolBucketTest, BucketsGiveTheUnbucketedBits) {
+  std::vector<int64_t> ids;
+  for (int64_t k = 0; k < 29; ++k) ids.push_back((k * 5 + 1) % kDataCount);
+  std::vector<std::vector<float>> runs;
+  for (const char* kb : {"0", "0.0625", "0.0625"}) {
+    ASSERT_EQ(setenv("SHMGRAD_BUCKET_KB", kb, 1), 0);
+    const bool bucketed = std::string(kb) != "0";
+    Engine engine(3, /*hooks=*/runs.size() == 2);  // the third run: hooked
+    unsetenv("SHMGRAD_BUCKET_KB");
+    const ipc::SegmentHeader* h = engine.segment().header();
+    std::vector<float> got;
+    for (const double count : {1.0, 2.5}) {
+      for (bool mean : {false, true}) {
+        for (uint32_t i = 0; i < 3; ++i) engine.computer(i).count_per_example = count;
+        GradientOptions o;
+        o.mean = mean;
+        o.timeout_seconds = 20;
+        engine.trainer().gradient(indexTensor(ids), o);
+        EXPECT_EQ(h->request.num_buckets, bucketed ? 2u : 0u);
+        EXPECT_LT(engine.maxRelError(engine.expected(ids, mean, mean ? 1.0 / count : 1.0)), 1e-6);
+        got.insert(got.end(), engine.segment().reduced(),
+                   engine.segment().reduced() + h->param_floats);
+      }
+    }
+    runs.push_back(got);
+  }
+  EXPECT_EQ(runs[0], runs[1]);  // bitwise: float == on every element
+  EXPECT_EQ(runs[0], runs[2]);
+}
 
 // A mean over counts other than the examples (tokens): 1 / (sum of the counts), with
 // one participant (backward's 1/B rescaled) and several.

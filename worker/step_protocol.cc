@@ -194,6 +194,7 @@ void StepParticipant::runStep(uint32_t e, ShardComputer& computer) {
   me_.nonfinite_loss = 0;
   me_.nonfinite_grad.store(0, std::memory_order_relaxed);
   me_.reduce_ns = 0;
+  me_.reduce_early_ns = 0;
   me_.barrier_wait_ns = 0;
   const uint64_t t0 = ipc::monotonicNs();
   me_.start_ns = t0;
@@ -201,31 +202,28 @@ void StepParticipant::runStep(uint32_t e, ShardComputer& computer) {
   Shard shard;
   const bool valid = prepareShard(e, &shard);
   if (valid) computePhase(shard, computer);
-  const auto publish = [&](uint8_t* dst) {
-    try {
-      computer.publishBuffers(dst);
-    } catch (const std::exception& ex) {
-      setError("", ex.what());
-    }
-  };
   const bool average = valid && h_->num_buffers > 0 && shard.buffer_rule == ipc::BufferRule::kMean;
-  if (average && me_.error == 0) publish(seg_.slotBuffers(slot_));  // averaged by rank 0 below
+  if (average && me_.error == 0) {
+    publishBuffers(computer, seg_.slotBuffers(slot_));  // averaged by rank 0 (shareBuffers)
+  }
   const uint64_t t1 = ipc::monotonicNs();
   me_.compute_ns = t1 - t0;
   me_.result_epoch = e;
 
-  // Compute barrier: every participant's slot is complete before anyone reads it. An
-  // invalid request is not taken part in: the trainer's timeout or abort ends the step.
-  if (valid && barrier(c_.compute_barrier, e, shard.participants)) {
+  if (valid && shard.num_buckets > 0) {
+    // Bucketed: what backward's hooks did not mark yet is complete now (every bucket of a
+    // worker without hooks); then take pieces as their buckets become ready.
+    markAllBuckets();
+    if (bucketedReduce(shard, computer, t1) &&
+        ipc::arriveBarrier(c_.reduce_barrier, e) == shard.participants) {
+      completeStep(e, shard.participants);
+    }
+  } else if (valid && barrier(c_.compute_barrier, e, shard.participants)) {
+    // Compute barrier: every participant's slot is complete before anyone reads it. An
+    // invalid request is not taken part in: the trainer's timeout or abort ends the step.
     const uint64_t t2 = ipc::monotonicNs();
     me_.barrier_wait_ns = t2 - t1;
-    if (shard.rank == 0 && h_->num_buffers > 0) {
-      if (average) {
-        averageBuffers(shard);
-      } else {
-        publish(seg_.buffers());
-      }
-    }
+    shareBuffers(shard, computer);
     try {
       reducePhase(shard);
     } catch (const std::exception& ex) {  // a device's error: the trainer reports it
@@ -238,6 +236,99 @@ void StepParticipant::runStep(uint32_t e, ShardComputer& computer) {
     }
   }
   me_.busy_epoch.store(0, std::memory_order_release);
+}
+
+void StepParticipant::publishBuffers(ShardComputer& computer, uint8_t* dst) {
+  try {
+    computer.publishBuffers(dst);
+  } catch (const std::exception& ex) {
+    setError("", ex.what());
+  }
+}
+
+// The step's first participant, once every participant has computed (so has loaded the
+// shared buffers and, by BufferRule::kMean, written its copy): the step's buffers.
+void StepParticipant::shareBuffers(const Shard& shard, ShardComputer& computer) {
+  if (shard.rank != 0 || h_->num_buffers == 0) return;
+  if (shard.buffer_rule == ipc::BufferRule::kMean) {
+    averageBuffers(shard);
+  } else {
+    publishBuffers(computer, seg_.buffers());
+  }
+}
+
+void StepParticipant::watchGrad(uint32_t param, GradWatch how) {
+  if (param >= ipc::kMaxParams) return;
+  watch_[param] = how;
+  mapped_buckets_ = 0;  // the buckets' hooked parameters are counted again
+}
+
+void StepParticipant::gradReady(uint32_t param) {
+  if (!armed_ || param >= ipc::kMaxParams || watch_[param] != GradWatch::kHooked) return;
+  if (ipc::paramBit(seen_, param)) return;  // counted once, however often it fires
+  ipc::setParamBit(seen_, param);
+  const uint32_t k = param_bucket_[param];
+  if (k >= num_buckets_ || bucket_hooked_[k] == 0 || marked_[k] || pending_[k] == 0) return;
+  if (--pending_[k] == 0) markBucket(k);
+}
+
+// This step's buckets: which parameter lies in which (when the cuts change) and, per
+// bucket, the hooked parameters backward must complete before it is ready. A bucket with
+// a parameter of unknown completion (not hooked, not frozen) or one across its cut is
+// marked only at the end of this participant's compute (markAllBuckets).
+void StepParticipant::prepareBuckets(const Shard& shard) {
+  armed_ = false;
+  num_buckets_ = shard.num_buckets;
+  bucket_participants_ = shard.participants;
+  bucket_epoch_ = shard.epoch;
+  if (num_buckets_ == 0) return;
+  const uint32_t K = num_buckets_;
+  if (mapped_buckets_ != K ||
+      std::memcmp(buckets_of_, shard.bucket_begin, (K + 1) * sizeof(uint64_t)) != 0) {
+    std::memcpy(buckets_of_, shard.bucket_begin, (K + 1) * sizeof(uint64_t));
+    bool eligible[ipc::kMaxBuckets];
+    std::fill(eligible, eligible + K, true);
+    std::fill(bucket_hooked_, bucket_hooked_ + ipc::kMaxBuckets, 0);
+    const ipc::ParamEntry* table = seg_.paramTable();  // validated on attach
+    const uint32_t np = std::min(h_->num_params, ipc::kMaxParams);
+    for (uint32_t i = 0; i < np; ++i) {
+      const uint64_t first = table[i].offset, numel = table[i].numel;
+      // The bucket its first float lies in: the last cut at or before it.
+      const uint32_t k = static_cast<uint32_t>(
+          std::upper_bound(buckets_of_ + 1, buckets_of_ + K, first) - (buckets_of_ + 1));
+      param_bucket_[i] = static_cast<uint8_t>(k);
+      if (numel == 0) continue;
+      for (uint32_t j = k + 1; j < K && buckets_of_[j] < first + numel; ++j) {
+        eligible[j - 1] = eligible[j] = false;  // across a cut
+      }
+      if (watch_[i] == GradWatch::kHooked) {
+        ++bucket_hooked_[k];
+      } else if (watch_[i] != GradWatch::kNoGrad) {
+        eligible[k] = false;
+      }
+    }
+    for (uint32_t k = 0; k < K; ++k) {
+      if (!eligible[k]) bucket_hooked_[k] = 0;
+    }
+    mapped_buckets_ = K;
+  }
+  std::copy(bucket_hooked_, bucket_hooked_ + K, pending_);
+  std::fill(marked_, marked_ + K, false);
+  std::memset(seen_, 0, sizeof seen_);
+}
+
+// This participant's backward has completed bucket k: one arrival at its word (tagged with
+// the step, so a stale one never counts); the last participant's wakes who waits for it.
+void StepParticipant::markBucket(uint32_t k) {
+  if (marked_[k]) return;
+  marked_[k] = true;
+  const uint32_t got = ipc::arriveBarrier(c_.buckets[k].ready, bucket_epoch_);
+  if (got == bucket_participants_ && got > 1) ipc::bumpAndWake(&c_.bucket_progress);
+}
+
+void StepParticipant::markAllBuckets() {
+  armed_ = false;
+  for (uint32_t k = 0; k < num_buckets_; ++k) markBucket(k);
 }
 
 // Reads this worker's share of the request. Every field read from shared memory is
@@ -278,6 +369,14 @@ bool StepParticipant::prepareShard(uint32_t e, Shard* s) {
   s->train = r.train_mode != 0;
   spin_ns_ = std::min<uint64_t>(r.spin_ns, ipc::kMaxSpinNs);
   barrier_spin_ns_ = std::min<uint64_t>(r.barrier_spin_ns, ipc::kMaxSpinNs);
+  // Buckets are reduced from the host's memory only (the trainer never asks otherwise).
+  if (r.num_buckets != 0 && mem_->onDevice()) {
+    setError("", "corrupt step request: a bucketed reduction on an engine with devices");
+    return false;
+  }
+  s->num_buckets = r.num_buckets;
+  s->bucket_begin = r.bucket_begin;
+  prepareBuckets(*s);
   return true;
 }
 
@@ -297,7 +396,9 @@ void StepParticipant::computePhase(const Shard& shard, ShardComputer& computer) 
     const int64_t pass = s.max_examples_per_pass > 0 ? s.max_examples_per_pass : n;
     double loss = 0, count = 0;
     for (int64_t b = 0; b < n; b += pass) {
-      const PassResult r = computer.computePass(s, b, std::min(n, b + pass));
+      const int64_t stop = std::min(n, b + pass);
+      armed_ = num_buckets_ > 0 && stop == n;  // the last pass completes gradients
+      const PassResult r = computer.computePass(s, b, stop);
       loss += r.loss_sum;
       count += r.count;
     }
@@ -315,6 +416,7 @@ void StepParticipant::computePhase(const Shard& shard, ShardComputer& computer) 
   } catch (const std::exception& ex) {
     setError("", ex.what());
   }
+  armed_ = false;
 }
 
 // Arrives and waits for all n participants. False if the step was aborted or replaced.
@@ -344,23 +446,44 @@ double StepParticipant::stepCount(const Shard& shard) const {
   return total;
 }
 
+// What the reducers multiply the slots' sum by. A mean is over the participants' counts
+// (the examples, where they are the counts). Backward already took the mean's
+// r.scale = 1/B (prepareShard: the slots hold what plain PyTorch's backward of the batch's
+// mean gives for their examples, so float16 overflows where it would); only a mean over
+// other counts (tokens) rescales, by B / count (0 for a count of 0: the trainer refuses
+// that step), and a sum through the mean's backward by B. Needs every participant's count:
+// after the compute barrier.
+float StepParticipant::stepRescale(const Shard& shard) const {
+  const ipc::StepRequest& r = h_->request;
+  const auto reduction = static_cast<ipc::Reduction>(r.reduction);
+  const bool mean = reduction == ipc::Reduction::kMean;
+  const double count = mean ? stepCount(shard) : 0;
+  const double B = static_cast<double>(r.num_examples);
+  return reduction == ipc::Reduction::kSumThroughMean ? static_cast<float>(B)
+         : !mean || count == B                        ? 1.0f
+         : count > 0                                  ? static_cast<float>(B / count)
+                                                      : 0.0f;
+}
+
+// Where the result [b, end) holds a NaN or an infinity, names the culprits: whose slot
+// holds the non-finite values there.
+void StepParticipant::checkNonFinite(const float* out, const float* const* ins, uint32_t n,
+                                     uint64_t b, uint64_t end) {
+  const ipc::StepRequest& r = h_->request;
+  const int dev = mem_->ordinal(slot_);
+  if (!mem_->anyNonFinite(dev, out, b, end)) return;
+  for (uint32_t k = 0; k < n; ++k) {
+    if (mem_->anyNonFinite(dev, ins[k], b, end)) {
+      h_->workers[r.participants[k]].nonfinite_grad.store(1, std::memory_order_relaxed);
+    }
+  }
+}
+
 void StepParticipant::reducePhase(const Shard& shard) {
   const ipc::StepRequest& r = h_->request;
   const uint32_t n = shard.participants;
-  const auto reduction = static_cast<ipc::Reduction>(r.reduction);
-  const bool mean = reduction == ipc::Reduction::kMean;
-  // A mean is over the participants' counts (the examples, where they are the counts).
-  // Backward already took the mean's r.scale = 1/B (prepareShard: the slots hold what
-  // plain PyTorch's backward of the batch's mean gives for their examples, so float16
-  // overflows where it would); only a mean over other counts (tokens) rescales, by
-  // B / count (0 for a count of 0: the trainer refuses that step), and a sum through the
-  // mean's backward by B.
-  const double count = mean ? stepCount(shard) : 0;
-  const double B = static_cast<double>(r.num_examples);
-  const float rescale = reduction == ipc::Reduction::kSumThroughMean ? static_cast<float>(B)
-                        : !mean || count == B                        ? 1.0f
-                        : count > 0                                  ? static_cast<float>(B / count)
-                                                                     : 0.0f;
+  const bool mean = static_cast<ipc::Reduction>(r.reduction) == ipc::Reduction::kMean;
+  const float rescale = stepRescale(shard);
   const int dev = shard.device;  // where this reducer runs: its own device, or the host
   if (shard.alone) {
     // The gradient is already in the reduced buffer (prepareShard). Then look for
@@ -385,20 +508,154 @@ void StepParticipant::reducePhase(const Shard& shard) {
     out = into_accum ? mem_->accum() : mem_->reduced();
     float a = 1.0f, s = rescale;
     if (mean) {  // the slots hold sums divided by the step's examples
-      const auto w = ipc::accumulationWeights(true, r.prev_count, count, r.num_examples);
+      const auto w = ipc::accumulationWeights(true, r.prev_count, stepCount(shard), r.num_examples);
       a = static_cast<float>(w.prev);
       s = static_cast<float>(w.fresh);
     }
     mem_->reduce(dev, out, prev, a, ins, n, b, end, s);
   }
-  if (mem_->anyNonFinite(dev, out, b, end)) {
-    // Name the culprits: whose slot holds the non-finite values in this slice.
-    for (uint32_t k = 0; k < n; ++k) {
-      if (mem_->anyNonFinite(dev, ins[k], b, end)) {
-        h_->workers[r.participants[k]].nonfinite_grad.store(1, std::memory_order_relaxed);
+  checkNonFinite(out, ins, n, b, end);
+}
+
+// Waits until all n participants of step e arrived at `word` (a barrier word: the compute
+// barrier, or a bucket's), without arriving. False if the step was aborted or replaced,
+// the engine stops, the coordinator died or the wait outlived kBarrierTimeout.
+bool StepParticipant::waitWord(std::atomic<uint32_t>& word, uint32_t e, uint32_t n) {
+  const auto complete = [&] {
+    const uint32_t v = word.load(std::memory_order_acquire);
+    return (v & ipc::kBarrierTagMask) == ipc::barrierTag(e) && (v & ipc::kBarrierCountMask) >= n;
+  };
+  if (complete()) return c_.abort_epoch.load(std::memory_order_acquire) != e;
+  const auto gone = [&] {
+    const uint32_t v = word.load(std::memory_order_acquire);
+    return (v & ipc::kBarrierTagMask) != ipc::barrierTag(e) ||
+           c_.abort_epoch.load(std::memory_order_acquire) == e;
+  };
+  const uint64_t deadline =
+      ipc::monotonicNs() +
+      std::chrono::duration_cast<std::chrono::nanoseconds>(kBarrierTimeout).count();
+  ipc::waitUntil(
+      &word, [&] { return complete() || gone(); },
+      [&] { return c_.stop_requested.load(std::memory_order_acquire) == 0 && !coordinatorGone(); },
+      deadline, std::chrono::milliseconds(200), barrier_spin_ns_, &barrier_spin_);
+  return complete() && c_.abort_epoch.load(std::memory_order_acquire) != e;
+}
+
+// A bucketed step's reduction (docs/DESIGN.md, "Buckets"). This participant has computed
+// and marked every bucket; it arrives at the compute barrier without waiting, then takes
+// pieces of buckets every participant has completed (the last bucket first: backward
+// completes them in about that order), sleeping on bucket_progress while none is left to
+// take, until every piece is taken. So a participant that finished early reduces while the
+// slowest still computes, and only what its last buckets hold remains after it. The sum is
+// the one the unbucketed reduction makes, element for element (the same inputs in the same
+// order, one rounding each); only the scale of a mean over counts other than the examples
+// is not known before every count is (after the compute barrier): a piece reduced before
+// then is reduced with the scale 1 (exact) and rescaled afterwards, one rounding, as the
+// unbucketed reduction's one multiply.
+bool StepParticipant::bucketedReduce(const Shard& shard, ShardComputer& computer, uint64_t t1) {
+  const ipc::StepRequest& r = h_->request;
+  const uint32_t e = shard.epoch, n = shard.participants, K = shard.num_buckets;
+  const uint32_t tag = ipc::barrierTag(e);
+  const uint32_t arrived = ipc::arriveBarrier(c_.compute_barrier, e);
+  if (arrived == 0) return false;  // replaced
+  if (arrived == n) ipc::futexWake(&c_.compute_barrier);
+  const auto complete = [&](const std::atomic<uint32_t>& word) {
+    const uint32_t v = word.load(std::memory_order_acquire);
+    return (v & ipc::kBarrierTagMask) == tag && (v & ipc::kBarrierCountMask) >= n;
+  };
+  const auto ended = [&] {  // aborted or replaced
+    return c_.abort_epoch.load(std::memory_order_acquire) == e ||
+           (c_.compute_barrier.load(std::memory_order_acquire) & ipc::kBarrierTagMask) != tag;
+  };
+  const float* ins[ipc::kMaxWorkers];
+  for (uint32_t k = 0; k < n; ++k) ins[k] = mem_->slot(r.participants[k]);
+  float* out = mem_->reduced();
+  const float provisional =
+      static_cast<ipc::Reduction>(r.reduction) == ipc::Reduction::kSumThroughMean
+          ? static_cast<float>(r.num_examples)
+          : 1.0f;
+  const auto pieceBounds = [&](uint32_t k, uint32_t part, uint64_t* b, uint64_t* end) {
+    uint64_t lo, hi;
+    ipc::sliceBounds(shard.bucket_begin[k + 1] - shard.bucket_begin[k], n, part, &lo, &hi);
+    *b = shard.bucket_begin[k] + lo;
+    *end = shard.bucket_begin[k] + hi;
+  };
+  // Pieces reduced before the counts were in, as bucket * kMaxWorkers + part.
+  uint16_t early[ipc::kMaxBuckets * ipc::kMaxWorkers];
+  uint32_t num_early = 0;
+  bool exhausted[ipc::kMaxBuckets] = {};  // every piece of it taken
+  uint64_t work = 0, hidden = 0;
+  float rescale = 1.0f;
+  bool known = false;  // rescale holds the step's (every count is in)
+  const uint64_t deadline =
+      ipc::monotonicNs() +
+      std::chrono::duration_cast<std::chrono::nanoseconds>(kBarrierTimeout).count();
+  try {
+    for (;;) {
+      const uint32_t progress = c_.bucket_progress.load(std::memory_order_acquire);
+      bool took = false, waiting = false;
+      for (uint32_t k = K; k-- > 0 && !took;) {
+        if (exhausted[k]) continue;
+        if (!complete(c_.buckets[k].ready)) {
+          waiting = true;
+          continue;
+        }
+        const uint32_t claimed = ipc::arriveBarrier(c_.buckets[k].claimed, e);
+        if (claimed == 0) return false;  // replaced
+        if (claimed > n) {
+          exhausted[k] = true;
+          continue;
+        }
+        const uint64_t s0 = ipc::monotonicNs();
+        if (!known && complete(c_.compute_barrier)) {
+          rescale = stepRescale(shard);
+          known = true;
+        }
+        uint64_t b, end;
+        pieceBounds(k, claimed - 1, &b, &end);
+        mem_->reduce(shard.device, out, nullptr, 0.0f, ins, n, b, end,
+                     known ? rescale : provisional);
+        if (known) {
+          checkNonFinite(out, ins, n, b, end);
+        } else {
+          early[num_early++] = static_cast<uint16_t>(k * ipc::kMaxWorkers + claimed - 1);
+        }
+        const uint64_t s1 = ipc::monotonicNs();
+        work += s1 - s0;
+        if (!complete(c_.compute_barrier)) hidden += s1 - s0;
+        took = true;
       }
+      if (took) continue;
+      if (!waiting) break;  // every piece is taken
+      // Nothing to take until another bucket is complete (or the step ends).
+      const bool woken = ipc::waitUntil(
+          &c_.bucket_progress,
+          [&] { return c_.bucket_progress.load(std::memory_order_acquire) != progress || ended(); },
+          [&] {
+            return c_.stop_requested.load(std::memory_order_acquire) == 0 && !coordinatorGone();
+          },
+          deadline, std::chrono::milliseconds(200), barrier_spin_ns_, &bucket_spin_);
+      if (!woken || ended()) return false;
     }
+    if (!waitWord(c_.compute_barrier, e, n)) return false;
+    const uint64_t s0 = ipc::monotonicNs();
+    if (!known) rescale = stepRescale(shard);
+    shareBuffers(shard, computer);
+    for (uint32_t i = 0; i < num_early; ++i) {
+      uint64_t b, end;
+      pieceBounds(early[i] / ipc::kMaxWorkers, early[i] % ipc::kMaxWorkers, &b, &end);
+      if (rescale != provisional) mem_->scale(shard.device, out, b, end, rescale);
+      checkNonFinite(out, ins, n, b, end);
+    }
+    work += ipc::monotonicNs() - s0;
+  } catch (const std::exception& ex) {
+    setError("", ex.what());
   }
+  me_.reduce_ns = work;
+  me_.reduce_early_ns = hidden;
+  const uint64_t spent = ipc::monotonicNs() - t1;
+  me_.barrier_wait_ns = spent > work ? spent - work : 0;
+  return true;
 }
 
 // The step's first participant, BufferRule::kMean: the shared float32 buffers become the
@@ -450,6 +707,7 @@ void StepParticipant::completeStep(uint32_t e, uint32_t n) {
     rec.loss_sum += w.loss_sum;
     rec.compute_max_ns = std::max(rec.compute_max_ns, w.compute_ns);
     rec.reduce_max_ns = std::max(rec.reduce_max_ns, w.reduce_ns);
+    rec.reduce_early_max_ns = std::max(rec.reduce_early_max_ns, w.reduce_early_ns);
   }
   const uint64_t now = ipc::monotonicNs();
   rec.wall_ns = now > r.publish_ns ? now - r.publish_ns : 0;

@@ -85,6 +85,10 @@ struct Shard {
 
   ipc::BufferRule buffer_rule = ipc::BufferRule::kMean;
   ipc::Accumulate accumulate = ipc::Accumulate::kFresh;
+  // Bucketed reduction (StepRequest::num_buckets, checked): 0, or the buckets' count,
+  // bucket k being floats [bucket_begin[k], bucket_begin[k + 1]) of the gradient.
+  uint32_t num_buckets = 0;
+  const uint64_t* bucket_begin = nullptr;
 
   int64_t size() const { return end - begin; }
 };
@@ -151,6 +155,12 @@ class ShardComputer {
   virtual void publishBuffers(uint8_t* /*dst*/) {}
 };
 
+// How a compute phase tells the protocol which parameters' gradients backward completes
+// one by one (StepParticipant::watchGrad): parameters it calls gradReady for (kHooked),
+// and those backward never writes (kNoGrad: frozen). A bucket is reduced before the end
+// of a participant's backward only if each of its parameters is one of the two.
+enum class GradWatch : uint8_t { kUnknown = 0, kHooked, kNoGrad };
+
 // One worker slot's side of the protocol.
 class StepParticipant {
  public:
@@ -183,11 +193,31 @@ class StepParticipant {
   // gradient views.
   const gpu::EngineMemory& memory() const { return *mem_; }
 
+  // Set once, before steps, by a compute phase that hooks backward (worker/grad_hooks.h):
+  // how parameter `param`'s completion is known.
+  void watchGrad(uint32_t param, GradWatch how);
+  // Backward has accumulated parameter `param`'s .grad for good (autograd's post hook of
+  // its accumulator, in the shard's last pass; ignored otherwise): a bucket whose hooked
+  // parameters are all complete is marked ready for the others to reduce. Called on the
+  // thread that runs backward; allocates nothing.
+  void gradReady(uint32_t param);
+
  private:
   bool prepareShard(uint32_t e, Shard* shard);
   void computePhase(const Shard& shard, ShardComputer& computer);
   bool barrier(std::atomic<uint32_t>& word, uint32_t e, uint32_t n);
   void reducePhase(const Shard& shard);
+  float stepRescale(const Shard& shard) const;
+  void prepareBuckets(const Shard& shard);
+  void markBucket(uint32_t b);
+  void markAllBuckets();
+  bool waitWord(std::atomic<uint32_t>& word, uint32_t e, uint32_t n);
+  bool bucketedReduce(const Shard& shard, ShardComputer& computer, uint64_t t1);
+  void shareBuffers(const Shard& shard, ShardComputer& computer);
+  void publishBuffers(ShardComputer& computer, uint8_t* dst);
+  void checkNonFinite(const float* out, const float* const* ins, uint32_t n, uint64_t b,
+                      uint64_t end);
+  void reducePiece(const Shard& shard, uint64_t b, uint64_t end, float scale, bool check);
   void averageBuffers(const Shard& shard);
   double stepCount(const Shard& shard) const;
   void completeStep(uint32_t e, uint32_t n);
@@ -206,6 +236,22 @@ class StepParticipant {
   uint64_t spin_ns_ = 0;          // the current step's StepRequest::spin_ns, bounded
   uint64_t barrier_spin_ns_ = 0;  // and its barrier_spin_ns
   ipc::AdaptiveSpin next_step_spin_, barrier_spin_;  // how long spinning pays, per wait
+  ipc::AdaptiveSpin bucket_spin_;  // waits for a bucket (often for the slowest backward)
+  // Bucketed steps: how each parameter's completion is known, its bucket, and per bucket
+  // its hooked parameters (0: reduced only after this participant's backward) and those
+  // still pending in the current shard; set up when the buckets change.
+  GradWatch watch_[ipc::kMaxParams] = {};
+  uint8_t param_bucket_[ipc::kMaxParams] = {};
+  uint16_t bucket_hooked_[ipc::kMaxBuckets] = {};
+  uint16_t pending_[ipc::kMaxBuckets] = {};
+  bool marked_[ipc::kMaxBuckets] = {};
+  uint64_t seen_[ipc::kMaxParams / 64] = {};        // hooked parameters complete in this shard
+  uint64_t buckets_of_[ipc::kMaxBuckets + 1] = {};  // the cuts param_bucket_ follows
+  uint32_t num_buckets_ = 0;                        // this step's (0: not bucketed)
+  uint32_t bucket_participants_ = 0;
+  uint32_t mapped_buckets_ = 0;
+  uint32_t bucket_epoch_ = 0;
+  bool armed_ = false;  // the shard's last pass runs: gradReady counts
   int exit_code_ = kExitStopped;
 };
 

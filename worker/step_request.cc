@@ -23,6 +23,17 @@ bool stepRequestValid(const ipc::SegmentHeader& h, uint32_t e, uint32_t rank) {
       r.accumulate <= static_cast<uint32_t>(ipc::Accumulate::kAccumToReduced) &&
       std::isfinite(r.prev_count) && r.prev_count >= 0 && r.threads <= ipc::kMaxThreadsPerWorker;
   for (uint32_t k = 0; valid && k < n; ++k) valid = r.participants[k] < h.num_slots;
+  // Buckets: increasing cuts of the whole gradient on cache lines, for a fresh step of
+  // two or more participants (a piece count that fits the claim word's count).
+  if (valid && r.num_buckets != 0) {
+    valid = r.num_buckets <= ipc::kMaxBuckets && n >= 2 &&
+            r.accumulate == static_cast<uint32_t>(ipc::Accumulate::kFresh) &&
+            r.bucket_begin[0] == 0 && r.bucket_begin[r.num_buckets] == h.param_floats;
+    for (uint32_t k = 0; valid && k < r.num_buckets; ++k) {
+      valid =
+          r.bucket_begin[k] < r.bucket_begin[k + 1] && r.bucket_begin[k] % ipc::kAlignFloats == 0;
+    }
+  }
   return valid;
 }
 

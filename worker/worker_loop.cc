@@ -16,6 +16,7 @@
 #include "ipc/error.h"
 #include "ipc/segment.h"
 #include "views/segment_views.h"
+#include "worker/grad_hooks.h"
 #include "worker/process.h"
 #include "worker/replica.h"
 #include "worker/step_protocol.h"
@@ -30,9 +31,10 @@ namespace {
 // backward over one pass of the shard. Everything else is StepParticipant's.
 class ScriptShardComputer : public ShardComputer {
  public:
-  ScriptShardComputer(const ipc::Segment& seg, Replica& replica)
+  ScriptShardComputer(const ipc::Segment& seg, Replica& replica, StepParticipant& participant)
       : seg_(seg), replica_(replica), threads_(seg.header()->threads_per_worker) {
     bindDataset();
+    hooks_.watch(participant, replica.parameters());  // buckets reduced as backward goes
   }
 
   void beginShard(const Shard& s) override {
@@ -82,6 +84,7 @@ class ScriptShardComputer : public ShardComputer {
   torch::Tensor data_inputs_, data_targets_;
   torch::Tensor inputs_, targets_;  // the current shard's batch
   worker::StepThreads threads_;     // the placement's threads per step
+  GradReadyHooks hooks_;
 };
 
 // libtorch's CUDA half. Workers link torch_cpu only, so that a CPU engine's workers load
@@ -134,7 +137,7 @@ int runWorker(const WorkerOptions& o) {
     const int device = memory.tensorDevice(memory.ordinal(o.slot));
     if (device >= 0) loadTorchCuda(device);
     replica = std::make_unique<Replica>(*seg, o.slot, memory);
-    computer = std::make_unique<ScriptShardComputer>(*seg, *replica);
+    computer = std::make_unique<ScriptShardComputer>(*seg, *replica, *participant);
   } catch (const std::exception& e) {
     if (participant)
       participant->reportStartupFailure(std::string("worker start-up failed: ") + e.what());

@@ -85,6 +85,10 @@ class ShardRunner:
                 p.data = view  # the shared parameters: an optimizer step is seen at once
         self.grads_in_reduced = None
         self._bind_grads(False)
+        # Backward's completed gradients start the reduction of their bucket while the
+        # rest of backward runs (docs/DESIGN.md, "Buckets"); hooked in C++, no Python call.
+        if self.device is None:
+            participant.watch_gradients(self.params)
         # Shared buffers (BatchNorm statistics): loaded before each step, published after
         # it by the step's buffers= rule (docs/DESIGN.md). The model's own
         # are views of one block laid out as the segment's buffer region (on this worker's

@@ -15,8 +15,10 @@ class GradientStats:
     counts ``forward`` returned), ``loss`` (the sum, or the mean with ``reduction="mean"``),
     ``loss_sum``, ``wall_seconds`` (the call, as the engine timed it), ``reduce_seconds``
     (slowest worker's slice), ``retries``, ``nonfinite``; per worker that took part, in rank
-    order: ``compute_seconds``, ``reduce_seconds_per_worker``, ``wait_seconds``,
-    ``worker_examples``, ``worker_slots``, ``nonfinite_workers``; ``workers`` is how many.
+    order: ``compute_seconds``, ``reduce_seconds_per_worker``, ``reduce_early_seconds`` (of
+    its reduction, what it did before the last worker finished computing: bucketed steps),
+    ``wait_seconds``, ``worker_examples``, ``worker_slots``, ``nonfinite_workers``;
+    ``workers`` is how many.
     ``unused_params``: the parameters (indices, ``named_parameters()`` order) that no
     participant's backward reached, whose ``.grad`` the bound module leaves None.
     Where the wall time went: ``prepare_seconds`` (checks, batch copy), ``step_seconds``
@@ -78,6 +80,10 @@ class GradientStats:
         return self._column("reduce_seconds")
 
     @property
+    def reduce_early_seconds(self) -> List[float]:
+        return self._column("reduce_early_seconds")
+
+    @property
     def wait_seconds(self) -> List[float]:
         return self._column("wait_seconds")
 
@@ -93,6 +99,7 @@ class GradientStats:
             "worker_examples",
             "compute_seconds",
             "reduce_seconds_per_worker",
+            "reduce_early_seconds",
             "wait_seconds",
             "nonfinite_workers",
         )

@@ -11,6 +11,9 @@ time of ``engine.gradient(inputs=x, targets=y)``, as seen from this Python proce
   barrier   waiting at the compute barrier for the others (0 with one worker);
   reduce    the reduce phase: the slice sums (several workers) or the non-finite check
             of the result (one worker, whose backward wrote the result: no copy);
+  early     of reduce, the most any worker did before the slowest finished computing
+            (bucketed steps, docs/DESIGN.md "Buckets"): hidden behind that wait, so only
+            reduce - early of it follows the slowest worker's backward;
   complete  the rest of the step until the last reducer's done (record, done store);
   finish    done until the call returns: the trainer's wake-up and collecting results;
   fixed     everything but compute.
@@ -49,6 +52,7 @@ PARTS = (
     "compute",
     "barrier",
     "reduce",
+    "early",
     "complete",
     "finish",
     "fixed",
@@ -70,6 +74,7 @@ def step_parts(dt, st):
         "compute": compute,
         "barrier": barrier,
         "reduce": reduce,
+        "early": max(st.reduce_early_seconds),
         "complete": max(0.0, st.step_seconds - st.wake_seconds - worker_span),
         "finish": st.finish_seconds,
         "fixed": dt - compute,
