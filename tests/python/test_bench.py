@@ -87,7 +87,9 @@ def test_quick_tiny_bench(tmp_path):
         for key in ("median_s", "min_s", "max_s"):
             assert _finite_positive(r[key]), (key, r)
         assert r["min_s"] <= r["median_s"] <= r["max_s"]
-        if r["system"] != "single-1t":
+        if r["system"] in ("auto-paired", "eager-auto-paired"):
+            assert _finite_positive(r["paired_ratio_median"]), r
+        elif r["system"] not in ("single-1t", "single-paired"):
             assert _finite_positive(r["ratio_to_shmgrad"]), r
         if r["system"] in ("shmgrad", "eager", "shmgrad-paired", "eager-paired"):
             assert math.isfinite(r["overhead_median"]) and r["overhead_median"] < 1.0
@@ -478,3 +480,27 @@ def test_auto_placement_against_the_best_baseline(tmp_path):
     curves = efficiency(result["results"])[("tiny", 128)]
     assert curves["auto"] == [(2, single_1t["median_s"] / (2 * auto["median_s"]))], curves
     assert f"single / this {auto['best_baseline_over_this']:.2f}x" in row, row
+
+
+def test_auto_paired_with_one_process_of_n_threads(tmp_path):
+    """`--systems single,auto --paired`: the single process with 2 threads and the engine
+    with workers="auto" over 2 cores take turns on every batch in one process, one ratio
+    per pair, both computing the single process's gradient; the target is evaluated."""
+    result, table = _bench(
+        tmp_path, "--tiny", "--workers", "2", "--systems", "single,auto", "--paired"
+    )
+    by_system = {r["system"]: r for r in result["results"] if r["workers"] == 2}
+    single, auto = by_system["single-paired"], by_system["auto-paired"]
+    assert "error" not in auto and "error" not in single, (single, auto)
+    assert single["threads"] == 2
+    assert auto["n"] == single["n"] == len(auto["paired_ratios"]) >= 2, auto
+    assert auto["paired_ratios"] == [s / a for s, a in zip(single["times_s"], auto["times_s"])]
+    assert _finite_positive(auto["paired_ratio_median"])
+    assert auto["placement"] in {"1x2", "2x1"} and auto["probe_steps"] >= 4, auto
+    assert auto["grad_rel_err"] < 1e-4 and single["grad_rel_err"] < 1e-4, (single, auto)
+    assert any(
+        t["config"] == "tiny b128 N=2" and t["target"].startswith("auto at least as fast")
+        for t in result["targets"]
+    ), result["targets"]
+    row = next(line for line in table.splitlines() if "| auto-paired |" in line)
+    assert f"single / this: median {auto['paired_ratio_median']:.3f}x" in row, row

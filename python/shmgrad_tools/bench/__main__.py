@@ -301,7 +301,10 @@ def build_parser():
         "measured, the same ranks also run DDP over a shmgrad group of themselves "
         "(the default group stays gloo's): ddp-shmgrad-paired. With --nodes: "
         "each rank is both a shmgrad node and a DDP rank: shmgrad-nodes-paired "
-        "and ddp-paired",
+        "and ddp-paired. With single and auto or eager-auto measured: one process "
+        "with N threads and the engines with workers='auto' over N cores take turns "
+        "in one process, each step after a 10 ms pause: single-paired, auto-paired, "
+        "eager-auto-paired, with the ratios single / engine",
     )
     ap.add_argument(
         "--pin",
@@ -611,6 +614,7 @@ def measure(args):
                     )
             if args.paired:
                 measure_paired(args, records, base, model_name, batch, n, ref, budget)
+                measure_auto_paired(args, records, base, model_name, batches, n, ref, budget)
             if "dask" in systems:
                 record(
                     base,
@@ -648,7 +652,11 @@ def measure(args):
             r["best_baseline_over_this"] = best[key]["median_s"] / r["median_s"]
     for r in records:
         key = (r["model"], r["batch"], r["workers"])
+        # A record paired with DDP against the paired engine; one paired with the single
+        # process (AUTO_PAIRED) carries its own ratio, paired_ratio_median.
         s = (shm_paired if r["system"].endswith("-paired") else shm).get(key)
+        if r["system"] in ("single-paired",) + tuple(f"{a}-paired" for a in AUTO_PAIRED):
+            s = None
         if (
             r["system"] in ("ddp", "ddp-shmgrad", "compiled", "bf16")
             and key in eager
@@ -699,6 +707,44 @@ def measure_paired(args, records, base, model_name, batch, n, ref, budget):
         )
     )
     for system in ["ddp"] + systems:
+        run_config(records, base, f"{system}-paired", n, paired(f"{system}-paired"), ref)
+        if "error" in records[-1]:
+            return
+
+
+# The engine systems --paired runs in turn with one process of N threads (not with DDP).
+AUTO_PAIRED = ("auto", "eager-auto")
+
+
+def measure_auto_paired(args, records, base, model_name, batches, n, ref, budget):
+    """--paired with "single" and "auto" or "eager-auto": one process with n threads and
+    the engines with workers="auto" over n cores, in turn batch by batch in one process
+    (runners.run_auto_paired); recorded as single-paired, auto-paired, eager-auto-paired."""
+    systems = [s for s in AUTO_PAIRED if s in args.systems]
+    if "single" not in args.systems or not systems or n > len(os.sched_getaffinity(0)):
+        return
+    est = sum(
+        r["median_s"]
+        for r in records
+        if (r["model"], r["batch"], r["workers"]) == (model_name, base["batch"], n)
+        and r["system"] in systems + ["single"]
+        and "median_s" in r
+    )
+    reps = runners.ddp_repeats(budget, est or None)
+    paired = shared_run(
+        lambda: runners.run_auto_paired(
+            model_name,
+            batches,
+            args.warmup,
+            reps,
+            n,
+            args.seed,
+            now() + args.timeout,
+            f"bench-{os.getpid()}-a{len(records)}",
+            systems,
+        )
+    )
+    for system in ["single"] + systems:
         run_config(records, base, f"{system}-paired", n, paired(f"{system}-paired"), ref)
         if "error" in records[-1]:
             return

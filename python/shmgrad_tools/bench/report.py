@@ -21,6 +21,9 @@ LABELS = {
     "eager-paired": "shmgrad eager, N workers, in turn with DDP",
     "ddp-paired": "DDP gloo, N processes, in turn with shmgrad",
     "ddp-shmgrad-paired": "DDP over the shmgrad backend, N processes, in turn with DDP gloo",
+    "single-paired": 'single process, N threads, in turn with workers="auto"',
+    "auto-paired": 'shmgrad, workers="auto" over N cores, in turn with the single process',
+    "eager-auto-paired": 'shmgrad eager, workers="auto", in turn with the single process',
 }
 
 
@@ -115,6 +118,17 @@ def evaluate_targets(records, reductions):
                 }
             )
     for r in records:
+        if r["system"] in ("auto-paired", "eager-auto-paired") and "paired_ratio_median" in r:
+            out.append(
+                {
+                    "target": f"{r['system'][:-7]} at least as fast as one process with N "
+                    "threads, paired (median of the per-step ratios)",
+                    "config": f"{r['model']} b{r['batch']} N={r['workers']}",
+                    "value": f"single/{r['system'][:-7]} = {r['paired_ratio_median']:.3f}x",
+                    "met": r["paired_ratio_median"] >= 1.0,
+                }
+            )
+    for r in records:
         if r["system"] in ("ddp", "dask") and "ratio_to_shmgrad" in r:
             out.append(
                 {
@@ -180,6 +194,9 @@ def table(records, reductions, targets):
         "eager-paired": 10,
         "ddp-paired": 11,
         "ddp-shmgrad-paired": 12,
+        "single-paired": 13,
+        "auto-paired": 14,
+        "eager-auto-paired": 15,
     }
     rows = sorted(
         records, key=lambda r: (r["model"], r["batch"], r["workers"], order.get(r["system"], 9))
@@ -226,6 +243,10 @@ def table(records, reductions, targets):
             notes.append(f"per-step DDP-gloo / this: median {r['paired_ratio_median']:.3f}x")
         if r["system"] == "ddp-paired":
             notes.append("in turn with the other -paired systems, step by step")
+        if r["system"] in ("auto-paired", "eager-auto-paired"):
+            notes.append(f"per-step single / this: median {r['paired_ratio_median']:.3f}x")
+        if r["system"] == "single-paired":
+            notes.append("in turn with the auto engines, step by step")
         if r["system"] in ("single", "single-1t"):
             notes.append(f"{r['threads']} thread{'s' if r['threads'] > 1 else ''}")
         if "ratio_to_ddp" in r:

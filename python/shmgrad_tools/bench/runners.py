@@ -16,6 +16,7 @@ import queue as queue_mod
 import socket
 import statistics
 import subprocess
+import time
 import warnings
 
 import torch
@@ -189,6 +190,102 @@ def probe_placement(engine, batches, deadline):
         "probe_s": now() - t0,
         "probe": list(st.placement_probe),
     }
+
+
+# An untimed pause before each step of a paired run against one process with N threads:
+# neither system starts while the other's threads still spin (libgomp's OpenMP threads
+# after a parallel region, the engine's workers after a step, each well under this).
+PAIRED_SETTLE_S = 0.01
+
+
+def run_auto_paired(
+    model_name, batches, warmup, repeats, workers, seed, deadline, engine_prefix, systems
+):
+    """``--paired`` with the single process and ``systems`` of "auto" and "eager-auto":
+    one process with ``workers`` intra-op threads and, in the same process, an engine with
+    workers="auto" over the same ``workers`` CPUs for each of ``systems`` (its placement
+    probed first on the batches), every batch through each in turn, the order reversed
+    each batch, each step after an untimed pause of PAIRED_SETTLE_S. So both see the same
+    moments of a noisy machine and start from the same quiet cores (a back-to-back
+    single process would start with its OpenMP threads still spinning, an engine with its
+    workers spinning for the next step). Returns ``{"single-paired": ..., system +
+    "-paired": ...}``; each engine's record carries the per-step ratios single / engine
+    (``paired_ratios``) and their median."""
+    cpus = os.sched_getaffinity(0)
+    if workers > len(cpus):
+        raise RuntimeError(f"{workers} cores asked for, {len(cpus)} available")
+    batch = batches[0][0].shape[0]
+    engines = {}
+    try:
+        os.sched_setaffinity(0, sorted(cpus)[:workers])  # the engines' processes inherit it
+        models.set_threads(1)  # the trainer only copies the batch in and waits
+        for k, system in enumerate(systems):
+            engine = models.engine(
+                models.make_model(model_name, seed),
+                "auto",
+                f"{engine_prefix}-{k}",
+                batch,
+                batches[0][0],
+                max(10.0, min(120.0, deadline - now())),
+                mode="script" if system == "auto" else "eager",
+            )
+            engines[system] = [engine, engine.gradient_tensors(), None]  # closed if the probe fails
+            engines[system][2] = probe_placement(engine, batches, deadline)
+        models.set_threads(workers)
+        model = models.make_model(model_name, seed)
+        model.train()
+        names = ["single"] + list(systems)
+        times = {s: [] for s in names}
+        grads = {}
+
+        def step(system, i, x, y):
+            if system == "single":
+                for p in model.parameters():
+                    p.grad = None
+                t0 = now()
+                F.cross_entropy(model(x), y, reduction="sum").backward()
+                dt = now() - t0
+                if i == 0:
+                    grads[system] = models.flat_grad(model)
+                return dt
+            engine, views, _ = engines[system]
+            t0 = now()
+            engine.gradient(
+                inputs=x, targets=y, reduction="sum", timeout=max(1.0, deadline - now())
+            )
+            dt = now() - t0
+            if i == 0:
+                grads[system] = models.flat(views)
+            return dt
+
+        for i in range(warmup + repeats):
+            if now() > deadline:
+                raise RuntimeError(f"paired run over its deadline after {i} batches")
+            x, y = batches[i % len(batches)]
+            for system in names if i % 2 == 0 else names[::-1]:
+                time.sleep(PAIRED_SETTLE_S)
+                dt = step(system, i, x, y)
+                if i >= warmup:
+                    times[system].append(dt)
+        out = {"single-paired": ({"times_s": times["single"], "threads": workers}, grads["single"])}
+        for system in systems:
+            ratios = [a / b for a, b in zip(times["single"], times[system])]
+            placement = engines[system][2]
+            out[f"{system}-paired"] = (
+                {
+                    **placement,
+                    "times_s": times[system],
+                    "paired_ratios": ratios,
+                    "paired_ratio_median": statistics.median(ratios),
+                },
+                grads[system],
+            )
+        return out
+    finally:
+        for engine, _, _ in engines.values():
+            engine.close()
+        models.set_threads(1)
+        os.sched_setaffinity(0, cpus)
 
 
 # -- 3. DDP (gloo, or the shmgrad backend) ----------------------------------------------
