@@ -7,6 +7,7 @@
 #include <sched.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <limits>
 #include <memory>
@@ -48,6 +49,19 @@ class FakeComputer : public ShardComputer {
   worker::PassResult computePass(const Shard& s, int64_t begin, int64_t end) override {
     passes.fetch_add(1);
     const uint64_t floats = seg_.header()->param_floats;
+    // As the accumulators' pre hooks would: a parameter's first gradient of the shard is
+    // written, not added (the slot was not zeroed for it). This fake's gradient covers the
+    // padding after each parameter too (a real backward never writes it): written with it.
+    if (hooked != nullptr) {
+      const ipc::ParamEntry* table = seg_.paramTable();
+      const uint32_t n = seg_.header()->num_params;
+      for (uint32_t i = 0; i < n; ++i) {
+        if (hooked->gradFirstWrite(i)) {
+          const uint64_t end = i + 1 < n ? table[i + 1].offset : floats;
+          std::fill(s.grads + table[i].offset, s.grads + end, 0.0f);
+        }
+      }
+    }
     double loss = 0;
     for (int64_t k = begin; k < end; ++k) {
       int64_t i;
@@ -211,7 +225,9 @@ INSTANTIATE_TEST_SUITE_P(WorkersBatchesMean, StepProtocolTest,
 // The bucketed reduction (SHMGRAD_BUCKET_KB small enough for two buckets here): the same
 // bits as the unbucketed one, with the compute phase's hooks or without (every bucket
 // complete at the end of compute), for a sum, a mean and a mean over other counts (pieces
-// reduced before the counts are in are rescaled after).
+// reduced before the counts are in are rescaled after). The hooked run also writes each
+// parameter's first gradient instead of zeroing the slot: a slot holding the last step's
+// gradient must not leak into the next (the steps repeat).
 TEST(StepProtocolBucketTest, BucketsGiveTheUnbucketedBits) {
   std::vector<int64_t> ids;
   for (int64_t k = 0; k < 29; ++k) ids.push_back((k * 5 + 1) % kDataCount);

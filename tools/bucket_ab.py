@@ -34,10 +34,8 @@ def main():
     x, y = models.make_batches(args.model, args.batch, 1)[0]
     engines = {}
     for label, kb in (("unbucketed", "0"), ("bucketed", None)):
-        if kb is None:
-            os.environ.pop("SHMGRAD_BUCKET_KB", None)  # the default
-        else:
-            os.environ["SHMGRAD_BUCKET_KB"] = kb  # read when the trainer attaches
+        # Read when the trainer attaches; empty: the default.
+        os.environ["SHMGRAD_BUCKET_KB"] = "" if kb is None else kb
         model = models.make_model(args.model, 0)
         options = {"mode": "script", "loss": "cross_entropy"}
         if args.mode == "eager":
@@ -53,7 +51,7 @@ def main():
         engine.__enter__()
         engine.gradient_tensors()  # read directly: no module bound
         engines[label] = engine
-    os.environ.pop("SHMGRAD_BUCKET_KB", None)
+    os.environ["SHMGRAD_BUCKET_KB"] = ""
     rows = {label: {"step": [], "reduce": [], "early": []} for label in engines}
     try:
         for _ in range(args.rounds):

@@ -4,6 +4,7 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <memory>
 
 namespace shmgrad::worker {
@@ -27,6 +28,42 @@ class ReadyHook : public torch::autograd::FunctionPostHook {
   const uint32_t param_;
 };
 
+// Runs before the accumulator adds backward's gradient into .grad: on the parameter's
+// first gradient of a write-first shard (StepParticipant::gradFirstWrite) it writes the
+// gradient into .grad and hands the accumulator nothing, which then adds nothing (an
+// undefined gradient is skipped). So the slot needs no zeroing before backward and is
+// not read back while adding to zeros: one pass over it instead of three. A gradient it
+// cannot write as it is (sparse, another shape or type), or a parameter with its own
+// post-accumulate hooks (they run only when the accumulator adds), gets zeros and the
+// gradient added, as in a zeroed slot.
+class WriteFirstHook : public torch::autograd::FunctionPreHook {
+ public:
+  WriteFirstHook(StepParticipant& participant, uint32_t param, torch::Tensor variable)
+      : participant_(participant), param_(param), variable_(std::move(variable)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    if (grads.size() != 1 || !grads[0].defined() || !participant_.gradFirstWrite(param_)) {
+      return grads;
+    }
+    const torch::Tensor& fresh = grads[0];
+    torch::Tensor grad = variable_.grad();
+    if (!grad.defined()) return grads;  // not bound: the accumulator sets it
+    torch::NoGradGuard no_grad;
+    if (fresh.is_sparse() || fresh.layout() != grad.layout() || fresh.sizes() != grad.sizes() ||
+        fresh.scalar_type() != grad.scalar_type() || fresh.device() != grad.device() ||
+        torch::autograd::impl::post_acc_grad_hooks(variable_) != nullptr) {
+      grad.zero_();
+      return grads;
+    }
+    grad.copy_(fresh);
+    return {torch::Tensor()};
+  }
+
+ private:
+  StepParticipant& participant_;
+  const uint32_t param_;
+  torch::Tensor variable_;  // the parameter (its accumulator holds it too)
+};
+
 }  // namespace
 
 void GradReadyHooks::watch(StepParticipant& participant, const std::vector<torch::Tensor>& params) {
@@ -44,13 +81,21 @@ void GradReadyHooks::watch(StepParticipant& participant, const std::vector<torch
       continue;
     }
     const uintptr_t key = acc->add_post_hook(std::make_unique<ReadyHook>(participant, param));
-    hooks_.emplace_back(std::move(acc), key);
+    acc->add_pre_hook(std::make_unique<WriteFirstHook>(participant, param, p));
+    const torch::autograd::FunctionPreHook* pre = acc->pre_hooks().back().get();
+    hooks_.push_back({std::move(acc), key, pre});
     participant.watchGrad(param, GradWatch::kHooked);
   }
 }
 
 void GradReadyHooks::clear() {
-  for (auto& [acc, key] : hooks_) acc->del_post_hook(key);
+  for (Hooked& h : hooks_) {
+    h.acc->del_post_hook(h.post_key);
+    auto& pre = h.acc->pre_hooks();
+    pre.erase(std::remove_if(pre.begin(), pre.end(),
+                             [&](const auto& hook) { return hook.get() == h.pre_hook; }),
+              pre.end());
+  }
   hooks_.clear();
 }
 

@@ -261,6 +261,33 @@ void StepParticipant::watchGrad(uint32_t param, GradWatch how) {
   if (param >= ipc::kMaxParams) return;
   watch_[param] = how;
   mapped_buckets_ = 0;  // the buckets' hooked parameters are counted again
+  write_first_ok_ = -1;
+}
+
+bool StepParticipant::writeFirstPossible() {
+  if (write_first_ok_ < 0) {
+    bool ok = !mem_->onDevice() && h_->num_params <= ipc::kMaxParams;
+    for (uint32_t i = 0; ok && i < h_->num_params; ++i) ok = watch_[i] != GradWatch::kUnknown;
+    write_first_ok_ = ok ? 1 : 0;
+  }
+  return write_first_ok_ == 1;
+}
+
+bool StepParticipant::gradFirstWrite(uint32_t param) {
+  if (!writing_first_ || param >= ipc::kMaxParams || ipc::paramBit(written_, param)) return false;
+  ipc::setParamBit(written_, param);
+  return true;
+}
+
+// After a write-first shard's passes: the hooked parameters backward did not reach still
+// hold an earlier step's gradient; they get zeros, as a zeroed slot would hold.
+void StepParticipant::zeroUnwritten(float* grads) {
+  const ipc::ParamEntry* table = seg_.paramTable();  // validated on attach
+  for (uint32_t i = 0; i < h_->num_params; ++i) {
+    if (watch_[i] == GradWatch::kHooked && !ipc::paramBit(written_, i)) {
+      std::memset(grads + table[i].offset, 0, table[i].numel * sizeof(float));
+    }
+  }
 }
 
 void StepParticipant::gradReady(uint32_t param) {
@@ -383,10 +410,20 @@ bool StepParticipant::prepareShard(uint32_t e, Shard* s) {
 void StepParticipant::computePhase(const Shard& shard, ShardComputer& computer) {
   me_.examples = shard.size();
   std::memset(me_.grad_params, 0, sizeof me_.grad_params);  // an empty shard reaches none
+  // Write-first (every parameter hooked, on the host): each parameter's first gradient of
+  // the shard is written into the slot by its hook, the rest added by autograd; else the
+  // slot is zeroed and autograd adds every gradient. The slot is never released either
+  // way: .grad stays defined, so backward writes shared memory. Padding and frozen
+  // parameters are never written, so they stay zero.
+  writing_first_ = writeFirstPossible();
+  std::memset(written_, 0, sizeof written_);
   try {
-    // Zeroed, never released: autograd accumulates into a defined .grad in place.
-    mem_->zero(shard.device, shard.grads, h_->param_floats);
-    if (shard.size() <= 0) return;
+    if (!writing_first_) mem_->zero(shard.device, shard.grads, h_->param_floats);
+    if (shard.size() <= 0) {
+      if (writing_first_) zeroUnwritten(shard.grads);
+      writing_first_ = false;
+      return;
+    }
     Shard s = shard;
     resolveBatch(*h_, seg_.base(), &s);
     // The passes, for every kind of worker: they bound the activation memory of a large
@@ -402,6 +439,8 @@ void StepParticipant::computePhase(const Shard& shard, ShardComputer& computer) 
       loss += r.loss_sum;
       count += r.count;
     }
+    if (writing_first_) zeroUnwritten(shard.grads);
+    writing_first_ = false;
     computer.markGradParams(me_.grad_params, std::min(h_->num_params, ipc::kMaxParams));
     // Backward's kernels have written the slot before the others read it.
     mem_->synchronize(shard.device);
@@ -416,6 +455,8 @@ void StepParticipant::computePhase(const Shard& shard, ShardComputer& computer) 
   } catch (const std::exception& ex) {
     setError("", ex.what());
   }
+  if (writing_first_) zeroUnwritten(shard.grads);  // a failed pass: no stale gradient left
+  writing_first_ = false;
   armed_ = false;
 }
 

@@ -201,6 +201,12 @@ class StepParticipant {
   // parameters are all complete is marked ready for the others to reduce. Called on the
   // thread that runs backward; allocates nothing.
   void gradReady(uint32_t param);
+  // Called before backward's accumulator adds parameter `param`'s gradient into .grad:
+  // true when this is its first gradient of the shard and the slot was not zeroed for it
+  // (every parameter hooked, on the host), so the caller writes the gradient into .grad
+  // instead of adding it (no pass to zero the slot, none to read the zeros back);
+  // false: let the accumulator add. Called on the thread that runs backward.
+  bool gradFirstWrite(uint32_t param);
 
  private:
   bool prepareShard(uint32_t e, Shard* shard);
@@ -252,6 +258,15 @@ class StepParticipant {
   uint32_t mapped_buckets_ = 0;
   uint32_t bucket_epoch_ = 0;
   bool armed_ = false;  // the shard's last pass runs: gradReady counts
+  // Write-first shards: the slot is not zeroed; each hooked parameter's first gradient is
+  // written (gradFirstWrite), and those backward did not reach are zeroed after the
+  // passes. Possible when every parameter is hooked or frozen (write_first_ok_, known
+  // once watch_ is final).
+  bool writing_first_ = false;
+  int write_first_ok_ = -1;  // -1: not known yet
+  uint64_t written_[ipc::kMaxParams / 64] = {};
+  bool writeFirstPossible();
+  void zeroUnwritten(float* grads);
   int exit_code_ = kExitStopped;
 };
 

@@ -303,8 +303,9 @@ def build_parser():
         "each rank is both a shmgrad node and a DDP rank: shmgrad-nodes-paired "
         "and ddp-paired. With single and auto or eager-auto measured: one process "
         "with N threads and the engines with workers='auto' over N cores take turns "
-        "in one process, each step after a 10 ms pause: single-paired, auto-paired, "
-        "eager-auto-paired, with the ratios single / engine",
+        "in one process, in blocks of 5 steps after 3 ms of untimed ones: "
+        "single-paired, auto-paired, eager-auto-paired, with the ratios single / "
+        "engine of the blocks' medians",
     )
     ap.add_argument(
         "--pin",

@@ -16,7 +16,6 @@ import queue as queue_mod
 import socket
 import statistics
 import subprocess
-import time
 import warnings
 
 import torch
@@ -192,10 +191,15 @@ def probe_placement(engine, batches, deadline):
     }
 
 
-# An untimed pause before each step of a paired run against one process with N threads:
-# neither system starts while the other's threads still spin (libgomp's OpenMP threads
-# after a parallel region, the engine's workers after a step, each well under this).
-PAIRED_SETTLE_S = 0.01
+# A paired run against one process with N threads alternates blocks of this many timed
+# steps, each block after untimed steps for at least PAIRED_SETTLE_S: the other system's
+# threads stop spinning meanwhile (libgomp's OpenMP threads after a parallel region, the
+# engine's workers after a step, each for about a millisecond at most), and the timed
+# steps follow each other as in a training loop. A pause instead (idle cores, then one
+# step) measured a cold step: one MLP step at batch 32 took 2.3 ms after a 10 ms pause
+# and 1.1 ms back to back, for either system.
+PAIRED_BLOCK = 5
+PAIRED_SETTLE_S = 0.003
 
 
 def run_auto_paired(
@@ -204,13 +208,12 @@ def run_auto_paired(
     """``--paired`` with the single process and ``systems`` of "auto" and "eager-auto":
     one process with ``workers`` intra-op threads and, in the same process, an engine with
     workers="auto" over the same ``workers`` CPUs for each of ``systems`` (its placement
-    probed first on the batches), every batch through each in turn, the order reversed
-    each batch, each step after an untimed pause of PAIRED_SETTLE_S. So both see the same
-    moments of a noisy machine and start from the same quiet cores (a back-to-back
-    single process would start with its OpenMP threads still spinning, an engine with its
-    workers spinning for the next step). Returns ``{"single-paired": ..., system +
-    "-paired": ...}``; each engine's record carries the per-step ratios single / engine
-    (``paired_ratios``) and their median."""
+    probed first on the batches), in turn in blocks of PAIRED_BLOCK timed steps (the
+    order reversed each round), each block after untimed steps for PAIRED_SETTLE_S. So
+    both see the same moments of a noisy machine, and neither runs while the other's
+    threads still spin. Returns ``{"single-paired": ..., system + "-paired": ...}``;
+    each engine's record carries the ratios single / engine of the blocks' medians, a
+    moment apart (``paired_ratios``), and their median."""
     cpus = os.sched_getaffinity(0)
     if workers > len(cpus):
         raise RuntimeError(f"{workers} cores asked for, {len(cpus)} available")
@@ -258,18 +261,27 @@ def run_auto_paired(
                 grads[system] = models.flat(views)
             return dt
 
-        for i in range(warmup + repeats):
+        for system in names:  # batch 0 first: the gradient each reports
+            for i in range(max(1, warmup)):
+                step(system, i, *batches[i % len(batches)])
+        blocks = {s: [] for s in names}
+        for r in range(max(2, -(-repeats // PAIRED_BLOCK))):
             if now() > deadline:
-                raise RuntimeError(f"paired run over its deadline after {i} batches")
-            x, y = batches[i % len(batches)]
-            for system in names if i % 2 == 0 else names[::-1]:
-                time.sleep(PAIRED_SETTLE_S)
-                dt = step(system, i, x, y)
-                if i >= warmup:
-                    times[system].append(dt)
+                raise RuntimeError(f"paired run over its deadline after {r} rounds")
+            for system in names if r % 2 == 0 else names[::-1]:
+                settle = now() + PAIRED_SETTLE_S
+                k = r * PAIRED_BLOCK
+                step(system, -1, *batches[k % len(batches)])
+                while now() < settle:
+                    step(system, -1, *batches[k % len(batches)])
+                block = [
+                    step(system, -1, *batches[(k + j) % len(batches)]) for j in range(PAIRED_BLOCK)
+                ]
+                times[system].extend(block)
+                blocks[system].append(statistics.median(block))
         out = {"single-paired": ({"times_s": times["single"], "threads": workers}, grads["single"])}
         for system in systems:
-            ratios = [a / b for a, b in zip(times["single"], times[system])]
+            ratios = [a / b for a, b in zip(blocks["single"], blocks[system])]
             placement = engines[system][2]
             out[f"{system}-paired"] = (
                 {
