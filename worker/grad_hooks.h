@@ -4,13 +4,18 @@
 // a post hook tells the step protocol that the parameter's .grad is final for the shard
 // (StepParticipant::gradReady), so that a bucket of the reduction can start while
 // backward still runs (docs/DESIGN.md, "Buckets"). Shared by the TorchScript worker
-// (worker_loop.cc) and eager workers (python/worker_binding.cc).
+// (worker_loop.cc) and eager workers (python/worker_binding.cc); header-only, as both
+// of those already compile torch's headers (a file of its own cost CI a minute of builds).
 #pragma once
 
+#include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -42,5 +47,97 @@ class GradReadyHooks {
   };
   std::vector<Hooked> hooks_;
 };
+
+namespace grad_hooks_detail {
+
+// Runs after the accumulator has added backward's gradient into .grad (the parameter's
+// last contribution of this backward: autograd sums them before it runs the accumulator).
+class ReadyHook : public torch::autograd::FunctionPostHook {
+ public:
+  ReadyHook(StepParticipant& participant, uint32_t param)
+      : participant_(participant), param_(param) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    participant_.gradReady(param_);
+    return outputs;
+  }
+
+ private:
+  StepParticipant& participant_;
+  const uint32_t param_;
+};
+
+// Runs before the accumulator adds backward's gradient into .grad: on the parameter's
+// first gradient of a write-first shard (StepParticipant::gradFirstWrite) it writes the
+// gradient into .grad and hands the accumulator nothing, which then adds nothing (an
+// undefined gradient is skipped). So the slot needs no zeroing before backward and is
+// not read back while adding to zeros: one pass over it instead of three. A gradient it
+// cannot write as it is (sparse, another shape or type), or a parameter with its own
+// post-accumulate hooks (they run only when the accumulator adds), gets zeros and the
+// gradient added, as in a zeroed slot.
+class WriteFirstHook : public torch::autograd::FunctionPreHook {
+ public:
+  WriteFirstHook(StepParticipant& participant, uint32_t param, torch::Tensor variable)
+      : participant_(participant), param_(param), variable_(std::move(variable)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    if (grads.size() != 1 || !grads[0].defined() || !participant_.gradFirstWrite(param_)) {
+      return grads;
+    }
+    const torch::Tensor& fresh = grads[0];
+    torch::Tensor grad = variable_.grad();
+    if (!grad.defined()) return grads;  // not bound: the accumulator sets it
+    torch::NoGradGuard no_grad;
+    if (fresh.is_sparse() || fresh.layout() != grad.layout() || fresh.sizes() != grad.sizes() ||
+        fresh.scalar_type() != grad.scalar_type() || fresh.device() != grad.device() ||
+        torch::autograd::impl::post_acc_grad_hooks(variable_) != nullptr) {
+      grad.zero_();
+      return grads;
+    }
+    grad.copy_(fresh);
+    return {torch::Tensor()};
+  }
+
+ private:
+  StepParticipant& participant_;
+  const uint32_t param_;
+  torch::Tensor variable_;  // the parameter (its accumulator holds it too)
+};
+
+}  // namespace grad_hooks_detail
+
+inline void GradReadyHooks::watch(StepParticipant& participant,
+                                  const std::vector<torch::Tensor>& params) {
+  clear();
+  for (size_t i = 0; i < params.size() && i < ipc::kMaxParams; ++i) {
+    const torch::Tensor& p = params[i];
+    const auto param = static_cast<uint32_t>(i);
+    if (!p.requires_grad()) {
+      participant.watchGrad(param, GradWatch::kNoGrad);
+      continue;
+    }
+    Accumulator acc = p.is_leaf() ? torch::autograd::impl::grad_accumulator(p) : Accumulator();
+    if (!acc) {
+      participant.watchGrad(param, GradWatch::kUnknown);
+      continue;
+    }
+    const uintptr_t key =
+        acc->add_post_hook(std::make_unique<grad_hooks_detail::ReadyHook>(participant, param));
+    acc->add_pre_hook(std::make_unique<grad_hooks_detail::WriteFirstHook>(participant, param, p));
+    const torch::autograd::FunctionPreHook* pre = acc->pre_hooks().back().get();
+    hooks_.push_back({std::move(acc), key, pre});
+    participant.watchGrad(param, GradWatch::kHooked);
+  }
+}
+
+inline void GradReadyHooks::clear() {
+  for (Hooked& h : hooks_) {
+    h.acc->del_post_hook(h.post_key);
+    auto& pre = h.acc->pre_hooks();
+    pre.erase(std::remove_if(pre.begin(), pre.end(),
+                             [&](const auto& hook) { return hook.get() == h.pre_hook; }),
+              pre.end());
+  }
+  hooks_.clear();
+}
 
 }  // namespace shmgrad::worker
