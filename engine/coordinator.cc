@@ -253,6 +253,7 @@ class Coordinator {
             "they are no faster than one (start an MPS daemon, nvidia-cuda-mps-control -d, to "
             "run them at once)\n",
             place.slots_per_device[d], opt_.devices[d]);
+        std::fflush(stdout);  // the log is a file: read by the trainer while serving
       }
     }
     for (uint32_t d = 0; d < table->count; ++d) {
