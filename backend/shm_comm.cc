@@ -468,9 +468,8 @@ std::string reasonText(const char* stored, size_t bytes) {
 
 uint64_t ShmComm::defaultStagingBytes(uint32_t world) {
   if (const char* mb = config::tunable("SHMGRAD_BACKEND_STAGING_MB")) {
-    char* end = nullptr;
-    const double v = std::strtod(mb, &end);
-    SHMGRAD_CHECK(end != mb && *end == '\0' && v > 0 && v <= 1024, ErrorKind::kInvalidArgument,
+    double v = 0;
+    SHMGRAD_CHECK(config::parseNumber(mb, &v) && v > 0 && v <= 1024, ErrorKind::kInvalidArgument,
                   "SHMGRAD_BACKEND_STAGING_MB='", mb,
                   "' is not a size in MiB: use a number from 0.25 to 1024");
     return stagingFor(static_cast<uint64_t>(v * (1 << 20)));

@@ -119,19 +119,17 @@ Trainer::Trainer(std::string name, std::shared_ptr<ipc::Segment> seg, const Atta
   await_spin_ = std::make_unique<ipc::AdaptiveSpin>();
   {
     const char* env = config::tunableValue("SHMGRAD_SPIN_US");  // the default, when unset
-    char* end = nullptr;
-    const double us = std::strtod(env, &end);
-    SHMGRAD_CHECK(end != env && *end == '\0' && us >= 0 && us * 1000 <= ipc::kMaxSpinNs,
+    double us = 0;
+    SHMGRAD_CHECK(config::parseNumber(env, &us) && us >= 0 && us * 1000 <= ipc::kMaxSpinNs,
                   ErrorKind::kInvalidArgument, "SHMGRAD_SPIN_US='", env,
                   "' must be microseconds from 0 to ", ipc::kMaxSpinNs / 1000);
     spin_ns_ = static_cast<uint64_t>(us * 1000);
   }
   {
     const char* env = config::tunableValue("SHMGRAD_BUCKET_KB");
-    char* end = nullptr;
-    const double kb = std::strtod(env, &end);
-    SHMGRAD_CHECK(end != env && *end == '\0' && kb >= 0 && kb <= 1e9, ErrorKind::kInvalidArgument,
-                  "SHMGRAD_BUCKET_KB='", env,
+    double kb = 0;
+    SHMGRAD_CHECK(config::parseNumber(env, &kb) && kb >= 0 && kb <= 1e9,
+                  ErrorKind::kInvalidArgument, "SHMGRAD_BUCKET_KB='", env,
                   "' must be KiB from 0 (no buckets) to 1e9; unset it for the default");
     const ipc::SegmentHeader* h = seg_->header();
     num_buckets_ = ipc::bucketCuts(seg_->paramTable(), std::min(h->num_params, ipc::kMaxParams),

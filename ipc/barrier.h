@@ -29,9 +29,32 @@ inline uint32_t arriveBarrier(std::atomic<uint32_t>& barrier, uint32_t epoch) {
   }
 }
 
-// Arrives and waits until all n participants of `epoch` have arrived. Returns false if
-// the step was aborted (abort_epoch == epoch), replaced (tag changed), poll() asked to
-// stop, or the deadline passed. The last arrival wakes the others.
+// Whether all n participants of `epoch` have arrived at the barrier.
+inline bool barrierComplete(const std::atomic<uint32_t>& barrier, uint32_t epoch, uint32_t n) {
+  const uint32_t v = barrier.load(std::memory_order_acquire);
+  return (v & kBarrierTagMask) == barrierTag(epoch) && (v & kBarrierCountMask) >= n;
+}
+
+// Waits, without arriving, until all n participants of `epoch` have arrived. Returns
+// false if the step was aborted (abort_epoch == epoch), replaced (tag changed), poll()
+// asked to stop, or the deadline passed.
+template <typename Poll>
+bool awaitBarrier(std::atomic<uint32_t>& barrier, uint32_t epoch, uint32_t n,
+                  const std::atomic<uint32_t>& abort_epoch, uint64_t deadline_ns, Poll poll,
+                  uint64_t spin_ns = 0, AdaptiveSpin* adapt = nullptr) {
+  auto aborted = [&] {
+    uint32_t v = barrier.load(std::memory_order_acquire);
+    return (v & kBarrierTagMask) != barrierTag(epoch) ||
+           abort_epoch.load(std::memory_order_acquire) == epoch;
+  };
+  waitUntil(
+      &barrier, [&] { return barrierComplete(barrier, epoch, n) || aborted(); }, poll, deadline_ns,
+      std::chrono::milliseconds(200), spin_ns, adapt);
+  return barrierComplete(barrier, epoch, n) && abort_epoch.load(std::memory_order_acquire) != epoch;
+}
+
+// Arrives and waits until all n participants of `epoch` have arrived (awaitBarrier). The
+// last arrival wakes the others.
 template <typename Poll>
 bool barrierWait(std::atomic<uint32_t>& barrier, uint32_t epoch, uint32_t n,
                  const std::atomic<uint32_t>& abort_epoch, uint64_t deadline_ns, Poll poll,
@@ -42,19 +65,7 @@ bool barrierWait(std::atomic<uint32_t>& barrier, uint32_t epoch, uint32_t n,
     if (n > 1) futexWake(&barrier);  // alone, nobody waits: no system call
     return true;
   }
-  auto complete = [&] {
-    uint32_t v = barrier.load(std::memory_order_acquire);
-    return (v & kBarrierTagMask) == barrierTag(epoch) && (v & kBarrierCountMask) >= n;
-  };
-  auto aborted = [&] {
-    uint32_t v = barrier.load(std::memory_order_acquire);
-    return (v & kBarrierTagMask) != barrierTag(epoch) ||
-           abort_epoch.load(std::memory_order_acquire) == epoch;
-  };
-  waitUntil(
-      &barrier, [&] { return complete() || aborted(); }, poll, deadline_ns,
-      std::chrono::milliseconds(200), spin_ns, adapt);
-  return complete() && abort_epoch.load(std::memory_order_acquire) != epoch;
+  return awaitBarrier(barrier, epoch, n, abort_epoch, deadline_ns, poll, spin_ns, adapt);
 }
 
 }  // namespace shmgrad::ipc

@@ -30,4 +30,10 @@ const char* tunableValue(const char* name) {
   return env != nullptr && *env != '\0' ? env : t.value;
 }
 
+bool parseNumber(const char* text, double* value) {
+  char* end = nullptr;
+  *value = std::strtod(text, &end);
+  return end != text && *end == '\0';
+}
+
 }  // namespace shmgrad::config

@@ -102,4 +102,8 @@ const char* tunable(const char* name);
 // declared value. A tunable declared without a value is a bug here: it throws.
 const char* tunableValue(const char* name);
 
+// A tunable's value as a number: true, with *value set, when the whole text is one (each
+// reader then checks its range and names the fix).
+bool parseNumber(const char* text, double* value);
+
 }  // namespace shmgrad::config

@@ -48,13 +48,13 @@ constexpr uint32_t kMaxBuffers = 1024;  // shared buffer tensors (BatchNorm stat
 constexpr uint32_t kMaxDims = 8;        // dimensions of a tensor, at most
 constexpr uint32_t kNameLen = 128;      // parameter name, NUL-terminated
 constexpr uint32_t kErrorLen = 8192;    // a worker's error message (with traceback), NUL-terminated
-constexpr uint32_t kErrorTypeLen = 128;  // the error's type name ("TypeError"), NUL-terminated
-constexpr uint32_t kPathLen = 512;       // model path, NUL-terminated
-constexpr uint32_t kStatsRing = 16;
-// Buckets of a step's gradient reduced as backward completes them (StepRequest::buckets),
-// at most; each is cut into one piece per participant.
-constexpr uint32_t kMaxBuckets = 16;        // last steps kept for `shmgrad status`
+constexpr uint32_t kErrorTypeLen = 128;     // the error's type name ("TypeError"), NUL-terminated
+constexpr uint32_t kPathLen = 512;          // model path, NUL-terminated
+constexpr uint32_t kStatsRing = 16;         // last steps kept for `shmgrad status`
 constexpr uint32_t kDeviceReserved = 8192;  // bytes kept for CUDA IPC handles
+// Buckets of a step's gradient reduced as backward completes them
+// (StepRequest::num_buckets), at most; each is cut into one piece per participant.
+constexpr uint32_t kMaxBuckets = 16;
 
 // Limits on what a header, a spec or a step request may say. One definition each:
 // creation (segment.cc), validation (validateHeader) and the worker's per-step checks

@@ -419,58 +419,72 @@ void StepParticipant::computePhase(const Shard& shard, ShardComputer& computer) 
   std::memset(written_, 0, sizeof written_);
   try {
     if (!writing_first_) mem_->zero(shard.device, shard.grads, h_->param_floats);
-    if (shard.size() <= 0) {
-      if (writing_first_) zeroUnwritten(shard.grads);
-      writing_first_ = false;
-      return;
-    }
-    Shard s = shard;
-    resolveBatch(*h_, seg_.base(), &s);
-    // The passes, for every kind of worker: they bound the activation memory of a large
-    // shard, and the gradient of the sum accumulates in the slot across them.
-    computer.beginShard(s);
-    const int64_t n = s.size();
-    const int64_t pass = s.max_examples_per_pass > 0 ? s.max_examples_per_pass : n;
-    double loss = 0, count = 0;
-    for (int64_t b = 0; b < n; b += pass) {
-      const int64_t stop = std::min(n, b + pass);
-      armed_ = num_buckets_ > 0 && stop == n;  // the last pass completes gradients
-      const PassResult r = computer.computePass(s, b, stop);
-      loss += r.loss_sum;
-      count += r.count;
-    }
-    if (writing_first_) zeroUnwritten(shard.grads);
-    writing_first_ = false;
-    computer.markGradParams(me_.grad_params, std::min(h_->num_params, ipc::kMaxParams));
-    // Backward's kernels have written the slot before the others read it.
-    mem_->synchronize(shard.device);
-    me_.loss_sum = loss;
-    me_.count = count;
-    me_.nonfinite_loss = std::isfinite(loss) ? 0 : 1;
-    SHMGRAD_CHECK(std::isfinite(count) && count >= 0, ErrorKind::kInvalidArgument,
-                  "the shard's count is ", count,
-                  ": forward must return (loss_sum, count) with a finite count >= 0");
+    if (shard.size() > 0) computePasses(shard, computer);
   } catch (const ShardError& ex) {
     setError(ex.type().c_str(), ex.what());
   } catch (const std::exception& ex) {
     setError("", ex.what());
   }
-  if (writing_first_) zeroUnwritten(shard.grads);  // a failed pass: no stale gradient left
+  // Write-first: what backward did not reach (an empty shard: everything; a failed pass:
+  // whatever it left unwritten) gets zeros, so no earlier step's gradient stays.
+  if (writing_first_) zeroUnwritten(shard.grads);
   writing_first_ = false;
   armed_ = false;
+}
+
+// The shard's passes, for every kind of worker: they bound the activation memory of a
+// large shard, and the gradient of the sum accumulates in the slot across them.
+void StepParticipant::computePasses(const Shard& shard, ShardComputer& computer) {
+  Shard s = shard;
+  resolveBatch(*h_, seg_.base(), &s);
+  computer.beginShard(s);
+  const int64_t n = s.size();
+  const int64_t pass = s.max_examples_per_pass > 0 ? s.max_examples_per_pass : n;
+  double loss = 0, count = 0;
+  for (int64_t b = 0; b < n; b += pass) {
+    const int64_t stop = std::min(n, b + pass);
+    armed_ = num_buckets_ > 0 && stop == n;  // the last pass completes gradients
+    const PassResult r = computer.computePass(s, b, stop);
+    loss += r.loss_sum;
+    count += r.count;
+  }
+  computer.markGradParams(me_.grad_params, std::min(h_->num_params, ipc::kMaxParams));
+  // Backward's kernels have written the slot before the others read it.
+  mem_->synchronize(shard.device);
+  me_.loss_sum = loss;
+  me_.count = count;
+  me_.nonfinite_loss = std::isfinite(loss) ? 0 : 1;
+  SHMGRAD_CHECK(std::isfinite(count) && count >= 0, ErrorKind::kInvalidArgument,
+                "the shard's count is ", count,
+                ": forward must return (loss_sum, count) with a finite count >= 0");
 }
 
 // Arrives and waits for all n participants. False if the step was aborted or replaced.
 // A retiring worker finishes its step; only a stop or the coordinator's death ends the
 // wait early.
 bool StepParticipant::barrier(std::atomic<uint32_t>& word, uint32_t e, uint32_t n) {
-  const uint64_t deadline =
-      ipc::monotonicNs() +
-      std::chrono::duration_cast<std::chrono::nanoseconds>(kBarrierTimeout).count();
   return ipc::barrierWait(
-      word, e, n, c_.abort_epoch, deadline,
-      [&] { return c_.stop_requested.load(std::memory_order_acquire) == 0 && !coordinatorGone(); },
+      word, e, n, c_.abort_epoch, barrierDeadline(), [&] { return keepWaiting(); },
       barrier_spin_ns_, &barrier_spin_);
+}
+
+// The same wait without arriving (this participant arrived earlier): the compute barrier
+// of a bucketed step, after the participant's pieces.
+bool StepParticipant::awaitArrivals(std::atomic<uint32_t>& word, uint32_t e, uint32_t n) {
+  return ipc::awaitBarrier(
+      word, e, n, c_.abort_epoch, barrierDeadline(), [&] { return keepWaiting(); },
+      barrier_spin_ns_, &barrier_spin_);
+}
+
+// What every wait of a step polls once per slice (a system call: not before every sleep),
+// and when it gives up.
+bool StepParticipant::keepWaiting() {
+  return c_.stop_requested.load(std::memory_order_acquire) == 0 && !coordinatorGone();
+}
+
+uint64_t StepParticipant::barrierDeadline() const {
+  return ipc::monotonicNs() +
+         std::chrono::duration_cast<std::chrono::nanoseconds>(kBarrierTimeout).count();
 }
 
 // The step's count (the participants' counts, after the compute barrier): the same sum,
@@ -558,30 +572,6 @@ void StepParticipant::reducePhase(const Shard& shard) {
   checkNonFinite(out, ins, n, b, end);
 }
 
-// Waits until all n participants of step e arrived at `word` (a barrier word: the compute
-// barrier, or a bucket's), without arriving. False if the step was aborted or replaced,
-// the engine stops, the coordinator died or the wait outlived kBarrierTimeout.
-bool StepParticipant::waitWord(std::atomic<uint32_t>& word, uint32_t e, uint32_t n) {
-  const auto complete = [&] {
-    const uint32_t v = word.load(std::memory_order_acquire);
-    return (v & ipc::kBarrierTagMask) == ipc::barrierTag(e) && (v & ipc::kBarrierCountMask) >= n;
-  };
-  if (complete()) return c_.abort_epoch.load(std::memory_order_acquire) != e;
-  const auto gone = [&] {
-    const uint32_t v = word.load(std::memory_order_acquire);
-    return (v & ipc::kBarrierTagMask) != ipc::barrierTag(e) ||
-           c_.abort_epoch.load(std::memory_order_acquire) == e;
-  };
-  const uint64_t deadline =
-      ipc::monotonicNs() +
-      std::chrono::duration_cast<std::chrono::nanoseconds>(kBarrierTimeout).count();
-  ipc::waitUntil(
-      &word, [&] { return complete() || gone(); },
-      [&] { return c_.stop_requested.load(std::memory_order_acquire) == 0 && !coordinatorGone(); },
-      deadline, std::chrono::milliseconds(200), barrier_spin_ns_, &barrier_spin_);
-  return complete() && c_.abort_epoch.load(std::memory_order_acquire) != e;
-}
-
 // A bucketed step's reduction (docs/DESIGN.md, "Buckets"). This participant has computed
 // and marked every bucket; it arrives at the compute barrier without waiting, then takes
 // pieces of buckets every participant has completed (the last bucket first: backward
@@ -596,17 +586,16 @@ bool StepParticipant::waitWord(std::atomic<uint32_t>& word, uint32_t e, uint32_t
 bool StepParticipant::bucketedReduce(const Shard& shard, ShardComputer& computer, uint64_t t1) {
   const ipc::StepRequest& r = h_->request;
   const uint32_t e = shard.epoch, n = shard.participants, K = shard.num_buckets;
-  const uint32_t tag = ipc::barrierTag(e);
   const uint32_t arrived = ipc::arriveBarrier(c_.compute_barrier, e);
   if (arrived == 0) return false;  // replaced
   if (arrived == n) ipc::futexWake(&c_.compute_barrier);
   const auto complete = [&](const std::atomic<uint32_t>& word) {
-    const uint32_t v = word.load(std::memory_order_acquire);
-    return (v & ipc::kBarrierTagMask) == tag && (v & ipc::kBarrierCountMask) >= n;
+    return ipc::barrierComplete(word, e, n);
   };
   const auto ended = [&] {  // aborted or replaced
     return c_.abort_epoch.load(std::memory_order_acquire) == e ||
-           (c_.compute_barrier.load(std::memory_order_acquire) & ipc::kBarrierTagMask) != tag;
+           (c_.compute_barrier.load(std::memory_order_acquire) & ipc::kBarrierTagMask) !=
+               ipc::barrierTag(e);
   };
   const float* ins[ipc::kMaxWorkers];
   for (uint32_t k = 0; k < n; ++k) ins[k] = mem_->slot(r.participants[k]);
@@ -628,9 +617,7 @@ bool StepParticipant::bucketedReduce(const Shard& shard, ShardComputer& computer
   uint64_t work = 0, hidden = 0;
   float rescale = 1.0f;
   bool known = false;  // rescale holds the step's (every count is in)
-  const uint64_t deadline =
-      ipc::monotonicNs() +
-      std::chrono::duration_cast<std::chrono::nanoseconds>(kBarrierTimeout).count();
+  const uint64_t deadline = barrierDeadline();
   try {
     for (;;) {
       const uint32_t progress = c_.bucket_progress.load(std::memory_order_acquire);
@@ -672,13 +659,11 @@ bool StepParticipant::bucketedReduce(const Shard& shard, ShardComputer& computer
       const bool woken = ipc::waitUntil(
           &c_.bucket_progress,
           [&] { return c_.bucket_progress.load(std::memory_order_acquire) != progress || ended(); },
-          [&] {
-            return c_.stop_requested.load(std::memory_order_acquire) == 0 && !coordinatorGone();
-          },
-          deadline, std::chrono::milliseconds(200), barrier_spin_ns_, &bucket_spin_);
+          [&] { return keepWaiting(); }, deadline, std::chrono::milliseconds(200), barrier_spin_ns_,
+          &bucket_spin_);
       if (!woken || ended()) return false;
     }
-    if (!waitWord(c_.compute_barrier, e, n)) return false;
+    if (!awaitArrivals(c_.compute_barrier, e, n)) return false;
     const uint64_t s0 = ipc::monotonicNs();
     if (!known) rescale = stepRescale(shard);
     shareBuffers(shard, computer);

@@ -217,7 +217,10 @@ class StepParticipant {
   void prepareBuckets(const Shard& shard);
   void markBucket(uint32_t b);
   void markAllBuckets();
-  bool waitWord(std::atomic<uint32_t>& word, uint32_t e, uint32_t n);
+  void computePasses(const Shard& shard, ShardComputer& computer);
+  bool awaitArrivals(std::atomic<uint32_t>& word, uint32_t e, uint32_t n);
+  bool keepWaiting();
+  uint64_t barrierDeadline() const;
   bool bucketedReduce(const Shard& shard, ShardComputer& computer, uint64_t t1);
   void shareBuffers(const Shard& shard, ShardComputer& computer);
   void publishBuffers(ShardComputer& computer, uint8_t* dst);
