@@ -638,6 +638,7 @@ def measure(args):
         }
         for system in ("shmgrad", "eager", "shmgrad-paired", "ddp")
     )
+    paired_with_single = {f"{s}-paired" for s in ("single",) + AUTO_PAIRED}
     # Each engine system against the best baseline of its configuration (what a user
     # would run instead: one process with N threads, DDP-gloo): > 1, the engine is faster.
     best = {}
@@ -654,9 +655,9 @@ def measure(args):
     for r in records:
         key = (r["model"], r["batch"], r["workers"])
         # A record paired with DDP against the paired engine; one paired with the single
-        # process (AUTO_PAIRED) carries its own ratio, paired_ratio_median.
+        # process carries its own ratio (paired_ratio_median).
         s = (shm_paired if r["system"].endswith("-paired") else shm).get(key)
-        if r["system"] in ("single-paired",) + tuple(f"{a}-paired" for a in AUTO_PAIRED):
+        if r["system"] in paired_with_single:
             s = None
         if (
             r["system"] in ("ddp", "ddp-shmgrad", "compiled", "bf16")
@@ -684,33 +685,27 @@ def measure_paired(args, records, base, model_name, batch, n, ref, budget):
     through each in turn (runners.run_local_paired); recorded as ddp-paired,
     shmgrad-paired, eager-paired and ddp-shmgrad-paired."""
     systems = [s for s in ("shmgrad", "eager", "ddp-shmgrad") if s in args.systems]
-    if not systems:
-        return
-    est = sum(
-        r["median_s"]
-        for r in records
-        if (r["model"], r["batch"], r["workers"]) == (model_name, batch, n)
-        and r["system"] in systems + ["ddp"]
-        and "median_s" in r
-    )
-    reps = runners.ddp_repeats(budget, est or None)
-    paired = shared_run(
-        lambda: runners.run_local_paired(
-            model_name,
-            batch,
-            args.warmup,
-            reps,
+    if systems:
+        record_paired(
+            records,
+            base,
             n,
-            args.seed,
-            now() + args.timeout,
-            f"bench-{os.getpid()}-p{len(records)}",
+            ref,
+            budget,
+            "ddp",
             systems,
+            lambda reps: runners.run_local_paired(
+                model_name,
+                batch,
+                args.warmup,
+                reps,
+                n,
+                args.seed,
+                now() + args.timeout,
+                f"bench-{os.getpid()}-p{len(records)}",
+                systems,
+            ),
         )
-    )
-    for system in ["ddp"] + systems:
-        run_config(records, base, f"{system}-paired", n, paired(f"{system}-paired"), ref)
-        if "error" in records[-1]:
-            return
 
 
 # The engine systems --paired runs in turn with one process of N threads (not with DDP).
@@ -719,33 +714,46 @@ AUTO_PAIRED = ("auto", "eager-auto")
 
 def measure_auto_paired(args, records, base, model_name, batches, n, ref, budget):
     """--paired with "single" and "auto" or "eager-auto": one process with n threads and
-    the engines with workers="auto" over n cores, in turn batch by batch in one process
+    the engines with workers="auto" over n cores, in turn in one process
     (runners.run_auto_paired); recorded as single-paired, auto-paired, eager-auto-paired."""
     systems = [s for s in AUTO_PAIRED if s in args.systems]
-    if "single" not in args.systems or not systems or n > len(os.sched_getaffinity(0)):
-        return
+    if "single" in args.systems and systems and n <= len(os.sched_getaffinity(0)):
+        record_paired(
+            records,
+            base,
+            n,
+            ref,
+            budget,
+            "single",
+            systems,
+            lambda reps: runners.run_auto_paired(
+                model_name,
+                batches,
+                args.warmup,
+                reps,
+                n,
+                args.seed,
+                now() + args.timeout,
+                f"bench-{os.getpid()}-a{len(records)}",
+                systems,
+            ),
+        )
+
+
+def record_paired(records, base, n, ref, budget, bar, systems, run):
+    """One paired run of ``bar`` (the baseline) and ``systems`` in this configuration:
+    ``run(repeats)`` returns ``{system + "-paired": (record, grad)}``, its repeats as many
+    as the budget allows by the unpaired medians of the same systems; a record each."""
     est = sum(
         r["median_s"]
         for r in records
-        if (r["model"], r["batch"], r["workers"]) == (model_name, base["batch"], n)
-        and r["system"] in systems + ["single"]
+        if (r["model"], r["batch"], r["workers"]) == (base["model"], base["batch"], n)
+        and r["system"] in [bar] + systems
         and "median_s" in r
     )
     reps = runners.ddp_repeats(budget, est or None)
-    paired = shared_run(
-        lambda: runners.run_auto_paired(
-            model_name,
-            batches,
-            args.warmup,
-            reps,
-            n,
-            args.seed,
-            now() + args.timeout,
-            f"bench-{os.getpid()}-a{len(records)}",
-            systems,
-        )
-    )
-    for system in ["single"] + systems:
+    paired = shared_run(lambda: run(reps))
+    for system in [bar] + systems:
         run_config(records, base, f"{system}-paired", n, paired(f"{system}-paired"), ref)
         if "error" in records[-1]:
             return

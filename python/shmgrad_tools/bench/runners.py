@@ -30,6 +30,16 @@ from .timing import now, summarize, timed_steps
 
 
 # -- 1. single process ----------------------------------------------------------------
+def single_step(model, x, y):
+    """One training step's gradient in this process, as a plain loop computes it (the
+    gradients set to None, then backward): its seconds."""
+    t0 = now()
+    for p in model.parameters():
+        p.grad = None
+    F.cross_entropy(model(x), y, reduction="sum").backward()
+    return now() - t0
+
+
 def run_single(model_name, batches, warmup, budget, threads, seed, deadline):
     models.set_threads(threads)
     model = models.make_model(model_name, seed)
@@ -38,12 +48,7 @@ def run_single(model_name, batches, warmup, budget, threads, seed, deadline):
 
     def step(i, x, y, left):
         nonlocal grad
-        t0 = now()
-        for p in model.parameters():
-            p.grad = None
-        loss = F.cross_entropy(model(x), y, reduction="sum")
-        loss.backward()
-        dt = now() - t0
+        dt = single_step(model, x, y)
         if i == 0:
             grad = models.flat_grad(model)
         return dt
@@ -243,11 +248,7 @@ def run_auto_paired(
 
         def step(system, i, x, y):
             if system == "single":
-                for p in model.parameters():
-                    p.grad = None
-                t0 = now()
-                F.cross_entropy(model(x), y, reduction="sum").backward()
-                dt = now() - t0
+                dt = single_step(model, x, y)
                 if i == 0:
                     grads[system] = models.flat_grad(model)
                 return dt
