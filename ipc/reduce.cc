@@ -129,4 +129,17 @@ bool anyNonFinite(const float* data, uint64_t begin, uint64_t end) {
   return bad != 0;
 }
 
+SHMGRAD_MULTIVERSION
+bool copyAnyNonFinite(float* __restrict dst, const float* __restrict src, uint64_t begin,
+                      uint64_t end) {
+  uint32_t bad = 0;
+  for (uint64_t i = begin; i < end; ++i) {
+    uint32_t u;
+    std::memcpy(&u, src + i, sizeof(u));
+    std::memcpy(dst + i, &u, sizeof(u));
+    bad |= static_cast<uint32_t>((u & 0x7f800000u) == 0x7f800000u);
+  }
+  return bad != 0;
+}
+
 }  // namespace shmgrad::ipc

@@ -73,4 +73,8 @@ void scaleSlice(float* data, uint64_t begin, uint64_t end, float scale);
 // True if any of data[begin, end) is NaN or infinite.
 bool anyNonFinite(const float* data, uint64_t begin, uint64_t end);
 
+// dst[i] = src[i] (the same bits) for i in [begin, end), in the same pass true if any of
+// them is NaN or infinite: a gradient written into the slot is checked while it is read.
+bool copyAnyNonFinite(float* dst, const float* src, uint64_t begin, uint64_t end);
+
 }  // namespace shmgrad::ipc

@@ -8,17 +8,20 @@
 // of those already compile torch's headers (a file of its own cost CI a minute of builds).
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <utility>
 #include <vector>
 
+#include "ipc/reduce.h"
 #include "worker/step_protocol.h"
 
 namespace shmgrad::worker {
@@ -71,9 +74,10 @@ class ReadyHook : public torch::autograd::FunctionPostHook {
 // first gradient of a write-first shard (StepParticipant::gradFirstWrite) it writes the
 // gradient into .grad and hands the accumulator nothing, which then adds nothing (an
 // undefined gradient is skipped). So the slot needs no zeroing before backward and is
-// not read back while adding to zeros: one pass over it instead of three. A gradient it
-// cannot write as it is (sparse, another shape or type), or a parameter with its own
-// post-accumulate hooks (they run only when the accumulator adds), gets zeros and the
+// not read back while adding to zeros: one pass over it instead of three. That pass also
+// looks for non-finite values, so that a shard alone need not read the result again. A
+// gradient it cannot write as it is (sparse, another shape or type), or a parameter with
+// its own post-accumulate hooks (they run only when the accumulator adds), gets zeros and the
 // gradient added, as in a zeroed slot.
 class WriteFirstHook : public torch::autograd::FunctionPreHook {
  public:
@@ -93,7 +97,18 @@ class WriteFirstHook : public torch::autograd::FunctionPreHook {
       grad.zero_();
       return grads;
     }
-    grad.copy_(fresh);
+    if (fresh.is_contiguous() && grad.is_contiguous() && grad.scalar_type() == torch::kFloat) {
+      // Copied and checked for non-finite values in one pass, on the intra-op threads.
+      const float* src = fresh.const_data_ptr<float>();
+      float* dst = grad.mutable_data_ptr<float>();
+      std::atomic<bool> bad{false};
+      at::parallel_for(0, fresh.numel(), at::internal::GRAIN_SIZE, [&](int64_t b, int64_t e) {
+        if (ipc::copyAnyNonFinite(dst, src, b, e)) bad.store(true, std::memory_order_relaxed);
+      });
+      if (!bad.load(std::memory_order_relaxed)) participant_.gradWrittenFinite(param_);
+    } else {
+      grad.copy_(fresh);
+    }
     return {torch::Tensor()};
   }
 

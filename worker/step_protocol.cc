@@ -274,9 +274,36 @@ bool StepParticipant::writeFirstPossible() {
 }
 
 bool StepParticipant::gradFirstWrite(uint32_t param) {
-  if (!writing_first_ || param >= ipc::kMaxParams || ipc::paramBit(written_, param)) return false;
+  if (!writing_first_ || param >= ipc::kMaxParams) return false;
+  if (ipc::paramBit(written_, param)) {
+    ipc::clearParamBit(finite_, param);  // a later pass adds to it: no longer what was checked
+    return false;
+  }
   ipc::setParamBit(written_, param);
   return true;
+}
+
+void StepParticipant::gradWrittenFinite(uint32_t param) {
+  if (writing_first_ && param < ipc::kMaxParams && ipc::paramBit(written_, param)) {
+    ipc::setParamBit(finite_, param);
+  }
+}
+
+// A shard alone, after its passes: whether the result holds a NaN or an infinity, read
+// everywhere but in the parameters whose hooks checked what they wrote (gradWrittenFinite).
+// Reads it all when the table's offsets do not ascend (the engine's layout makes them).
+bool StepParticipant::anyNonFiniteUnchecked(const float* grads) {
+  const ipc::ParamEntry* table = seg_.paramTable();  // validated on attach
+  const uint64_t total = h_->param_floats;
+  uint64_t from = 0;  // the start of what is still to be read
+  for (uint32_t i = 0; i < h_->num_params && i < ipc::kMaxParams; ++i) {
+    if (!ipc::paramBit(finite_, i)) continue;
+    const uint64_t b = table[i].offset, e = b + table[i].numel;
+    if (b < from || e > total) return ipc::anyNonFinite(grads, 0, total);
+    if (ipc::anyNonFinite(grads, from, b)) return true;
+    from = e;
+  }
+  return ipc::anyNonFinite(grads, from, total);
 }
 
 // After a write-first shard's passes: the hooked parameters backward did not reach still
@@ -417,6 +444,7 @@ void StepParticipant::computePhase(const Shard& shard, ShardComputer& computer) 
   // parameters are never written, so they stay zero.
   writing_first_ = writeFirstPossible();
   std::memset(written_, 0, sizeof written_);
+  std::memset(finite_, 0, sizeof finite_);
   try {
     if (!writing_first_) mem_->zero(shard.device, shard.grads, h_->param_floats);
     if (shard.size() > 0) computePasses(shard, computer);
@@ -543,8 +571,13 @@ void StepParticipant::reducePhase(const Shard& shard) {
   if (shard.alone) {
     // The gradient is already in the reduced buffer (prepareShard). Then look for
     // non-finite values, as the reducers of a larger step do.
+    // Parameters whose hook found them finite as it wrote them are not read again
+    // (unless rescaled: scaling can overflow).
     if (rescale != 1.0f) mem_->scale(dev, shard.grads, 0, h_->param_floats, rescale);
-    if (mem_->anyNonFinite(dev, shard.grads, 0, h_->param_floats)) {
+    const bool found = rescale == 1.0f && dev < 0
+                           ? anyNonFiniteUnchecked(shard.grads)
+                           : mem_->anyNonFinite(dev, shard.grads, 0, h_->param_floats);
+    if (found) {
       me_.nonfinite_grad.store(1, std::memory_order_relaxed);
     }
     return;

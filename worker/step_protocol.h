@@ -207,6 +207,10 @@ class StepParticipant {
   // instead of adding it (no pass to zero the slot, none to read the zeros back);
   // false: let the accumulator add. Called on the thread that runs backward.
   bool gradFirstWrite(uint32_t param);
+  // After gradFirstWrite's true: the caller wrote parameter `param`'s gradient and found
+  // every value of it finite. While nothing is added to it, a shard alone (its slot the
+  // result) need not read it again for non-finite values (reducePhase).
+  void gradWrittenFinite(uint32_t param);
 
  private:
   bool prepareShard(uint32_t e, Shard* shard);
@@ -268,7 +272,9 @@ class StepParticipant {
   bool writing_first_ = false;
   int write_first_ok_ = -1;  // -1: not known yet
   uint64_t written_[ipc::kMaxParams / 64] = {};
+  uint64_t finite_[ipc::kMaxParams / 64] = {};  // written, found finite, nothing added since
   bool writeFirstPossible();
+  bool anyNonFiniteUnchecked(const float* grads);
   void zeroUnwritten(float* grads);
   int exit_code_ = kExitStopped;
 };

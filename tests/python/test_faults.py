@@ -1,6 +1,7 @@
 """Faults: killed workers, killed trainers, a killed coordinator, strangers, non-finite values."""
 
 import contextlib
+import math
 import os
 import shutil
 import signal
@@ -473,3 +474,36 @@ def test_nonfinite_values_are_reported_with_the_worker():
             engine.gradient(inputs=x, targets=y, raise_on_nonfinite=True)
         stats = engine.gradient(inputs=x[:5], targets=y[:5], raise_on_nonfinite=True)
         assert not stats.nonfinite
+
+
+class _HugeOutput(torch.nn.Module):
+    """Outputs near 3e38 times its layer: with nll, each example adds -3e38 to the bias's
+    gradient (finite alone, infinite for two), and nothing to the weight's (inputs 0)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(2, 2)
+        with torch.no_grad():
+            self.fc.weight.zero_()
+            self.fc.bias.fill_(1e-3)
+
+    def forward(self, x):
+        return self.fc(x) * 3e38
+
+
+@pytest.mark.parametrize("mode", ["script", "eager"])
+def test_one_worker_finds_a_nonfinite_gradient_in_one_pass_and_across_passes(mode):
+    # One worker: its slot is the result, and each parameter's hook checks what it writes
+    # (so the result is not read again); a later pass's addition must undo that check.
+    x, y = torch.zeros(2, 2), torch.zeros(2, dtype=torch.long)
+    with shmgrad.Engine(model=_HugeOutput(), workers=1, loss="nll", mode=mode) as engine:
+        grads = engine.gradient_tensors()
+        st = engine.gradient(inputs=x[:1], targets=y[:1])
+        assert not st.nonfinite and grads[1][0].item() == pytest.approx(-3e38, rel=1e-6)
+        st = engine.gradient(inputs=x, targets=y)  # -6e38 within backward
+        assert st.nonfinite and st.nonfinite_workers == [0] and math.isinf(grads[1][0].item())
+        st = engine.gradient(inputs=x, targets=y, max_examples_per_pass=1)  # summed across
+        assert st.nonfinite and st.nonfinite_workers == [0] and math.isinf(grads[1][0].item())
+        with pytest.raises(shmgrad.NonFiniteError, match="worker 0"):
+            engine.gradient(inputs=x, targets=y, max_examples_per_pass=1, raise_on_nonfinite=True)
+        assert not engine.gradient(inputs=x[1:], targets=y[1:]).nonfinite

@@ -238,9 +238,10 @@ def table(records, reductions, targets):
         if r["system"] in ("shmgrad", "eager", "auto", "eager-auto", "compiled", "bf16"):
             notes.append(f"overhead {r['overhead_median'] * 100:.1f}%")
             notes.append(f"slowest worker f+b {fmt_ms(r['compute_max_median_s'])} ms")
+            gbps = r.get("reduce_phase_gbps")
             notes.append(
                 f"reduce phase {fmt_ms(r['reduce_median_s'])} ms "
-                f"({r['reduce_phase_gbps']:.1f} GB/s)"
+                + (f"({gbps:.1f} GB/s)" if gbps is not None else "(one worker: no sums)")
             )
         if r["system"] in ("shmgrad-paired", "eager-paired"):
             notes.append(f"overhead {r['overhead_median'] * 100:.1f}%")

@@ -154,13 +154,18 @@ def run_shmgrad(
             "compute_max_median_s": statistics.median(compute),
             "reduce_median_s": statistics.median(reduce_s),
             # The engine's whole reduce phase (ipc::reduceSlice and the non-finite check of
-            # the reduced slice), as bandwidth over the bytes the reduction must move.
-            "reduce_phase_gbps": (
-                (workers + 1)
-                * models.num_parameters(model)
-                * 4
-                / max(statistics.median(reduce_s), 1e-12)
-                / 1e9
+            # the reduced slice), as bandwidth over the bytes the reduction must move; one
+            # worker reduces nothing (its slot is the result), so no bandwidth then.
+            **(
+                {
+                    "reduce_phase_gbps": (workers + 1)
+                    * models.num_parameters(model)
+                    * 4
+                    / max(statistics.median(reduce_s), 1e-12)
+                    / 1e9
+                }
+                if workers > 1
+                else {}
             ),
             "engine_wall_median_s": statistics.median(engine_wall),
         }, grad
