@@ -692,16 +692,20 @@ uint32_t Trainer::publish(int64_t B, const GradientOptions& o, uint32_t kind,
       c.buckets[k].claimed.store(ipc::barrierTag(e), std::memory_order_relaxed);
     }
   }
-  // Spin only if every process that runs meanwhile has a core. Between steps and while
-  // the trainer waits, that is the participants' threads and this trainer; otherwise a
-  // spinning waiter would take a core from a worker, and the trainer sleeps. At the
+  // Spin only if every thread that runs meanwhile has a core. While the trainer waits
+  // for the step, that is the participants' threads and this trainer; otherwise a
+  // spinning trainer would take a core from a worker, and it sleeps. Between steps the
+  // participants' intra-op threads are idle: a participant's wait for the next step
+  // shares the cores with the other participants' main threads and this trainer only
+  // (one worker of 2 threads on 2 cores spins there, not while it computes). At the
   // barriers it is the participants' threads alone, as the trainer then either spins
-  // (every process fits) or sleeps.
+  // (every thread fits) or sleeps.
   r.threads = placement_.threads;
   const uint64_t threads =
       static_cast<uint64_t>(p.n) *
       std::max<uint32_t>(1, ipc::stepThreads(placement_.threads, h->threads_per_worker));
-  r.spin_ns = threads + 1 <= cores_ ? spin_ns_ : 0;
+  await_spin_ns_ = threads + 1 <= cores_ ? spin_ns_ : 0;
+  r.spin_ns = p.n + 1 <= cores_ ? spin_ns_ : 0;
   r.barrier_spin_ns = threads <= cores_ ? spin_ns_ : 0;
   // Workers the step before went on without sleep on idle_wake: wake them only when this
   // step takes one (by pid: a replaced worker is a newcomer in its slot), or when the
@@ -745,7 +749,7 @@ Trainer::Outcome Trainer::await(uint32_t e, const Participants& p, uint64_t dead
         }
         return true;
       },
-      deadline, kAwaitSlice, h->request.spin_ns, await_spin_.get());
+      deadline, kAwaitSlice, await_spin_ns_, await_spin_.get());
   if (c.done_epoch.load(std::memory_order_acquire) == e) return Outcome::kDone;
   if (ended) return Outcome::kLostWorker;  // aborted by the coordinator: it reaped a participant
   return outcome;

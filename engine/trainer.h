@@ -209,6 +209,8 @@ class Trainer {
   // Physical cores this trainer counts when it decides whether a step's processes may
   // spin before sleeping (every participant's threads + the trainer <= cores).
   uint32_t cores() const { return cores_; }
+  // How long the last step's wait for its end could spin (0: it slept at once).
+  uint64_t awaitSpinNs() const { return await_spin_ns_; }
   int slotCount() const;
 
   // The gradient of the loss summed (or averaged) over dataset[indices] into the
@@ -271,9 +273,10 @@ class Trainer {
   // holding the lease; an observer needs no device).
   std::shared_ptr<gpu::EngineMemory> mem_;
   bool lease_;
-  bool dirty_ = true;     // a previous step may have left stale workers running
-  uint32_t cores_ = 1;    // CPUs this process may run on (sched_getaffinity)
-  uint64_t spin_ns_ = 0;  // spin budget for steps whose processes all have a core
+  bool dirty_ = true;           // a previous step may have left stale workers running
+  uint32_t cores_ = 1;          // CPUs this process may run on (sched_getaffinity)
+  uint64_t spin_ns_ = 0;        // spin budget for steps whose processes all have a core
+  uint64_t await_spin_ns_ = 0;  // this step's: every participant thread and the trainer fit
   // The bucketed reduction's cuts (ipc::bucketCuts, SHMGRAD_BUCKET_KB), used by fresh steps
   // of two or more participants on the host; 0 buckets: none.
   uint64_t bucket_cuts_[ipc::kMaxBuckets + 1] = {};

@@ -367,14 +367,16 @@ struct StepRequest {
   int64_t max_examples_per_pass;  // >0: a worker splits its shard into passes
   uint64_t publish_ns;            // CLOCK_MONOTONIC when published (for wall time)
   // How long a participant may spin (pause loop, no system call) before it sleeps on a
-  // futex, after this step, waiting for the next one. The trainer sets it only when
-  // every process of the step has a core of its own (participants x threads + the
-  // trainer <= cores), and then spins itself; 0 otherwise, as spinning would steal their
-  // cores.
+  // futex, after this step, waiting for the next one. The trainer sets it only when the
+  // participants' main threads and the trainer have a core each (participants + 1 <=
+  // cores: their intra-op threads are idle between steps); 0 otherwise, as spinning
+  // would steal their cores. (The trainer itself spins for the step's end only when
+  // participants x threads + 1 <= cores.)
   uint64_t spin_ns;
   // The same bound for the participants' two barriers. While they are at the barriers
-  // the trainer either spins too (spin_ns > 0) or sleeps, so the trainer sets it when
-  // the participants' threads alone fit the cores (participants x threads <= cores).
+  // the trainer either spins too (when participants x threads + 1 <= cores) or sleeps,
+  // so the trainer sets it when the participants' threads alone fit the cores
+  // (participants x threads <= cores).
   uint64_t barrier_spin_ns;
   // Eager workers: the step's seed (shmgrad.example_seed(seed, i) seeds the generators
   // before dataset[i]) and the trainer module's mode (1: train, 0: eval).

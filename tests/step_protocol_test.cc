@@ -13,6 +13,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <thread>
 #include <vector>
 
@@ -550,15 +551,19 @@ TEST(StepProtocolExitTest, StopRequestEndsEveryParticipantWithTheStoppedCode) {
 namespace shmgrad {
 namespace {
 
-// Waiters spin only when every process that runs meanwhile has a core of its own: the
-// trainer and the participants between steps, the participants alone at the barriers.
-TEST(StepProtocolSpinTest, SpinOnlyWhenEveryProcessHasACore) {
+// Waiters spin only when every thread that runs meanwhile has a core of its own: the
+// trainer and the participants' threads while the trainer awaits the step, the
+// participants' main threads and the trainer between steps (their intra-op threads are
+// idle then), the participants' threads alone at the barriers.
+TEST(StepProtocolSpinTest, SpinOnlyWhenEveryThreadHasACore) {
   cpu_set_t cpus;
   CPU_ZERO(&cpus);
   ASSERT_EQ(sched_getaffinity(0, sizeof(cpus), &cpus), 0);
-  for (uint32_t workers : {1u, 2u, 3u}) {
-    SCOPED_TRACE(workers);
+  const std::pair<uint32_t, uint32_t> placements[] = {{1, 1}, {2, 1}, {3, 1}, {1, 2}, {2, 2}};
+  for (auto [workers, threads] : placements) {
+    SCOPED_TRACE(std::to_string(workers) + " workers x " + std::to_string(threads));
     Engine engine(workers);
+    engine.segment().header()->threads_per_worker = threads;
     const uint32_t cores = engine.trainer().cores();
     EXPECT_GE(cores, 1u);
     EXPECT_LE(cores, static_cast<uint32_t>(CPU_COUNT(&cpus)));  // siblings count once
@@ -566,19 +571,13 @@ TEST(StepProtocolSpinTest, SpinOnlyWhenEveryProcessHasACore) {
     o.timeout_seconds = 20;
     engine.trainer().gradient(indexTensor({1, 2, 3, 4, 5, 6}), o);
     const ipc::StepRequest& r = engine.segment().header()->request;
-    if (workers + 1 <= cores) {
-      EXPECT_GT(r.spin_ns, 0u) << cores << " cores";
-      EXPECT_LE(r.spin_ns, ipc::kMaxSpinNs);
-    } else {
-      EXPECT_EQ(r.spin_ns, 0u) << cores << " cores";
-    }
-    if (workers <= cores) {
-      EXPECT_GT(r.barrier_spin_ns, 0u) << cores << " cores";
-      EXPECT_LE(r.barrier_spin_ns, ipc::kMaxSpinNs);
-      EXPECT_GE(r.barrier_spin_ns, r.spin_ns);
-    } else {
-      EXPECT_EQ(r.barrier_spin_ns, 0u) << cores << " cores";
-    }
+    const uint32_t all = workers * threads;
+    EXPECT_EQ(r.spin_ns > 0, workers + 1 <= cores) << cores << " cores";
+    EXPECT_EQ(engine.trainer().awaitSpinNs() > 0, all + 1 <= cores) << cores << " cores";
+    EXPECT_EQ(r.barrier_spin_ns > 0, all <= cores) << cores << " cores";
+    EXPECT_LE(r.spin_ns, ipc::kMaxSpinNs);
+    EXPECT_LE(r.barrier_spin_ns, ipc::kMaxSpinNs);
+    EXPECT_LE(engine.trainer().awaitSpinNs(), r.barrier_spin_ns);  // spins only if they do
   }
 }
 
