@@ -105,6 +105,9 @@ class WriteFirstHook : public torch::autograd::FunctionPreHook {
       at::parallel_for(0, fresh.numel(), at::internal::GRAIN_SIZE, [&](int64_t b, int64_t e) {
         if (ipc::copyAnyNonFinite(dst, src, b, e)) bad.store(true, std::memory_order_relaxed);
       });
+      // Written through its pointer: moved by hand, as copy_ moves it, the version
+      // counter tells the worker that backward reached this parameter.
+      torch::autograd::impl::bump_version(grad);
       if (!bad.load(std::memory_order_relaxed)) participant_.gradWrittenFinite(param_);
     } else {
       grad.copy_(fresh);
