@@ -116,15 +116,20 @@ void scaleSlice(float* data, uint64_t begin, uint64_t end, float scale) {
   for (uint64_t i = begin; i < end; ++i) data[i] *= scale;
 }
 
+// 1 when a float's bits are inf or NaN (an exponent of all ones). The loops below
+// OR-reduce it over integers, which vectorises (a float sum would be one serial chain of
+// dependent adds).
+inline uint32_t nonFiniteBits(uint32_t u) {
+  return static_cast<uint32_t>((u & 0x7f800000u) == 0x7f800000u);
+}
+
 SHMGRAD_MULTIVERSION
 bool anyNonFinite(const float* data, uint64_t begin, uint64_t end) {
-  // An exponent of all ones is inf or NaN. An integer OR-reduction vectorises (a float
-  // sum would be one serial chain of dependent adds).
   uint32_t bad = 0;
   for (uint64_t i = begin; i < end; ++i) {
     uint32_t u;
     std::memcpy(&u, data + i, sizeof(u));
-    bad |= static_cast<uint32_t>((u & 0x7f800000u) == 0x7f800000u);
+    bad |= nonFiniteBits(u);
   }
   return bad != 0;
 }
@@ -137,7 +142,7 @@ bool copyAnyNonFinite(float* __restrict dst, const float* __restrict src, uint64
     uint32_t u;
     std::memcpy(&u, src + i, sizeof(u));
     std::memcpy(dst + i, &u, sizeof(u));
-    bad |= static_cast<uint32_t>((u & 0x7f800000u) == 0x7f800000u);
+    bad |= nonFiniteBits(u);
   }
   return bad != 0;
 }

@@ -13,8 +13,8 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
-#include <utility>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "engine/trainer.h"

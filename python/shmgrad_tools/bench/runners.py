@@ -143,7 +143,7 @@ def run_shmgrad(
             else f"shmgrad ({mode}{', compiled' if compile else ''}{', bf16' if autocast else ''})"
         ) + (" auto" if auto else "")
         times = timed_steps(batches, warmup, budget, deadline, label, step)
-        return {
+        record = {
             **placement,
             "times_s": times,
             "threads": placement.get("threads", 1),
@@ -153,22 +153,20 @@ def run_shmgrad(
             "engine_overhead_median": statistics.median(engine_overheads),
             "compute_max_median_s": statistics.median(compute),
             "reduce_median_s": statistics.median(reduce_s),
+            "engine_wall_median_s": statistics.median(engine_wall),
+        }
+        if workers > 1:
             # The engine's whole reduce phase (ipc::reduceSlice and the non-finite check of
             # the reduced slice), as bandwidth over the bytes the reduction must move; one
             # worker reduces nothing (its slot is the result), so no bandwidth then.
-            **(
-                {
-                    "reduce_phase_gbps": (workers + 1)
-                    * models.num_parameters(model)
-                    * 4
-                    / max(statistics.median(reduce_s), 1e-12)
-                    / 1e9
-                }
-                if workers > 1
-                else {}
-            ),
-            "engine_wall_median_s": statistics.median(engine_wall),
-        }, grad
+            record["reduce_phase_gbps"] = (
+                (workers + 1)
+                * models.num_parameters(model)
+                * 4
+                / max(record["reduce_median_s"], 1e-12)
+                / 1e9
+            )
+        return record, grad
     finally:
         if engine is not None:
             engine.close()
