@@ -208,6 +208,7 @@ def test_feed_breakdown_tiny():
     assert "inputs= " in lines[-1] and "indices= " in lines[-1], proc.stdout
 
 
+@pytest.mark.full  # 10-11 s: a benchmark tool's run, not the engine; CI stays under 40 minutes
 def test_augment_tiny(tmp_path):
     """`python3 -m shmgrad_tools.bench.augment` (BENCHMARKS.md's augmentation numbers) runs both
     loops on examples/train_augmented.py's pipeline, finds their gradients equal and
@@ -311,6 +312,7 @@ def test_breakdown_with_sleeping_workers(tmp_path):
         assert p["compute"] >= 5000 and 0 <= p["fixed"] < p["total"], p
 
 
+@pytest.mark.full  # 10 s; test_training_code checks autocast's gradients in CI
 def test_bf16_autocast_against_float32_eager(tmp_path):
     """`--systems shmgrad,eager,bf16`: eager workers under bfloat16 autocast, reported
     against the float32 eager workers of the same run."""

@@ -7,6 +7,8 @@ import os
 import re
 import subprocess
 
+import pytest
+
 from conftest import ROOT, python_blocks
 
 
@@ -44,6 +46,7 @@ def test_readme_demo_runs_as_written():
     assert re.search(r"^epoch 1: test accuracy \d+\.\d+%", out, re.M), out[-2000:]
 
 
+@pytest.mark.full  # 25-30 s; test_multinode runs the same engines over a gloo group in CI
 def test_multinode_torchrun_on_one_machine_runs_as_written():
     torchrun = [c for c in _commands("docs/MULTINODE.md") if "--standalone" in c]
     assert len(torchrun) == 1 and "--epochs 2" in torchrun[0], torchrun
