@@ -1,6 +1,6 @@
 """What it costs a training step that its gradient must end up in shared memory, measured
 in one process with no engine: the bound on how close a worker can come to one process of
-N threads. Three variants of the same step (forward and backward of a bench model, sum of
+N threads. Four variants of the same step (forward and backward of a bench model, sum of
 cross-entropy, N intra-op threads), taking turns in blocks:
 
   plain     the loop people write: .grad set to None, then backward (the accumulator
@@ -9,6 +9,8 @@ cross-entropy, N intra-op threads), taking turns in blocks:
             has it (a post-accumulate hook, which then drops it): what a worker's
             write-first hook does (docs/DESIGN.md, "Write-first"), the least any process
             that hands its gradient to another must do;
+  private   the same copy into a private buffer (torch.empty): if it costs what copied
+            costs, the price is the copy itself, not shared memory's pages;
   zeroed    .grad preallocated in that buffer: zeroed, then backward adds into it (what
             a worker did before write-first).
 
@@ -45,7 +47,8 @@ def shared_floats(n: int) -> torch.Tensor:
 def variant(name, model_name, x, y):
     model = models.make_model(model_name)
     params = list(model.parameters())
-    shared = shared_floats(sum(p.numel() for p in params))
+    n = sum(p.numel() for p in params)
+    shared = torch.empty(n) if name == "private" else shared_floats(n)
     views, off = [], 0
     for p in params:
         views.append(shared[off : off + p.numel()].view_as(p))
@@ -53,7 +56,7 @@ def variant(name, model_name, x, y):
     if name == "zeroed":
         for p, v in zip(params, views):
             p.grad = v
-    if name == "copied":
+    if name in ("copied", "private"):
 
         def hook(v):
             def copy_out(p):
@@ -92,7 +95,7 @@ def main():
     torch.manual_seed(0)
     x = torch.randn(a.batch, *models.MODELS[a.model].input_shape)
     y = torch.randint(0, 10, (a.batch,))
-    names = ("plain", "copied", "zeroed")
+    names = ("plain", "copied", "private", "zeroed")
     steps = {n: variant(n, a.model, x, y) for n in names}
     medians = {n: [] for n in names}
     for r in range(a.rounds):
