@@ -260,7 +260,8 @@ def test_augment_tiny(tmp_path):
 
 def test_breakdown_tiny(tmp_path):
     """`python3 -m shmgrad_tools.bench.breakdown` (BENCHMARKS.md's fixed cost of a step)
-    runs, through the public GradientStats fields, and its parts add up to each step."""
+    runs, through the public GradientStats fields, and its parts add up to each step;
+    `--threads` gives each worker that many intra-op threads."""
     out = tmp_path / "breakdown.json"
     proc = subprocess.run(
         [
@@ -273,6 +274,8 @@ def test_breakdown_tiny(tmp_path):
             "8",
             "--workers",
             "1,2",
+            "--threads",
+            "2",
             "--steps",
             "20",
             "--warmup",
@@ -285,8 +288,12 @@ def test_breakdown_tiny(tmp_path):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    medians = json.loads(out.read_text())["medians_us"]
+    assert "2 thread(s) per worker" in proc.stdout, proc.stdout
+    result = json.loads(out.read_text())
+    assert result["threads_per_worker"] == 2, result
+    medians = result["medians_us"]
     assert len(medians) == 2
+    assert all(m["threads_per_worker"] == 2 for m in medians.values()), medians
     for parts in medians.values() if isinstance(medians, dict) else medians:
         assert parts["total"] > 0 and 0 <= parts["fixed"] <= parts["total"]
 

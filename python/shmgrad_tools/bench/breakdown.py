@@ -27,6 +27,9 @@ forward sleeps S ms, then computes the loss of the tiny model): sleeping workers
 core, so many workers on a few cores measure what the engine's own wake-ups, barriers
 and reduction cost as the worker count grows. The batch is then 4 examples per worker.
 
+Each worker has one intra-op thread, or ``--threads T`` (one worker of 2 threads: the
+placement the probe keeps for a short step on 2 cores).
+
 Run: ``.venv/bin/python -m shmgrad_tools.bench.breakdown --model mlp --batch 32 --workers 1,2``
 or ``... --sleep-ms 2 --workers 1,2,4,8,16``
 """
@@ -89,7 +92,7 @@ def sleeping_forward(seconds, model, batch):
     return torch.nn.functional.cross_entropy(model(x), y, reduction="sum")
 
 
-def measure(model_name, batch, workers, steps, warmup, seed=0, sleep_ms=None):
+def measure(model_name, batch, workers, steps, warmup, seed=0, sleep_ms=None, threads=1):
     models.set_threads(1)
     batches = models.make_batches(model_name, batch, 8)
     eager_model = models.make_model(model_name, seed)
@@ -110,13 +113,14 @@ def measure(model_name, batch, workers, steps, warmup, seed=0, sleep_ms=None):
         engine = Engine(
             model=models.make_model(model_name, seed),
             workers=workers,
-            threads_per_worker=1,
+            threads_per_worker=threads,
             max_batch=batch,
             name=f"breakdown-{workers}-{int(time.time() * 1000) % 100000}",
             **options,
         )
     with engine:
         engine.gradient_tensors()  # the grads are read directly: no module bound
+        engine_threads = engine.status().threads_per_worker
         # Rounds of engine steps, then as many eager steps: eager work between every two
         # engine steps would stand for a trainer that computes between steps, not the
         # training loop (gradient, optimizer step) whose fixed cost this measures.
@@ -142,6 +146,7 @@ def measure(model_name, batch, workers, steps, warmup, seed=0, sleep_ms=None):
     med = {k: statistics.median(v) * 1e6 for k, v in rows.items()}
     med["eager"] = statistics.median(eager) * 1e6
     med["copy"] = statistics.median(copy) * 1e6
+    med["threads_per_worker"] = engine_threads  # as the engine ran them
     return med
 
 
@@ -156,6 +161,9 @@ def main(argv=None):
     ap.add_argument("--workers", default="1,2", help="comma-separated worker counts")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument(
+        "--threads", type=int, default=1, help="intra-op threads of each worker (default 1)"
+    )
     ap.add_argument("--json", help="also write the medians here")
     ap.add_argument(
         "--sleep-ms",
@@ -168,19 +176,24 @@ def main(argv=None):
         counts = [int(w) for w in args.workers.split(",")]
     except ValueError:
         ap.error(f"--workers takes comma-separated integers, got {args.workers!r}")
-    if args.steps < 1 or args.warmup < 1 or args.batch < 1 or min(counts) < 1:
-        ap.error("--steps, --warmup, --batch and every worker count must be at least 1")
+    if min(args.steps, args.warmup, args.batch, args.threads, *counts) < 1:
+        ap.error("--steps, --warmup, --batch, --threads and every worker count must be at least 1")
     if args.sleep_ms is not None and not 0 <= args.sleep_ms <= 1000:
         ap.error("--sleep-ms must be 0 to 1000")
     results = {}
     for n in counts:
         if args.sleep_ms is None:
-            results[n] = measure(args.model, args.batch, n, args.steps, args.warmup)
+            results[n] = measure(
+                args.model, args.batch, n, args.steps, args.warmup, threads=args.threads
+            )
         else:
             results[n] = measure("tiny", 4 * n, n, args.steps, args.warmup, sleep_ms=args.sleep_ms)
     cols = PARTS + ("eager", "copy")
     if args.sleep_ms is None:
-        print(f"{args.model} batch {args.batch}: medians in microseconds over {args.steps} steps")
+        print(
+            f"{args.model} batch {args.batch}, {args.threads} thread(s) per worker: medians in "
+            f"microseconds over {args.steps} steps"
+        )
     else:
         print(
             f"workers sleeping {args.sleep_ms:g} ms instead of computing (tiny model, 4 examples "
@@ -195,6 +208,7 @@ def main(argv=None):
                 {
                     "model": args.model,
                     "batch": args.batch,
+                    "threads_per_worker": args.threads,
                     "steps": args.steps,
                     "medians_us": results,
                 },
