@@ -85,7 +85,12 @@ void PlacementProbe::record(double seconds, int64_t examples, double now_s, bool
   }
   const bool all_timed =
       std::all_of(samples_.begin(), samples_.end(), [](const auto& s) { return !s.empty(); });
-  if (round_ >= options_.rounds || (all_timed && now_s - start_s_ >= options_.budget_s)) finish();
+  // Rounds end whole: every candidate gets as many visits. A visit ends only with a
+  // sample, so max(rounds, min_samples) rounds bound the probe.
+  const bool enough = current_ == 0 && round_ >= options_.rounds &&
+                      std::all_of(samples_.begin(), samples_.end(),
+                                  [&](const auto& s) { return s.size() >= options_.min_samples; });
+  if (enough || (all_timed && now_s - start_s_ >= options_.budget_s)) finish();
 }
 
 namespace {

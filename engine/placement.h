@@ -32,11 +32,14 @@ std::vector<Placement> placementCandidates(uint32_t cores, uint32_t slots);
 // after a parallel region) on cores the other workers now need, and a worker that was idle
 // starts cold. Then timed steps, at least one and for at least `timed_s` seconds, each a
 // sample of seconds per example (batches may differ in size). The measure of a candidate
-// is the median of its samples. The probe ends after `rounds` rounds, or earlier once
-// every candidate has a sample and `budget_s` seconds have passed since the first step.
-// Ties (within 1%) go to the candidate listed first.
+// is the median of its samples. The probe ends after `rounds` rounds once every candidate
+// has at least `min_samples` samples (long steps give a visit one sample: more rounds
+// then, at most max(rounds, min_samples)), or earlier once every candidate has a sample
+// and `budget_s` seconds have passed since the first step. Ties (within 1%) go to the
+// candidate listed first.
 struct ProbeOptions {
   uint32_t rounds = 3;
+  uint32_t min_samples = 0;
   double budget_s = 10;
   double settle_s = 0;
   double timed_s = 0;

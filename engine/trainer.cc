@@ -171,6 +171,7 @@ void Trainer::startPlacement() {
   }
   engine::ProbeOptions options;
   options.rounds = config::kPlacementProbeRounds;
+  options.min_samples = config::kPlacementMinSamples;
   options.budget_s = config::kPlacementProbeBudgetS;
   options.settle_s = config::kPlacementSettleS;
   options.timed_s = config::kPlacementTimedS;

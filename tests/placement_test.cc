@@ -107,11 +107,42 @@ TEST(PlacementProbe, MediansIgnoreAnOutlierAndBatchSizesAreNormalised) {
 }
 
 TEST(PlacementProbe, EndsEarlyOnceItsBudgetIsSpentAndEveryCandidateWasTimed) {
-  PlacementProbe probe(placementCandidates(2, 2), quick(3, 0.5));
+  ProbeOptions o = quick(3, 0.5);
+  o.min_samples = 8;  // however few samples the candidates have
+  PlacementProbe probe(placementCandidates(2, 2), o);
   // Each step takes 0.2 s of the clock: the budget is spent within the first round.
   const auto ran = drive(&probe, {{1, 1.0}, {2, 2.0}}, 0.2);
   EXPECT_EQ(ran, (std::vector<uint32_t>{1, 1, 2, 2}));
   ASSERT_TRUE(probe.done());
+  EXPECT_EQ(probe.chosen().workers, 1u);
+}
+
+// Steps long enough to give each visit one sample: rounds go on until every candidate has
+// min_samples, so that a median of a few noisy steps does not choose.
+TEST(PlacementProbe, LongStepsGetMoreRoundsUntilEveryCandidateHasItsSamples) {
+  ProbeOptions o = quick(3, 1e9);
+  o.min_samples = 8;
+  PlacementProbe probe(placementCandidates(2, 2), o);
+  const auto ran = drive(&probe, {{1, 0.5}, {2, 0.3}});
+  std::vector<uint32_t> want;
+  for (int round = 0; round < 8; ++round) want.insert(want.end(), {1, 1, 2, 2});
+  EXPECT_EQ(ran, want);
+  ASSERT_TRUE(probe.done());
+  for (const auto& r : probe.results()) EXPECT_EQ(r.samples, 8u);
+  EXPECT_EQ(probe.chosen().workers, 2u);
+}
+
+// Short steps: a timed phase gives each visit several samples, and the rounds are enough.
+TEST(PlacementProbe, ShortStepsReachTheirSamplesWithinTheRounds) {
+  ProbeOptions o = quick(3, 1e9);
+  o.min_samples = 8;
+  o.timed_s = 0.045;
+  PlacementProbe probe(placementCandidates(2, 2), o);
+  // Steps of 10 ms: one untimed step, then 5 samples a visit.
+  const auto ran = drive(&probe, {{1, 0.1}, {2, 0.2}}, 0.01);
+  EXPECT_EQ(ran.size(), 3u * 2u * 6u);
+  ASSERT_TRUE(probe.done());
+  for (const auto& r : probe.results()) EXPECT_EQ(r.samples, 15u);
   EXPECT_EQ(probe.chosen().workers, 1u);
 }
 
