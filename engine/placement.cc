@@ -83,14 +83,12 @@ void PlacementProbe::record(double seconds, int64_t examples, double now_s, bool
     current_ = 0;
     ++round_;
   }
-  const bool all_timed =
-      std::all_of(samples_.begin(), samples_.end(), [](const auto& s) { return !s.empty(); });
+  size_t fewest = samples_.front().size();  // the samples of the least sampled candidate
+  for (const auto& s : samples_) fewest = std::min(fewest, s.size());
   // Rounds end whole: every candidate gets as many visits. A visit ends only with a
   // sample, so max(rounds, min_samples) rounds bound the probe.
-  const bool enough = current_ == 0 && round_ >= options_.rounds &&
-                      std::all_of(samples_.begin(), samples_.end(),
-                                  [&](const auto& s) { return s.size() >= options_.min_samples; });
-  if (enough || (all_timed && now_s - start_s_ >= options_.budget_s)) finish();
+  const bool enough = current_ == 0 && round_ >= options_.rounds && fewest >= options_.min_samples;
+  if (enough || (fewest > 0 && now_s - start_s_ >= options_.budget_s)) finish();
 }
 
 namespace {
