@@ -187,7 +187,15 @@ def main(argv=None):
                 args.model, args.batch, n, args.steps, args.warmup, threads=args.threads
             )
         else:
-            results[n] = measure("tiny", 4 * n, n, args.steps, args.warmup, sleep_ms=args.sleep_ms)
+            results[n] = measure(
+                "tiny",
+                4 * n,
+                n,
+                args.steps,
+                args.warmup,
+                sleep_ms=args.sleep_ms,
+                threads=args.threads,
+            )
     cols = PARTS + ("eager", "copy")
     if args.sleep_ms is None:
         print(
