@@ -82,9 +82,10 @@ class ReadyHook : public torch::autograd::FunctionPostHook {
 class WriteFirstHook : public torch::autograd::FunctionPreHook {
  public:
   // Gradients up to this many floats (1 MiB) are copied on backward's thread alone: an
-  // OpenMP region's start and join cost more than the second thread saves on them (MLP
+  // OpenMP region's start and join cost about what the second thread saves on them (MLP
   // 784-256-10 at batch 32, one worker of 2 threads, paired with one process of 2
-  // threads: 0.90x -> 0.93x through TorchScript, 0.70x -> 0.77x through eager workers).
+  // threads: 0.90x -> 0.93x through TorchScript, 0.70x -> 0.77x through eager workers,
+  // a gain not confirmed when rerun with the heap settings alike; docs/BENCHMARKS.md).
   static constexpr int64_t kSerialCopyFloats = int64_t{1} << 18;
   WriteFirstHook(StepParticipant& participant, uint32_t param, torch::Tensor variable)
       : participant_(participant), param_(param), variable_(std::move(variable)) {}
