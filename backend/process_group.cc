@@ -1,5 +1,6 @@
 #include "backend/process_group.h"
 
+#include <ATen/ATen.h>
 #include <ATen/core/ivalue.h>
 #include <c10/util/Exception.h>
 #include <unistd.h>
@@ -233,8 +234,10 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupShm::create(
   const auto local_size = static_cast<uint32_t>(topo.local_size);
   std::unique_ptr<ShmComm> comm;
   if (topo.local_rank == 0) {
-    comm = checked(
-        [&] { return ShmComm::create(local_size, ShmComm::defaultStagingBytes(local_size)); });
+    comm = checked([&] {
+      return ShmComm::create(local_size, ShmComm::defaultStagingBytes(local_size),
+                             ShmComm::defaultArenaBytes(local_size));
+    });
     store->set(key + "segment", bytesOf(comm->name()));
   } else {
     const std::string name = stringOf(store->get(key + "segment"));
@@ -286,6 +289,38 @@ ProcessGroupShm::~ProcessGroupShm() {
   }
   if (thread_.joinable()) thread_.join();
   comm_.reset();  // leaves the group: peers still waiting fail at once, naming this rank
+}
+
+bool ProcessGroupShm::supportsTensorAlloc(c10::DeviceIndex device_index) {
+  return device_index < 0 && comm_->arena() != nullptr;  // the CPU (index -1) only
+}
+
+at::Tensor ProcessGroupShm::allocateTensor(long size, at::TensorOptions options) {
+  TORCH_CHECK(size >= 0, "shmgrad backend: allocateTensor of ", size, " elements");
+  TORCH_CHECK(!options.has_device() || options.device().is_cpu(),
+              "shmgrad backend: allocateTensor on ", options.device(),
+              ": it allocates CPU memory only");
+  options = options.device(at::kCPU);
+  const uint64_t bytes = static_cast<uint64_t>(size) * options.dtype().itemsize();
+  const std::shared_ptr<ArenaPool> pool = comm_->arena();
+  uint8_t* block = pool ? pool->allocate(bytes) : nullptr;
+  if (block == nullptr) {
+    TORCH_WARN_ONCE("shmgrad backend: a tensor of ", bytes,
+                    " bytes does not fit in this rank's arena (", pool ? pool->capacity() >> 20 : 0,
+                    " MiB, ", pool ? pool->inUse() >> 20 : 0,
+                    " MiB in use): it is ordinary memory and its all-reduce goes through "
+                    "staging. Set SHMGRAD_BACKEND_ARENA_MB higher for the in-place path.");
+    return at::empty({size}, options);
+  }
+  return at::from_blob(
+      block, {size}, [pool](void* p) { pool->release(static_cast<uint8_t*>(p)); }, options);
+}
+
+std::map<std::string, uint64_t> ProcessGroupShm::arenaStats() const {
+  const auto& pool = comm_->arena();
+  return {{"in_place_allreduces", comm_->inPlaceAllreduces()},
+          {"arena_bytes", pool ? pool->capacity() : 0},
+          {"arena_in_use", pool ? pool->inUse() : 0}};
 }
 
 std::chrono::milliseconds ProcessGroupShm::remaining(uint64_t deadline_ns) {

@@ -56,6 +56,15 @@ class ProcessGroupShm : public c10d::Backend {
   ~ProcessGroupShm() override;
 
   const std::string getBackendName() const override { return "shmgrad"; }
+
+  // c10d's allocator hook: DDP's reducer asks for its gradient buckets here (when
+  // DDP_DISABLE_COMM_MEM=0, which shmgrad._backend sets unless the user has set it): a
+  // CPU tensor in this rank's arena, so that its all-reduce runs in place. Ordinary memory
+  // when the arena is full or off (SHMGRAD_BACKEND_ARENA_MB=0), with a warning.
+  bool supportsTensorAlloc(c10::DeviceIndex device_index) override;
+  at::Tensor allocateTensor(long size, at::TensorOptions options = {}) override;
+  // {"in_place_allreduces", "arena_bytes", "arena_in_use"}: what tests and the bench read.
+  std::map<std::string, uint64_t> arenaStats() const;
   uint64_t getSequenceNumberForGroup() override { return issued_; }
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,

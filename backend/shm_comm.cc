@@ -283,12 +283,15 @@ void reduceElements(void* dst, const void* const* in, uint32_t n, uint64_t count
 namespace {
 
 constexpr uint64_t kMagic = 0x7367706731707368ull;  // "hsp1gpgs"
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;                    // 2: the ranks' arenas
 constexpr uint64_t kPage = 4096;
 constexpr uint64_t kLine = ipc::kAlign;  // a cache line
 constexpr uint64_t kMinStaging = 256 << 10;
 constexpr uint64_t kMaxStaging = 8 << 20;
 constexpr uint64_t kDefaultStagingTotal = 64 << 20;
+constexpr uint64_t kDefaultArena = 4ull << 30;        // per rank: address space, not memory
+constexpr uint64_t kDefaultArenaTotal = 64ull << 30;  // over the ranks
+constexpr uint64_t kMaxArena = 1ull << 40;
 // A waiter checks its peers' liveness at least this often.
 constexpr auto kPollSlice = std::chrono::milliseconds(50);
 constexpr uint64_t kDefaultSpinNs = 50'000;
@@ -329,6 +332,7 @@ struct alignas(64) GroupHeader {
   uint32_t owner_uid;
   uint32_t reserved;
   uint64_t staging_bytes;  // per buffer; two buffers per rank
+  uint64_t arena_bytes;    // per rank
   uint64_t total_size;
   alignas(64) std::atomic<uint32_t> arrivals;  // barrier arrivals, all barriers, mod 2^32
   alignas(64) std::atomic<uint32_t> sleepers;  // waiters asleep on `arrivals`
@@ -342,6 +346,7 @@ struct Signature {
   uint64_t seq;  // collectives this rank began before it
   uint64_t bytes;
   uint32_t op, type, reduce, root;
+  uint64_t arena_offset;  // an all-reduce's data in this rank's arena, or kNoArena
 };
 
 struct alignas(64) RankRecord {
@@ -378,10 +383,10 @@ namespace {
 
 constexpr uint32_t kClaimed = 0x80000000u;
 
-// records | all-to-all tables | point-to-point channels | staging (2 buffers per rank),
-// page-aligned regions.
+// records | all-to-all tables | point-to-point channels | staging (2 buffers per rank) |
+// arenas (one per rank), page-aligned regions. All but the arenas are allocated at once.
 struct Layout {
-  uint64_t records, a2a, channels, channel_bytes, staging, total;
+  uint64_t records, a2a, channels, channel_bytes, staging, arenas, total;
 };
 // A channel slot's data: 16 MiB shared by the world x world channels' slots, 1 KiB to
 // 128 KiB each.
@@ -393,7 +398,7 @@ uint64_t channelStride(uint64_t slot_bytes) {
   return sizeof(detail::Channel) +
          detail::kChannelSlots * (sizeof(detail::ChunkHeader) + slot_bytes);
 }
-Layout layoutFor(uint32_t world, uint64_t staging) {
+Layout layoutFor(uint32_t world, uint64_t staging, uint64_t arena) {
   Layout l;
   l.records = alignUp(sizeof(GroupHeader), kPage);
   l.a2a = alignUp(l.records + world * sizeof(RankRecord), kPage);
@@ -401,13 +406,15 @@ Layout layoutFor(uint32_t world, uint64_t staging) {
   l.channels = alignUp(l.a2a + 2ull * 2 * world * world * sizeof(uint64_t), kPage);
   l.channel_bytes = channelBytesFor(world);
   l.staging = alignUp(l.channels + uint64_t{world} * world * channelStride(l.channel_bytes), kPage);
-  l.total = l.staging + 2ull * world * staging;
+  l.arenas = l.staging + 2ull * world * staging;
+  l.total = l.arenas + uint64_t{world} * arena;
   return l;
 }
 
 uint64_t stagingFor(uint64_t asked) {
   return std::clamp(alignUp(asked, kPage), kMinStaging, uint64_t{1} << 30);
 }
+uint64_t arenaFor(uint64_t asked) { return alignUp(std::min(asked, kMaxArena), kPage); }
 
 int pidfdOpen(int pid) { return static_cast<int>(syscall(SYS_pidfd_open, pid, 0)); }
 
@@ -445,10 +452,11 @@ bool groupHeaderValid(const void* header, uint64_t mapped, uint64_t size, uint32
                       uint32_t uid) {
   if (mapped < sizeof(GroupHeader) || world < 1 || world > kMaxRanks) return false;
   const auto* h = static_cast<const GroupHeader*>(header);
-  const uint64_t staging = h->staging_bytes;
+  const uint64_t staging = h->staging_bytes, arena = h->arena_bytes;
   return h->magic == kMagic && h->version == kVersion && h->world == world && h->owner_uid == uid &&
          staging >= kMinStaging && staging <= (1ull << 30) && staging % kPage == 0 &&
-         h->total_size == size && layoutFor(world, staging).total == size;
+         arena <= kMaxArena && arena % kPage == 0 && h->total_size == size &&
+         layoutFor(world, staging, arena).total == size;
 }
 
 bool chunkExpected(uint64_t total, uint64_t len, int64_t tag, uint64_t expected,
@@ -478,9 +486,93 @@ uint64_t ShmComm::defaultStagingBytes(uint32_t world) {
   return alignUp(std::clamp(share, kMinStaging, kMaxStaging), kPage);
 }
 
+uint64_t ShmComm::defaultArenaBytes(uint32_t world) {
+  if (const char* mb = config::tunable("SHMGRAD_BACKEND_ARENA_MB")) {
+    double v = 0;
+    SHMGRAD_CHECK(config::parseNumber(mb, &v) && v >= 0 && v <= (kMaxArena >> 20),
+                  ErrorKind::kInvalidArgument, "SHMGRAD_BACKEND_ARENA_MB='", mb,
+                  "' is not a size in MiB: use a number from 0 (no arena) to ", kMaxArena >> 20);
+    return arenaFor(static_cast<uint64_t>(v * (1 << 20)));
+  }
+  return arenaFor(std::min(kDefaultArena, kDefaultArenaTotal / std::max<uint32_t>(world, 1)));
+}
+
+Mapping::~Mapping() { munmap(base, size); }
+
+ArenaPool::ArenaPool(std::shared_ptr<Mapping> mapping, uint8_t* base, uint64_t bytes)
+    : mapping_(std::move(mapping)), base_(base), bytes_(bytes) {
+  if (bytes_ > 0) free_.emplace(0, bytes_);
+}
+
+uint8_t* ArenaPool::allocate(uint64_t bytes) {
+  const uint64_t want = alignUp(std::max<uint64_t>(bytes, 1), kPage);
+  uint64_t at = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = std::find_if(free_.begin(), free_.end(),
+                           [&](const auto& block) { return block.second >= want; });
+    if (it == free_.end()) return nullptr;
+    at = it->first;
+    const uint64_t left = it->second - want;
+    free_.erase(it);
+    if (left > 0) free_.emplace(at + want, left);
+    used_.emplace(at, want);
+  }
+  // Take the memory now, where a failure can be answered (by ordinary memory), rather
+  // than as a fault in the middle of a collective. Kernels before 5.14 lack the advice:
+  // their pages come at first touch.
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+  if (madvise(base_ + at, want, MADV_POPULATE_WRITE) != 0 && errno != EINVAL) {
+    release(base_ + at);
+    return nullptr;
+  }
+  return base_ + at;
+}
+
+void ArenaPool::release(uint8_t* block) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = used_.find(static_cast<uint64_t>(block - base_));
+  if (it == used_.end()) return;  // not a block of this arena: nothing to give back
+  uint64_t at = it->first, len = it->second;
+  used_.erase(it);
+  madvise(base_ + at, len, MADV_REMOVE);  // the memory goes back; the address range stays
+  auto next = free_.lower_bound(at);
+  if (next != free_.end() && next->first == at + len) {
+    len += next->second;
+    next = free_.erase(next);
+  }
+  if (next != free_.begin()) {
+    auto prev = std::prev(next);
+    if (prev->first + prev->second == at) {
+      at = prev->first;
+      len += prev->second;
+      free_.erase(prev);
+    }
+  }
+  free_.emplace(at, len);
+}
+
+uint64_t ArenaPool::inUse() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  uint64_t total = 0;
+  for (const auto& [at, len] : used_) total += len;
+  return total;
+}
+
+bool ArenaPool::offsetOf(const uint8_t* p, uint64_t bytes, uint64_t* offset) const {
+  if (bytes_ == 0 || p < base_ || p >= base_ + bytes_) return false;
+  const auto off = static_cast<uint64_t>(p - base_);
+  if (bytes > bytes_ - off) return false;
+  *offset = off;
+  return true;
+}
+
 ShmComm::ShmComm(std::string name, uint8_t* base, uint64_t size, uint32_t world, uint32_t rank,
-                 uint64_t staging)
+                 uint64_t staging, uint64_t arena)
     : name_(std::move(name)),
+      mapping_(std::make_shared<Mapping>(base, size)),
       base_(base),
       size_(size),
       world_(world),
@@ -488,8 +580,11 @@ ShmComm::ShmComm(std::string name, uint8_t* base, uint64_t size, uint32_t world,
       staging_(staging),
       header_(reinterpret_cast<GroupHeader*>(base)),
       pidfds_(world, -1) {
-  const Layout l = layoutFor(world, staging);
+  const Layout l = layoutFor(world, staging, arena);
   records_offset_ = l.records;
+  arena_offset_ = l.arenas;
+  arena_bytes_ = arena;
+  if (arena > 0) arena_pool_ = std::make_shared<ArenaPool>(mapping_, arenaBase(rank), arena);
   channels_offset_ = l.channels;
   channel_bytes_ = l.channel_bytes;
   a2a_offset_ = l.a2a;
@@ -502,14 +597,16 @@ ShmComm::~ShmComm() {
     if (fd >= 0) ::close(fd);
   }
   release();
-  munmap(base_, size_);
+  // The mapping goes with the last of this and the arena's blocks still in use.
 }
 
-std::unique_ptr<ShmComm> ShmComm::create(uint32_t world, uint64_t staging_bytes) {
+std::unique_ptr<ShmComm> ShmComm::create(uint32_t world, uint64_t staging_bytes,
+                                         uint64_t arena_bytes) {
   SHMGRAD_CHECK(world >= 1 && world <= kMaxRanks, ErrorKind::kInvalidArgument,
                 "shmgrad backend: a group of ", world, " ranks on one node; at most ", kMaxRanks);
   const uint64_t staging = stagingFor(staging_bytes);
-  const Layout l = layoutFor(world, staging);
+  const uint64_t arena = arenaFor(arena_bytes);
+  const Layout l = layoutFor(world, staging, arena);
   // An anonymous memory file: it has no name in /dev/shm or anywhere, so nothing can be
   // left behind. The other ranks open it through /proc/<pid>/fd/<fd> (only this uid can)
   // while this rank holds the descriptor, until every rank has attached (release()).
@@ -521,12 +618,14 @@ std::unique_ptr<ShmComm> ShmComm::create(uint32_t world, uint64_t staging_bytes)
   };
   if (fchmod(fd, 0600) != 0)
     fail_with(ErrorKind::kSystem, "fchmod failed: " + ::shmgrad::detail::errnoText());
-  const int rc = posix_fallocate(fd, 0, static_cast<off_t>(l.total));
+  if (ftruncate(fd, static_cast<off_t>(l.total)) != 0)
+    fail_with(ErrorKind::kSystem, "ftruncate failed: " + ::shmgrad::detail::errnoText());
+  const int rc = posix_fallocate(fd, 0, static_cast<off_t>(l.arenas));
   if (rc != 0) {
     errno = rc;
     fail_with(rc == ENOSPC ? ErrorKind::kNoSpace : ErrorKind::kSystem,
               "shmgrad backend: shared memory for a group of " + std::to_string(world) +
-                  " ranks (" + std::to_string(l.total >> 20) + " MiB) could not be allocated: " +
+                  " ranks (" + std::to_string(l.arenas >> 20) + " MiB) could not be allocated: " +
                   ::shmgrad::detail::errnoText() + " (set SHMGRAD_BACKEND_STAGING_MB lower)");
   }
   void* map = mmap(nullptr, l.total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -539,9 +638,10 @@ std::unique_ptr<ShmComm> ShmComm::create(uint32_t world, uint64_t staging_bytes)
   h->world = world;
   h->owner_uid = getuid();
   h->staging_bytes = staging;
+  h->arena_bytes = arena;
   h->total_size = l.total;
   auto comm = std::unique_ptr<ShmComm>(
-      new ShmComm(name, static_cast<uint8_t*>(map), l.total, world, 0, staging));
+      new ShmComm(name, static_cast<uint8_t*>(map), l.total, world, 0, staging, arena));
   comm->creator_fd_ = fd;
   for (uint32_t r = 0; r < world; ++r) new (&comm->record(r)) RankRecord();
   comm->record(0).pid.store(getpid());
@@ -591,6 +691,7 @@ std::unique_ptr<ShmComm> ShmComm::attach(const std::string& name, uint32_t world
   SHMGRAD_CHECK(map != MAP_FAILED, ErrorKind::kSystem,
                 "mmap failed: ", ::shmgrad::detail::errnoText());
   const uint64_t staging = static_cast<const GroupHeader*>(map)->staging_bytes;
+  const uint64_t arena = static_cast<const GroupHeader*>(map)->arena_bytes;
   if (!detail::groupHeaderValid(map, size, size, world, getuid())) {
     munmap(map, size);
     raise(ErrorKind::kCorrupt, "shmgrad backend: segment ", name, " does not hold a group of ",
@@ -599,7 +700,7 @@ std::unique_ptr<ShmComm> ShmComm::attach(const std::string& name, uint32_t world
           "the same shmgrad");
   }
   auto comm = std::unique_ptr<ShmComm>(
-      new ShmComm(name, static_cast<uint8_t*>(map), size, world, rank, staging));
+      new ShmComm(name, static_cast<uint8_t*>(map), size, world, rank, staging, arena));
   RankRecord& me = comm->record(rank);
   uint32_t expected = kNotAttached;
   SHMGRAD_CHECK(me.state.compare_exchange_strong(expected, kAttached), ErrorKind::kInvalidArgument,
@@ -708,7 +809,8 @@ void ShmComm::leave() {
   ipc::futexWake(&header_->arrivals);  // waiters look again and find this rank gone
 }
 
-void ShmComm::begin(uint32_t op, ElemType t, ReduceKind r, uint32_t root, uint64_t bytes) {
+void ShmComm::begin(uint32_t op, ElemType t, ReduceKind r, uint32_t root, uint64_t bytes,
+                    uint64_t arena_offset) {
   op_name_ = opName(op);
   if (header_->broken.load(std::memory_order_acquire) != 0) {
     fail(ErrorKind::kWorkerFailed, 0, "");
@@ -722,6 +824,7 @@ void ShmComm::begin(uint32_t op, ElemType t, ReduceKind r, uint32_t root, uint64
   s.type = static_cast<uint32_t>(t);
   s.reduce = static_cast<uint32_t>(r);
   s.root = root;
+  s.arena_offset = arena_offset;
   ++op_seq_;
   first_meet_ = true;
 }
@@ -882,15 +985,31 @@ void ShmComm::reduce(const std::vector<Span>& data, ElemType t, ReduceKind r, ui
   const uint32_t es = elemSize(t);
   SHMGRAD_CHECK(total % es == 0, ErrorKind::kInvalidArgument, "shmgrad backend: ", total,
                 " bytes are not whole ", elemTypeName(t), " elements");
-  begin(all ? kOpAllreduce : kOpReduce, t, r, all ? 0 : root, total);
+  // An all-reduce of one span in this rank's arena offers to run in place.
+  uint64_t mine = kNoArena;
+  if (!all || data.size() != 1 || !arena_pool_ ||
+      !arena_pool_->offsetOf(data[0].data, total, &mine))
+    mine = kNoArena;
+  begin(all ? kOpAllreduce : kOpReduce, t, r, all ? 0 : root, total, mine);
   SpanCursor in(data), out(data);
   const void* inputs[kMaxRanks];
   uint64_t off = 0;
+  bool first = true;
   do {
     const uint64_t len = std::min(staging_, total - off);
     const uint32_t p = nextParity();
-    in.read(off, len, staging(rank_, p));
+    if (!first || mine == kNoArena) in.read(off, len, staging(rank_, p));
     meet(deadline_ns);
+    if (first) {
+      first = false;
+      // Every rank sees the same records, so all take the same path.
+      const uint32_t placed = all ? ranksInArena(total) : 0;
+      if (placed == world_) return allreduceInPlace(total, t, r, deadline_ns);
+      if (placed > 0) {  // some did not stage: they do now, and all meet once more
+        if (mine != kNoArena) in.read(off, len, staging(rank_, p));
+        meet(deadline_ns);
+      }
+    }
     // This rank's slice of the chunk: whole cache lines, in elements.
     const uint64_t lines = (len + kLine - 1) / kLine;
     const uint64_t b = std::min(len, lines * rank_ / world_ * kLine);
@@ -903,6 +1022,49 @@ void ShmComm::reduce(const std::vector<Span>& data, ElemType t, ReduceKind r, ui
     if (all || rank_ == root) out.write(off, len, staging(0, p));
     off += len;
   } while (off < total);
+}
+
+uint32_t ShmComm::ranksInArena(uint64_t bytes) {
+  const uint64_t seq = op_seq_ - 1;
+  uint32_t placed = 0;
+  for (uint32_t j = 0; j < world_; ++j) {
+    const uint64_t at = record(j).sig[seq & 1].arena_offset;
+    if (at == kNoArena) continue;
+    if (at > arena_bytes_ || bytes > arena_bytes_ - at) {
+      fail(ErrorKind::kCorrupt, j,
+           "rank " + std::to_string(j) + " posted " + std::to_string(bytes) + " bytes at offset " +
+               std::to_string(at) + " of its arena of " + std::to_string(arena_bytes_) +
+               " bytes (a corrupted segment?)");
+    }
+    ++placed;
+  }
+  return placed;
+}
+
+// Rank r reduces its slice of every rank's block into its own block, then copies every
+// other slice from the rank that reduced it; the last barrier keeps each block unchanged
+// until no rank reads it any more. Per rank: reads n + (w-1)/w n, writes n, against
+// (5 + 1/w) n through staging. The slices and the sum order are the staged path's.
+void ShmComm::allreduceInPlace(uint64_t bytes, ElemType t, ReduceKind r, uint64_t deadline_ns) {
+  const uint64_t seq = op_seq_ - 1;
+  uint8_t* block[kMaxRanks];
+  for (uint32_t j = 0; j < world_; ++j)
+    block[j] = arenaBase(j) + record(j).sig[seq & 1].arena_offset;  // checked by ranksInArena
+  const uint64_t lines = (bytes + kLine - 1) / kLine;
+  auto cut = [&](uint32_t j) { return std::min(bytes, lines * j / world_ * kLine); };
+  const uint64_t b = cut(rank_), e = cut(rank_ + 1);
+  if (e > b) {
+    const void* inputs[kMaxRanks];
+    for (uint32_t j = 0; j < world_; ++j) inputs[j] = block[j] + b;
+    reduceElements(block[rank_] + b, inputs, world_, (e - b) / elemSize(t), t, r);
+  }
+  meet(deadline_ns);
+  for (uint32_t j = 0; j < world_; ++j) {
+    if (j != rank_ && cut(j + 1) > cut(j))
+      std::memcpy(block[rank_] + cut(j), block[j] + cut(j), cut(j + 1) - cut(j));
+  }
+  meet(deadline_ns);
+  in_place_.fetch_add(1, std::memory_order_relaxed);
 }
 
 void ShmComm::broadcast(const std::vector<Span>& data, uint32_t root, uint64_t deadline_ns) {

@@ -8,15 +8,19 @@
 // it needs (broadcast, gathers, scatter, all-to-all) or reduces its own slice of every
 // rank's buffer in place (all-reduce: a second barrier, then everyone copies the result
 // out). Rounds alternate between the two buffers, so one round's readers never race the
-// next round's writers. Every wait has a deadline and checks its peers' liveness (pidfds);
-// the first failure seen is recorded in the segment and ends every later collective of
-// every rank with an error naming the rank.
+// next round's writers. Each rank also has an arena in the segment (ArenaPool): tensors
+// the backend allocates there (DDP's gradient buckets, through c10d's allocateTensor) are
+// all-reduced in place, without staging, when every rank passes one. Every wait has a deadline and
+// checks its peers' liveness (pidfds); the first failure seen is recorded in the segment and ends
+// every later collective of every rank with an error naming the rank.
 #pragma once
 
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -76,7 +80,7 @@ void checkReduce(ElemType t, ReduceKind r);
 
 // dst[i] = in[0][i] op in[1][i] op ... op in[n-1][i] for i < count, in list order
 // (floating-point types accumulate in float or double and round once; integers wrap);
-// AVG divides the sum by n. dst may be in[0]. Allocates nothing.
+// AVG divides the sum by n. dst may be any in[j] (the same elements). Allocates nothing.
 void reduceElements(void* dst, const void* const* in, uint32_t n, uint64_t count, ElemType t,
                     ReduceKind r);
 
@@ -89,6 +93,43 @@ struct Span {
 // The largest group on one node (ranks of the segment).
 constexpr uint32_t kMaxRanks = 256;
 
+// A mapping of a group's segment, unmapped when its last holder lets go: the ShmComm and
+// every block of its arena still in use (a DDP model may outlive its process group).
+struct Mapping {
+  uint8_t* base = nullptr;
+  uint64_t size = 0;
+  Mapping(uint8_t* b, uint64_t s) : base(b), size(s) {}
+  ~Mapping();
+  Mapping(const Mapping&) = delete;
+  Mapping& operator=(const Mapping&) = delete;
+};
+
+// This rank's arena: the part of the segment that only this rank allocates in and every
+// rank maps. Blocks are whole pages, first fit; their pages are reserved when allocated
+// (no fault later) and given back when freed. Thread-safe (a private mutex: no other
+// process ever takes it).
+class ArenaPool {
+ public:
+  ArenaPool(std::shared_ptr<Mapping> mapping, uint8_t* base, uint64_t bytes);
+  // A block of at least `bytes` (page-aligned), or nullptr when the arena has no room or
+  // the memory cannot be had.
+  uint8_t* allocate(uint64_t bytes);
+  // Gives back a block allocate() returned.
+  void release(uint8_t* block);
+  uint64_t capacity() const { return bytes_; }
+  uint64_t inUse() const;
+  // Whether [p, p + bytes) lies in the arena, and its offset there.
+  bool offsetOf(const uint8_t* p, uint64_t bytes, uint64_t* offset) const;
+
+ private:
+  std::shared_ptr<Mapping> mapping_;
+  uint8_t* base_;
+  uint64_t bytes_;
+  mutable std::mutex mutex_;
+  std::map<uint64_t, uint64_t> free_;  // offset -> bytes, merged with their neighbours
+  std::map<uint64_t, uint64_t> used_;  // offset -> bytes
+};
+
 // One rank's handle on the segment of its process group.
 class ShmComm {
  public:
@@ -96,13 +137,19 @@ class ShmComm {
   // full: no memory fails here with kNoSpace naming the fix), with `staging_bytes` per
   // buffer, two buffers per rank. name() is what the other ranks attach to:
   // /proc/<pid>/fd/<fd>, which only this user's processes can open.
-  static std::unique_ptr<ShmComm> create(uint32_t world, uint64_t staging_bytes);
+  // `arena_bytes` per rank (rounded to pages; 0: none) are reserved address space only:
+  // memory is taken when the arena allocates.
+  static std::unique_ptr<ShmComm> create(uint32_t world, uint64_t staging_bytes,
+                                         uint64_t arena_bytes = 0);
   // Ranks 1..world-1: maps the segment and checks it (a shmgrad memory file, owner, mode,
   // size, header) before trusting a byte of it.
   static std::unique_ptr<ShmComm> attach(const std::string& name, uint32_t world, uint32_t rank);
   // The staging bytes per buffer for `world` ranks when none is asked for
   // (SHMGRAD_BACKEND_STAGING_MB or about 64 MiB in all, 256 KiB to 8 MiB each).
   static uint64_t defaultStagingBytes(uint32_t world);
+  // The arena per rank when none is asked for (SHMGRAD_BACKEND_ARENA_MB, 0 for none; by
+  // default 4 GiB, at most 64 GiB over the ranks).
+  static uint64_t defaultArenaBytes(uint32_t world);
 
   ~ShmComm();
   ShmComm(const ShmComm&) = delete;
@@ -112,6 +159,10 @@ class ShmComm {
   uint32_t rank() const { return rank_; }
   uint32_t world() const { return world_; }
   uint64_t stagingBytes() const { return staging_; }
+  // This rank's arena (null when the group has none).
+  const std::shared_ptr<ArenaPool>& arena() const { return arena_pool_; }
+  // All-reduces that ran in place in the arenas (every rank passed one block of its own).
+  uint64_t inPlaceAllreduces() const { return in_place_; }
   // Rank 0: closes the memory file's descriptor through which the others attach (the
   // mappings stay), once every rank has attached. The memory has no name anywhere: it is
   // freed when the last rank unmaps it, however the ranks end.
@@ -124,7 +175,9 @@ class ShmComm {
   // `deadline_ns` is on ipc::monotonicNs()'s clock. All throw shmgrad::Error (kTimeout,
   // kWorkerFailed naming the rank that died or left, kInvalidArgument for a mismatch).
   void barrier(uint64_t deadline_ns);
-  // data: this rank's tensors, all of type t, reduced as one flat array (coalesced).
+  // data: this rank's tensors, all of type t, reduced as one flat array (coalesced). When
+  // every rank passes one span inside its own arena, the ranks reduce each other's
+  // memory in place: no staging, no rounds, bit for bit the staged result.
   void allreduce(const std::vector<Span>& data, ElemType t, ReduceKind r, uint64_t deadline_ns);
   // The same, the result only in root's data.
   void reduce(const std::vector<Span>& data, ElemType t, ReduceKind r, uint32_t root,
@@ -161,14 +214,22 @@ class ShmComm {
 
  private:
   ShmComm(std::string name, uint8_t* base, uint64_t size, uint32_t world, uint32_t rank,
-          uint64_t staging);
+          uint64_t staging, uint64_t arena);
 
   uint8_t* staging(uint32_t rank, uint32_t parity) const;
   detail::RankRecord& record(uint32_t rank) const;
   uint64_t* a2aTable(uint64_t seq) const;  // [world][world] in sizes, by seq parity
   // Starts a collective: checks the group is not broken and publishes this rank's
   // signature of it (compared against the others' after the first barrier).
-  void begin(uint32_t op, ElemType t, ReduceKind r, uint32_t root, uint64_t bytes);
+  void begin(uint32_t op, ElemType t, ReduceKind r, uint32_t root, uint64_t bytes,
+             uint64_t arena_offset = kNoArena);
+  // The all-reduce of `bytes` in place in every rank's arena, after the first barrier.
+  void allreduceInPlace(uint64_t bytes, ElemType t, ReduceKind r, uint64_t deadline_ns);
+  // How many ranks posted a block of their arena for the current collective (checked
+  // against the arena's bounds: a peer's offset is never trusted).
+  uint32_t ranksInArena(uint64_t bytes);
+  uint8_t* arenaBase(uint32_t rank) const { return base_ + arena_offset_ + rank * arena_bytes_; }
+  static constexpr uint64_t kNoArena = UINT64_MAX;
   // One barrier of the current collective; the first one also compares signatures.
   void meet(uint64_t deadline_ns);
   void checkSignatures();
@@ -186,6 +247,7 @@ class ShmComm {
   uint32_t nextParity() { return static_cast<uint32_t>(round_++ & 1); }
 
   std::string name_;
+  std::shared_ptr<Mapping> mapping_;
   uint8_t* base_;
   uint64_t size_;
   uint32_t world_, rank_;
@@ -193,6 +255,9 @@ class ShmComm {
   detail::GroupHeader* header_;
   uint64_t records_offset_ = 0, a2a_offset_ = 0, staging_offset_ = 0, channels_offset_ = 0;
   uint64_t channel_bytes_ = 0;
+  uint64_t arena_offset_ = 0, arena_bytes_ = 0;
+  std::shared_ptr<ArenaPool> arena_pool_;
+  std::atomic<uint64_t> in_place_{0};
   std::atomic<bool> closing_{false};
   ipc::AdaptiveSpin spin_;    // how long meet() spins before it sleeps
   int creator_fd_ = -1;       // rank 0 until release()

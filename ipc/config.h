@@ -92,6 +92,9 @@ inline constexpr Tunable kTunables[] = {
      "the CUDA path's library an engine with devices loads (docs/GPU.md)"},
     {"SHMGRAD_BACKEND_STAGING_MB", nullptr, "64 MiB over the ranks, 0.25 to 8 MiB a buffer",
      "the `shmgrad` torch.distributed backend's staging buffer per rank (two each)"},
+    {"SHMGRAD_BACKEND_ARENA_MB", nullptr, "4 GiB of address space per rank, 64 GiB over the ranks",
+     "the `shmgrad` backend's arena per rank, where DDP's gradient buckets are allocated and "
+     "all-reduced in place (0: none; memory is taken only for what is allocated)"},
     {"SHMGRAD_REQUIRE_GPU", nullptr, "unset",
      "the test suite fails a GPU case that would skip (tools/device-check --run --gpu sets it)"},
     {"SHMGRAD_TEST_FULL", nullptr, "unset",

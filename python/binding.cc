@@ -468,6 +468,18 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"), py::arg("key_prefix"),
       py::arg("node_of_rank"), py::arg("leaders"), py::arg("everyone"));
+  m.def(
+      "process_group_arena_stats",
+      [](const c10::intrusive_ptr<c10d::Backend>& backend) {
+        auto* shm = dynamic_cast<shmgrad::backend::ProcessGroupShm*>(backend.get());
+        if (shm == nullptr) {
+          throw py::value_error(
+              "not a shmgrad backend: pass group._get_backend(cpu) of a "
+              "group made with init_process_group(\"shmgrad\")");
+        }
+        return shm->arenaStats();
+      },
+      py::arg("backend"));
   m.def("segment_path", &shmgrad::ipc::segmentPath, py::arg("name"));
   m.def("segment_exists", &shmgrad::ipc::Segment::exists, py::arg("name"));
   m.def("check_engine_name", &shmgrad::ipc::checkEngineName, py::arg("name"));

@@ -24,8 +24,9 @@ uint64_t deadlineIn(double seconds) {
 }
 
 // Runs body(comm) on `world` threads, each attached as its own rank.
-void runRanks(uint32_t world, uint64_t staging, const std::function<void(ShmComm&)>& body) {
-  auto first = ShmComm::create(world, staging);
+void runRanks(uint32_t world, uint64_t staging, const std::function<void(ShmComm&)>& body,
+              uint64_t arena = 0) {
+  auto first = ShmComm::create(world, staging, arena);
   std::vector<std::unique_ptr<ShmComm>> comms;
   comms.push_back(std::move(first));
   for (uint32_t r = 1; r < world; ++r) comms.push_back(ShmComm::attach(comms[0]->name(), world, r));
@@ -187,7 +188,115 @@ TEST_P(Collectives, MismatchIsRefusedOnEveryRankAndTheGroupGoesOn) {
   });
 }
 
+// Values that are not powers of two, different on every rank.
+float valueOf(uint64_t i, uint32_t rank) {
+  return static_cast<float>(i % 89 + 1) * 0.37f * (static_cast<float>(rank) + 1.3f);
+}
+
+TEST_P(Collectives, AllreduceInTheArenasRunsInPlaceBitForBitAsStaged) {
+  const uint32_t world = GetParam();
+  const uint64_t n = 100'003;  // not whole cache lines; more than a staging buffer
+  runRanks(
+      world, 256 << 10,
+      [&](ShmComm& c) {
+        ASSERT_NE(c.arena(), nullptr);
+        uint8_t* block = c.arena()->allocate(n * 4);
+        ASSERT_NE(block, nullptr);
+        auto* placed = reinterpret_cast<float*>(block);
+        std::vector<float> staged(n);
+        for (uint64_t i = 0; i < n; ++i) placed[i] = staged[i] = valueOf(i, c.rank());
+        const uint64_t before = c.inPlaceAllreduces();
+        c.allreduce({{block, n * 4}}, ElemType::kFloat32, ReduceKind::kSum, deadlineIn(30));
+        EXPECT_EQ(c.inPlaceAllreduces(), before + 1);  // the in-place path ran
+        c.allreduce({{reinterpret_cast<uint8_t*>(staged.data()), n * 4}}, ElemType::kFloat32,
+                    ReduceKind::kSum, deadlineIn(30));
+        EXPECT_EQ(c.inPlaceAllreduces(), before + 1);  // ordinary memory: staged
+        for (uint64_t i = 0; i < n; ++i)
+          ASSERT_EQ(std::bit_cast<uint32_t>(placed[i]), std::bit_cast<uint32_t>(staged[i])) << i;
+        float want = 0;
+        for (uint32_t r = 0; r < world; ++r) want += valueOf(n - 1, r);
+        EXPECT_EQ(placed[n - 1], want);
+        // AVG of doubles, in place, against the sum divided once.
+        auto* d = reinterpret_cast<double*>(block);
+        for (uint64_t i = 0; i < 1000; ++i) d[i] = static_cast<double>(valueOf(i, c.rank()));
+        c.allreduce({{block, 8000}}, ElemType::kFloat64, ReduceKind::kAvg, deadlineIn(30));
+        double sum = 0;
+        for (uint32_t r = 0; r < world; ++r) sum += static_cast<double>(valueOf(999, r));
+        EXPECT_EQ(d[999], sum / world);
+        EXPECT_EQ(c.inPlaceAllreduces(), before + 2);
+        c.arena()->release(block);
+      },
+      64 << 20);
+}
+
+TEST_P(Collectives, AllreduceWithSomeRanksOutsideTheirArenaIsStaged) {
+  const uint32_t world = GetParam();
+  if (world == 1) GTEST_SKIP() << "one rank is all the ranks";
+  const uint64_t n = 70'001;
+  runRanks(
+      world, 256 << 10,
+      [&](ShmComm& c) {
+        // Rank 0 passes arena memory, the others ordinary memory.
+        std::vector<float> own(c.rank() == 0 ? 0 : n);
+        uint8_t* block = c.rank() == 0 ? c.arena()->allocate(n * 4) : nullptr;
+        auto* x = c.rank() == 0 ? reinterpret_cast<float*>(block) : own.data();
+        ASSERT_NE(x, nullptr);
+        for (uint64_t i = 0; i < n; ++i) x[i] = valueOf(i, c.rank());
+        c.allreduce({{reinterpret_cast<uint8_t*>(x), n * 4}}, ElemType::kFloat32, ReduceKind::kSum,
+                    deadlineIn(30));
+        EXPECT_EQ(c.inPlaceAllreduces(), 0u);
+        for (uint64_t i = 0; i < n; i += 997) {
+          float want = 0;
+          for (uint32_t r = 0; r < world; ++r) want += valueOf(i, r);
+          ASSERT_EQ(x[i], want) << i;
+        }
+        // The group goes on: the next collective meets as usual.
+        c.barrier(deadlineIn(30));
+        if (block) c.arena()->release(block);
+      },
+      64 << 20);
+}
+
 INSTANTIATE_TEST_SUITE_P(Ranks, Collectives, ::testing::Values(1u, 2u, 3u));
+
+TEST(Arena, BlocksAreFirstFitWholePagesAndMergeWhenGivenBack) {
+  auto comm = ShmComm::create(1, 256 << 10, 1 << 20);
+  ArenaPool& pool = *comm->arena();
+  EXPECT_EQ(pool.capacity(), 1u << 20);
+  uint8_t* a = pool.allocate(300'000);  // 74 pages
+  uint8_t* b = pool.allocate(300'000);
+  uint8_t* c = pool.allocate(300'000);
+  ASSERT_TRUE(a && b && c);
+  EXPECT_EQ(b - a, 74 * 4096);
+  EXPECT_EQ(pool.inUse(), 3u * 74 * 4096);
+  EXPECT_EQ(pool.allocate(300'000), nullptr);  // 34 pages left
+  pool.release(b);
+  EXPECT_EQ(pool.allocate(200'000), b);  // first fit: b's place
+  pool.release(a);
+  pool.release(b);
+  pool.release(c);
+  pool.release(c);  // twice: ignored
+  EXPECT_EQ(pool.inUse(), 0u);
+  uint8_t* whole = pool.allocate(1 << 20);  // merged back into one free block
+  EXPECT_EQ(whole, a);
+  uint64_t off = 0;
+  EXPECT_TRUE(pool.offsetOf(whole + 8, 16, &off));
+  EXPECT_EQ(off, 8u);
+  EXPECT_FALSE(pool.offsetOf(whole + (1 << 20) - 8, 16, &off));  // runs past the arena
+  pool.release(whole);
+  EXPECT_EQ(ShmComm::create(1, 256 << 10, 0)->arena(), nullptr);
+}
+
+TEST(Arena, ABlockOutlivesItsGroup) {
+  auto comm = ShmComm::create(1, 256 << 10, 1 << 20);
+  std::shared_ptr<ArenaPool> pool = comm->arena();
+  auto* block = reinterpret_cast<float*>(pool->allocate(4096));
+  block[0] = 1.5f;
+  comm.reset();        // the group ends (destroy_process_group) while DDP still holds a bucket
+  block[1023] = 2.5f;  // still mapped: a fault here would end the test
+  EXPECT_EQ(block[0] + block[1023], 4.0f);
+  pool->release(reinterpret_cast<uint8_t*>(block));
+}
 
 TEST(Faults, ARankThatLeavesFailsTheOthersAtOnce) {
   runRanks(2, 256 << 10, [&](ShmComm& c) {

@@ -302,9 +302,8 @@ void specStringSeeds() {
   str(5, comm->name());
 }
 
-// A real group's header (ShmComm::create), read through the name the other ranks open.
-void shmGroupSeeds() {
-  auto comm = backend::ShmComm::create(2, 256 << 10);
+void shmGroupSeeds(uint64_t arena) {
+  auto comm = backend::ShmComm::create(2, 256 << 10, arena);
   struct stat st {};
   ::stat(comm->name().c_str(), &st);
   Bytes header = readFile(comm->name());
@@ -325,7 +324,13 @@ void shmGroupSeeds() {
     }
     write("shm_group", b);
   }
-  entry("group_size", static_cast<uint64_t>(st.st_size));
+  if (arena == 0) entry("group_size", static_cast<uint64_t>(st.st_size));
+}
+
+// A real group's header (ShmComm::create), read through the name the other ranks open:
+// without and with arenas.
+void shmGroupSeeds() {
+  for (uint64_t arena : {uint64_t{0}, uint64_t{1} << 20}) shmGroupSeeds(arena);
 }
 
 }  // namespace

@@ -369,16 +369,91 @@ def _ddp_params(rank, world, steps=4, bucket_cap_mb=0.01):
             opt.step()
         # numpy arrays travel by value (a tensor through the queue needs this process alive)
         out[name] = [p.detach().numpy().copy() for p in model.parameters()]
+        if name == "shmgrad":
+            out["arena"] = _arena_stats()  # while the model holds its buckets
+    out["DDP_DISABLE_COMM_MEM"] = os.environ.get("DDP_DISABLE_COMM_MEM")
     return out
 
 
-def test_ddp_gives_the_parameters_of_ddp_with_gloo():
-    ranks = launch(_ddp_params)
+def _arena_stats(group=None):
+    from shmgrad._native import _C
+
+    group = group or dist.group.WORLD
+    return _C.process_group_arena_stats(group._get_backend(torch.device("cpu")))
+
+
+@pytest.mark.parametrize("arena", ["on", "off"])
+def test_ddp_gives_the_parameters_of_ddp_with_gloo(arena):
+    ranks = launch(_ddp_params, env={} if arena == "on" else {"SHMGRAD_BACKEND_ARENA_MB": "0"})
     # Two ranks: a + b in either order, the same bits (several buckets of 0.01 MB).
     for a, b in zip(ranks[0]["shmgrad"], ranks[0]["gloo"]):
         assert np.array_equal(a, b)
     for a, b in zip(ranks[0]["shmgrad"], ranks[1]["shmgrad"]):
         assert np.array_equal(a, b)
+    for r in (0, 1):
+        stats = ranks[r]["arena"]
+        assert ranks[r]["DDP_DISABLE_COMM_MEM"] == "0"  # set by the backend's creator
+        if arena == "on":
+            # DDP's buckets were allocated in the arena and every bucket's all-reduce of
+            # every step ran in place (the bucket views' copies in and out are DDP's).
+            assert stats["arena_in_use"] > 0 and stats["in_place_allreduces"] >= 4, stats
+        else:
+            assert stats == {"arena_bytes": 0, "arena_in_use": 0, "in_place_allreduces": 0}
+
+
+def _bucket_views_outlive_the_group(rank, world):
+    """DDP with gradient_as_bucket_view: every .grad is a view of a bucket in the arena.
+    The process group is destroyed while the model lives on; its gradients stay readable
+    (the arena stays mapped while a bucket holds it), and a user's own setting of
+    DDP_DISABLE_COMM_MEM is left alone."""
+    _init(rank, world)
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(_Net(), gradient_as_bucket_view=True)
+    x = torch.randn(8, 12, generator=torch.Generator().manual_seed(rank))
+    model(x).square().mean().backward()
+    before = [p.grad.clone() for p in model.parameters()]
+    stats = _arena_stats()
+    dist.destroy_process_group()
+    after = [p.grad.clone() for p in model.parameters()]  # read from the arena
+    for p in model.parameters():
+        p.grad.mul_(2)  # and written
+    del model
+    same = all(torch.equal(a, b) for a, b in zip(before, after))
+    return {"stats": stats, "same": same, "grad": [g.numpy() for g in before]}
+
+
+def test_ddp_buckets_outlive_their_group():
+    ranks = launch(_bucket_views_outlive_the_group)
+    for r in (0, 1):
+        assert ranks[r]["same"]
+        assert ranks[r]["stats"]["in_place_allreduces"] == 1, ranks[r]["stats"]
+    for a, b in zip(ranks[0]["grad"], ranks[1]["grad"]):
+        assert np.array_equal(a, b)  # the all-reduced gradient, the same on both ranks
+
+
+def _user_setting_stands(rank, world):
+    _init(rank, world)
+    model = torch.nn.parallel.DistributedDataParallel(_Net())
+    model(torch.randn(4, 12)).sum().backward()
+    return {"env": os.environ.get("DDP_DISABLE_COMM_MEM"), "stats": _arena_stats()}
+
+
+def _torch_strings() -> bytes:
+    """The bytes of the libtorch this torch runs on (to ask whether its DDP reads an
+    environment variable: torch 2.11 does not read DDP_DISABLE_COMM_MEM, 2.15 does)."""
+    import mmap
+
+    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        return b"DDP_DISABLE_COMM_MEM" if m.find(b"DDP_DISABLE_COMM_MEM") >= 0 else b""
+
+
+def test_a_users_ddp_disable_comm_mem_stands():
+    ranks = launch(_user_setting_stands, env={"DDP_DISABLE_COMM_MEM": "1"})
+    assert ranks[0]["env"] == "1"
+    if _torch_strings():
+        # torch reads the setting (2.12 and later): DDP allocated its buckets itself.
+        assert ranks[0]["stats"]["arena_in_use"] == 0, ranks[0]["stats"]
 
 
 @pytest.mark.full
