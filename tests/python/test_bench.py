@@ -435,6 +435,15 @@ def test_collectives_gloo_and_shmgrad_against_the_bound(tmp_path):
             assert math.isclose(s["gbps"], r["size"] / s["median_s"] / 1e9), s
         assert r["gloo_over_shmgrad"] == r["gloo"]["median_s"] / r["shmgrad"]["median_s"]
         assert r["shmgrad_over_bound"] == r["shmgrad"]["median_s"] / r["bound_s"]
+        # all_reduce also in the arenas (in place): right, and its own bound, (3 - 1/W) n.
+        assert ("shmgrad-arena" in r) == (r["collective"] == "all_reduce"), r
+        if r["collective"] == "all_reduce":
+            a = r["shmgrad-arena"]
+            assert a["correct"] is True and a["n"] == 3 and _finite_positive(a["median_s"]), r
+            assert r["arena_traffic_bytes"] == 2.5 * r["size"], r
+            assert r["gloo_over_arena"] == r["gloo"]["median_s"] / a["median_s"]
+            assert r["staged_over_arena"] == r["shmgrad"]["median_s"] / a["median_s"]
+            assert math.isclose(r["arena_over_bound"], a["median_s"] / r["arena_bound_s"])
     rows = [line for line in table.splitlines() if line.startswith("| all_") or "| reduce_" in line]
     assert len(rows) == len(records), table
     assert "Process settings: heap MALLOC_" in table and "GLOO_SOCKET_IFNAME=lo" in table

@@ -1059,7 +1059,8 @@ def main_collectives(args, result):
     """--collectives: every rank count in turn, results.json and results.md rewritten
     after each (a run cut short keeps what it measured), then bench.png."""
     log(
-        f"collectives {','.join(collectives.OPS)} through {' and '.join(collectives.SYSTEMS)}, "
+        f"collectives {','.join(collectives.OPS)} through {' and '.join(collectives.SYSTEMS)} "
+        f"(all_reduce also on tensors in shmgrad's arena), "
         f"ranks {args.ranks}, sizes {','.join(collectives.fmt_size(s) for s in args.sizes)}, "
         f"{args.warmup} warm-up calls, up to {args.repeats} samples (budget {args.budget:g} s "
         "per collective and size)"
@@ -1082,7 +1083,7 @@ def main_collectives(args, result):
     wrong = [
         f"{r['collective']} {collectives.fmt_size(r['size'])} W={r['ranks']} {system}"
         for r in records
-        for system in collectives.SYSTEMS
+        for system in collectives.systems_of(r["collective"])
         if not r[system]["correct"]
     ]
     if failed or wrong:

@@ -8,7 +8,9 @@ n (float32) and each collective, both backends run on the same tensors, taking t
 sample by sample (the order reversed on every other sample), so that both see the same
 moments of a noisy machine:
 
-  all_reduce      ``dist.all_reduce`` (SUM) of an n-byte tensor;
+  all_reduce      ``dist.all_reduce`` (SUM) of an n-byte tensor; through shmgrad twice:
+                  an ordinary tensor (staged), and one the group's backend allocated in
+                  its arena (``allocate_tensor``, as DDP's buckets are: in place);
   all_gather      ``dist.all_gather_into_tensor``: n/W bytes in, n bytes out;
   reduce_scatter  ``dist.reduce_scatter_tensor`` (SUM): n bytes in, n/W bytes out.
 
@@ -39,6 +41,9 @@ and writes (W ranks, n the size as above):
   reduce_scatter  copy its n in (read n, write n), reduce its slice of every rank's
                   staging straight into the output (read W x n/W = n, write n/W):
                   (3 + 1/W) n
+  all_reduce in   reduce its slice of every rank's tensor into its own (read n, write
+  the arenas      n/W), copy every other slice from the rank that reduced it (read and
+                  write (W - 1)/W n): (3 - 1/W) n
 
 The bound is those bytes divided by this machine's copy bandwidth per rank, measured in
 the same run, before the collectives and again after them (a machine whose load changes
@@ -73,6 +78,15 @@ from .timing import MIN_TIMED_STEPS, now
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 SYSTEMS = ("gloo", "shmgrad")
+# all_reduce also runs on tensors in the shmgrad group's arena (in place).
+ARENA = "shmgrad-arena"
+
+
+def systems_of(op: str):
+    """The systems that run collective ``op``."""
+    return SYSTEMS + (ARENA,) if op == "all_reduce" else SYSTEMS
+
+
 ELEMENT_BYTES = 4  # float32
 # 4 KiB to 256 MiB in powers of 4.
 DEFAULT_SIZES = [4 << (10 + 2 * i) for i in range(9)]
@@ -85,9 +99,12 @@ COPY_BYTES = 64 << 20
 COPY_SAMPLES = 10
 
 
-def traffic_bytes(op: str, n: int, world: int) -> float:
+def traffic_bytes(op: str, n: int, world: int, in_place: bool = False) -> float:
     """The bytes one rank reads and writes in shmgrad's algorithm for collective ``op``
-    on size ``n`` with ``world`` ranks (the module's docstring derives them)."""
+    on size ``n`` with ``world`` ranks (the module's docstring derives them); with
+    ``in_place``, the all-reduce in the arenas."""
+    if op == "all_reduce" and in_place:
+        return (3 - 1 / world) * n
     if op == "all_reduce":
         return (5 + 1 / world) * n
     if op == "all_gather":
@@ -191,13 +208,18 @@ def copy_bandwidth(rank, gloo):
     return out
 
 
-def op_buffers(op, numel, rank, world):
+def op_buffers(op, numel, rank, world, arena_group=None):
     """Collective ``op``'s tensors, kept alive by the four functions returned:
     ``call(group)``; ``fill()``, known values in, after which one call leaves a result
-    that ``verify()`` checks (True when right on this rank); ``zero()``."""
+    that ``verify()`` checks (True when right on this rank); ``zero()``. With
+    ``arena_group`` (all_reduce), the tensor is allocated by that group's backend."""
     w = world
     if op == "all_reduce":
-        t = torch.empty(numel)
+        if arena_group is None:
+            t = torch.empty(numel)
+        else:
+            backend = arena_group._get_backend(torch.device("cpu"))
+            t = backend.allocate_tensor(numel, dtype=torch.float32, device=torch.device("cpu"))
         return (
             lambda g: dist.all_reduce(t, group=g),
             lambda: t.fill_(rank + 1),
@@ -229,16 +251,19 @@ def op_buffers(op, numel, rank, world):
 def measure_op(op, numel, rank, world, plan, groups):
     """One collective at one size through both backends: the first call of each checked
     on known values, then the timed samples, taking turns."""
-    call, fill, verify, zero = op_buffers(op, numel, rank, world)
+    buffers = {system: op_buffers(op, numel, rank, world) for system in SYSTEMS}
+    if op == "all_reduce":
+        buffers[ARENA] = op_buffers(op, numel, rank, world, arena_group=groups["shmgrad"])
+    group = dict(groups, **{ARENA: groups["shmgrad"]})
     correct = {}
-    for system in SYSTEMS:
+    for system, (call, fill, verify, zero) in buffers.items():
         fill()
-        call(groups[system])
+        call(group[system])
         correct[system] = verify()
         zero()
-    calls = {system: (lambda g=groups[system]: call(g)) for system in SYSTEMS}
+    calls = {system: (lambda b=b, g=group[system]: b[0](g)) for system, b in buffers.items()}
     times = timed_samples(calls, plan, groups["gloo"], warmup=max(0, plan.warmup - 1))
-    for system in SYSTEMS:
+    for system in buffers:
         times[system]["correct"] = correct[system]
     return times
 

@@ -3,7 +3,7 @@ Markdown tables, the plots, and the JSON-safe form of the records."""
 
 import math
 
-from .collectives import OPS, SYSTEMS as COLLECTIVE_SYSTEMS, fmt_size
+from .collectives import ARENA, OPS, fmt_size, systems_of
 
 LABELS = {
     "single-1t": "single process, 1 thread",
@@ -397,7 +397,9 @@ def collectives_table(records, runs):
         "bound: the bytes each rank moves in shmgrad's algorithm (all_reduce (5 + 1/W) n, "
         "all_gather (2 + 2/W) n, reduce_scatter (3 + 1/W) n) at the copy bandwidth per "
         "rank with every rank copying at once (below); under 1x where the data stays in "
-        "the caches.",
+        "the caches. arena: all_reduce of a tensor the shmgrad group allocated in its arena "
+        "(allocate_tensor, as DDP's buckets), reduced in place; its bound counts "
+        "(3 - 1/W) n.",
         "",
     ]
     for run in runs:
@@ -413,19 +415,26 @@ def collectives_table(records, runs):
     lines += [
         "",
         "| collective | W | size | gloo us | shmgrad us | gloo GB/s | shmgrad GB/s "
-        "| gloo / shmgrad | bound us | shmgrad / bound | samples x calls (gloo; shmgrad) "
-        "| notes |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "| gloo / shmgrad | bound us | shmgrad / bound | arena us | gloo / arena "
+        "| shmgrad / arena | arena / its bound | samples x calls (gloo; shmgrad) | notes |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in sorted(records, key=lambda r: (OPS.index(r["collective"]), r["ranks"], r["size"])):
         g, s = r["gloo"], r["shmgrad"]
-        wrong = [system for system in COLLECTIVE_SYSTEMS if not r[system]["correct"]]
+        wrong = [system for system in systems_of(r["collective"]) if not r[system]["correct"]]
         notes = f"WRONG RESULT: {', '.join(wrong)}" if wrong else ""
+        if ARENA in r:
+            arena = (
+                f"{fmt_us(r[ARENA]['median_s'])} | {r['gloo_over_arena']:.2f}x | "
+                f"{r['staged_over_arena']:.2f}x | {r['arena_over_bound']:.2f}x"
+            )
+        else:
+            arena = "- | - | - | -"
         lines.append(
             f"| {r['collective']} | {r['ranks']} | {fmt_size(r['size'])} | "
             f"{fmt_us(g['median_s'])} | {fmt_us(s['median_s'])} | {g['gbps']:.3g} | "
             f"{s['gbps']:.3g} | {r['gloo_over_shmgrad']:.2f}x | {fmt_us(r['bound_s'])} | "
-            f"{r['shmgrad_over_bound']:.2f}x | "
+            f"{r['shmgrad_over_bound']:.2f}x | {arena} | "
             f"{g['n']} x {g['calls_per_sample']}; {s['n']} x {s['calls_per_sample']} | "
             f"{notes} |"
         )
@@ -441,7 +450,7 @@ def plot_collectives(records, path):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(OPS), squeeze=False, figsize=(5.0 * len(OPS), 4.6))
-    colors = {"gloo": "tab:green", "shmgrad": "tab:red", "bound": "tab:gray"}
+    colors = {"gloo": "tab:green", "shmgrad": "tab:red", ARENA: "tab:purple", "bound": "tab:gray"}
     dashes = ["-", "--", ":", "-."]
     ranks = sorted({r["ranks"] for r in records})
     for ax, op in zip(axes[0], OPS):
@@ -454,7 +463,7 @@ def plot_collectives(records, path):
                 continue
             xs = [r["size"] for r in rs]
             series = {
-                system: [r[system]["median_s"] * 1e6 for r in rs] for system in COLLECTIVE_SYSTEMS
+                system: [r[system]["median_s"] * 1e6 for r in rs] for system in systems_of(op)
             }
             series["bound"] = [r["bound_s"] * 1e6 for r in rs]
             for name, ys in series.items():

@@ -655,7 +655,7 @@ def run_collectives(world, plan: collectives.Plan, deadline):
                 "copy_gbps": copy["all_gbps"],
                 "bound_s": traffic / (copy["all_gbps"] * 1e9),
             }
-            for system in collectives.SYSTEMS:
+            for system in collectives.systems_of(op):
                 parts = [e["ops"][op][system] for e in entries]
                 times = _sample_times(parts)
                 rec[system] = dict(
@@ -667,6 +667,13 @@ def run_collectives(world, plan: collectives.Plan, deadline):
                 rec[system]["gbps"] = n / rec[system]["median_s"] / 1e9
             rec["gloo_over_shmgrad"] = rec["gloo"]["median_s"] / rec["shmgrad"]["median_s"]
             rec["shmgrad_over_bound"] = rec["shmgrad"]["median_s"] / rec["bound_s"]
+            if collectives.ARENA in rec:
+                arena = rec[collectives.ARENA]
+                rec["arena_traffic_bytes"] = collectives.traffic_bytes(op, n, world, True)
+                rec["arena_bound_s"] = rec["arena_traffic_bytes"] / (copy["all_gbps"] * 1e9)
+                rec["gloo_over_arena"] = rec["gloo"]["median_s"] / arena["median_s"]
+                rec["staged_over_arena"] = rec["shmgrad"]["median_s"] / arena["median_s"]
+                rec["arena_over_bound"] = arena["median_s"] / rec["arena_bound_s"]
             records.append(rec)
     return records, {"ranks": world, "seconds": total, "copy": copy}
 
