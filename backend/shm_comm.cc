@@ -416,6 +416,15 @@ uint64_t stagingFor(uint64_t asked) {
 }
 uint64_t arenaFor(uint64_t asked) { return alignUp(std::min(asked, kMaxArena), kPage); }
 
+// What to do when mapping a group of `arena` bytes of arenas per rank (unknown: 1) fails
+// with `err`: they are most of its address space, which a limit (ulimit -v) may refuse.
+std::string mappingHint(int err, uint64_t arena) {
+  if (err != ENOMEM || arena == 0) return "";
+  return " (most of a group's address space is its arenas, SHMGRAD_BACKEND_ARENA_MB per "
+         "rank: under a limit on address space, ulimit -v, set it lower, or 0, in every "
+         "rank)";
+}
+
 int pidfdOpen(int pid) { return static_cast<int>(syscall(SYS_pidfd_open, pid, 0)); }
 
 }  // namespace
@@ -629,8 +638,12 @@ std::unique_ptr<ShmComm> ShmComm::create(uint32_t world, uint64_t staging_bytes,
                   ::shmgrad::detail::errnoText() + " (set SHMGRAD_BACKEND_STAGING_MB lower)");
   }
   void* map = mmap(nullptr, l.total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (map == MAP_FAILED)
-    fail_with(ErrorKind::kSystem, "mmap failed: " + ::shmgrad::detail::errnoText());
+  if (map == MAP_FAILED) {
+    const int err = errno;
+    fail_with(ErrorKind::kSystem,
+              "shmgrad backend: mapping the group's " + std::to_string(l.total >> 20) +
+                  " MiB failed: " + ::shmgrad::detail::errnoText() + mappingHint(err, arena));
+  }
   const std::string name = "/proc/" + std::to_string(getpid()) + "/fd/" + std::to_string(fd);
   auto* h = new (map) GroupHeader();
   h->magic = kMagic;
@@ -687,9 +700,13 @@ std::unique_ptr<ShmComm> ShmComm::attach(const std::string& name, uint32_t world
     raise(ErrorKind::kCorrupt, "shmgrad backend: segment ", name, " is too small");
   }
   void* map = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int err = errno;
   close(fd);
-  SHMGRAD_CHECK(map != MAP_FAILED, ErrorKind::kSystem,
-                "mmap failed: ", ::shmgrad::detail::errnoText());
+  if (map == MAP_FAILED) {
+    errno = err;
+    raise(ErrorKind::kSystem, "shmgrad backend: mapping the group's ", size >> 20,
+          " MiB failed: ", ::shmgrad::detail::errnoText(), mappingHint(err, 1));
+  }
   const uint64_t staging = static_cast<const GroupHeader*>(map)->staging_bytes;
   const uint64_t arena = static_cast<const GroupHeader*>(map)->arena_bytes;
   if (!detail::groupHeaderValid(map, size, size, world, getuid())) {

@@ -471,6 +471,41 @@ def test_ddp_with_four_ranks_within_rounding_of_gloo():
 # ------------------------------------------------------------------------------ refusals
 
 
+_UNDER_A_LIMIT = """
+import datetime, os, resource, torch, torch.distributed as dist, shmgrad
+vm = int([l for l in open("/proc/self/status") if l.startswith("VmSize")][0].split()[1]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + (2 << 30), vm + (2 << 30)))
+dist.init_process_group("shmgrad", rank=0, world_size=1, init_method="tcp://127.0.0.1:%d",
+                        timeout=datetime.timedelta(seconds=30))
+t = torch.ones(4)
+dist.all_reduce(t)
+print("reduced", t.tolist())
+"""
+
+
+@pytest.mark.parametrize("arena_mb", ["8192", "0"])
+def test_a_limit_on_address_space_is_named_with_the_fix(arena_mb):
+    """Under ulimit -v (here: 2 GiB above what the process has mapped), a group whose
+    arenas do not fit fails at its start naming SHMGRAD_BACKEND_ARENA_MB; with 0 it works."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, SHMGRAD_BACKEND_ARENA_MB=arena_mb)
+    run = subprocess.run(
+        [sys.executable, "-c", _UNDER_A_LIMIT % free_port()],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    if arena_mb == "0":
+        assert run.returncode == 0 and "reduced [1.0, 1.0, 1.0, 1.0]" in run.stdout, run.stderr
+    else:
+        assert run.returncode != 0, run.stdout
+        assert "Cannot allocate memory" in run.stderr, run.stderr
+        assert "set it lower, or 0, in every rank" in run.stderr, run.stderr
+
+
 def _refusals(rank, world):
     _init(rank, world)
     errors = {}
