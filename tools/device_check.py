@@ -65,8 +65,9 @@ that cannot run (no GPU, no MPS) is listed with its reason under "not_run".
 The collectives step of --run is bounded by its timeout (120 s; 90 s for one rank count)
 and estimated at 60 s there: per rank count, W processes start and import torch (about
 5 s at 16 ranks on 16 cores), copy 64 MiB 40 times, then 8 sizes x 3 collectives x 2
-backends, each a checked call, 1 calibration call and 3 to 5 samples of about 10 ms of
-calls (--budget 1 s for both backends: 3 samples of one call at 64 MiB, where a 16-rank
+backends (and all_reduce once more on arena tensors, in place), each a checked call, 1
+calibration call and 3 to 5 samples of about 10 ms of calls (--budget 1 s for all the
+systems: 3 samples of one call at 64 MiB, where a 16-rank
 gloo all-reduce should take a few hundred ms). Here (2 cores, 2026-12-06, load average
 4 from other tests) the same settings took 15 s at 2 ranks, 23 s at 4 and 62 s at 8 (4
 processes a core); 16 ranks with two sizes took 71 s, most of it 16 processes starting
