@@ -509,13 +509,14 @@ uint64_t ShmComm::defaultArenaBytes(uint32_t world) {
 Mapping::~Mapping() { munmap(base, size); }
 
 ArenaPool::ArenaPool(std::shared_ptr<Mapping> mapping, uint8_t* base, uint64_t bytes)
-    : mapping_(std::move(mapping)), base_(base), bytes_(bytes) {
+    : mapping_(std::move(mapping)), base_(base), bytes_(bytes), owner_(getpid()) {
   if (bytes_ > 0) free_.emplace(0, bytes_);
 }
 
 uint8_t* ArenaPool::allocate(uint64_t bytes) {
   const uint64_t want = alignUp(std::max<uint64_t>(bytes, 1), kPage);
   uint64_t at = 0;
+  if (getpid() != owner_) return nullptr;  // a forked child: ordinary memory
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = std::find_if(free_.begin(), free_.end(),
@@ -541,6 +542,7 @@ uint8_t* ArenaPool::allocate(uint64_t bytes) {
 }
 
 void ArenaPool::release(uint8_t* block) {
+  if (getpid() != owner_) return;  // a forked child's copy: the parent still owns it
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = used_.find(static_cast<uint64_t>(block - base_));
   if (it == used_.end()) return;  // not a block of this arena: nothing to give back

@@ -107,7 +107,9 @@ struct Mapping {
 // This rank's arena: the part of the segment that only this rank allocates in and every
 // rank maps. Blocks are whole pages, first fit; their pages are reserved when allocated
 // (no fault later) and given back when freed. Thread-safe (a private mutex: no other
-// process ever takes it).
+// process ever takes it). Only the process that created it allocates and frees: a forked
+// child (a DataLoader worker) that drops a copy of a tensor neither frees nor clears the
+// memory its parent still uses.
 class ArenaPool {
  public:
   ArenaPool(std::shared_ptr<Mapping> mapping, uint8_t* base, uint64_t bytes);
@@ -125,6 +127,7 @@ class ArenaPool {
   std::shared_ptr<Mapping> mapping_;
   uint8_t* base_;
   uint64_t bytes_;
+  int owner_;  // the pid that allocates and frees
   mutable std::mutex mutex_;
   std::map<uint64_t, uint64_t> free_;  // offset -> bytes, merged with their neighbours
   std::map<uint64_t, uint64_t> used_;  // offset -> bytes

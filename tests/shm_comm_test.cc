@@ -287,6 +287,28 @@ TEST(Arena, BlocksAreFirstFitWholePagesAndMergeWhenGivenBack) {
   EXPECT_EQ(ShmComm::create(1, 256 << 10, 0)->arena(), nullptr);
 }
 
+TEST(Arena, AForkedChildNeitherFreesNorClearsItsParentsBlocks) {
+  auto comm = ShmComm::create(1, 256 << 10, 1 << 20);
+  ArenaPool& pool = *comm->arena();
+  auto* block = reinterpret_cast<float*>(pool.allocate(8192));
+  ASSERT_NE(block, nullptr);
+  for (int i = 0; i < 2048; ++i) block[i] = static_cast<float>(i) + 0.5f;
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    // A DataLoader worker whose copy of the parent's tensors is dropped.
+    pool.release(reinterpret_cast<uint8_t*>(block));
+    _exit(pool.allocate(4096) == nullptr ? 0 : 1);  // and it allocates nothing there
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  for (int i = 0; i < 2048; i += 97) ASSERT_EQ(block[i], static_cast<float>(i) + 0.5f) << i;
+  EXPECT_EQ(pool.inUse(), 8192u);
+  pool.release(reinterpret_cast<uint8_t*>(block));
+  EXPECT_EQ(pool.inUse(), 0u);
+}
+
 TEST(Arena, ABlockOutlivesItsGroup) {
   auto comm = ShmComm::create(1, 256 << 10, 1 << 20);
   std::shared_ptr<ArenaPool> pool = comm->arena();
