@@ -301,15 +301,20 @@ at::Tensor ProcessGroupShm::allocateTensor(long size, at::TensorOptions options)
               "shmgrad backend: allocateTensor on ", options.device(),
               ": it allocates CPU memory only");
   options = options.device(at::kCPU);
-  const uint64_t bytes = static_cast<uint64_t>(size) * options.dtype().itemsize();
+  const auto itemsize = static_cast<uint64_t>(options.dtype().itemsize());
+  TORCH_CHECK(static_cast<uint64_t>(size) <= (uint64_t{1} << 62) / itemsize,
+              "shmgrad backend: allocateTensor of ", size, " elements is too large");
+  const uint64_t bytes = static_cast<uint64_t>(size) * itemsize;
   const std::shared_ptr<ArenaPool> pool = comm_->arena();
-  uint8_t* block = pool ? pool->allocate(bytes) : nullptr;
+  if (!pool) return at::empty({size}, options);  // SHMGRAD_BACKEND_ARENA_MB=0: asked for
+  uint8_t* block = pool->allocate(bytes);
   if (block == nullptr) {
     TORCH_WARN_ONCE("shmgrad backend: a tensor of ", bytes,
-                    " bytes does not fit in this rank's arena (", pool ? pool->capacity() >> 20 : 0,
-                    " MiB, ", pool ? pool->inUse() >> 20 : 0,
-                    " MiB in use): it is ordinary memory and its all-reduce goes through "
-                    "staging. Set SHMGRAD_BACKEND_ARENA_MB higher for the in-place path.");
+                    " bytes does not fit in this rank's arena (", pool->capacity() >> 20, " MiB, ",
+                    pool->inUse() >> 20,
+                    " MiB in use), or this is a forked child of the rank: it is ordinary "
+                    "memory and its all-reduce goes through staging. Set "
+                    "SHMGRAD_BACKEND_ARENA_MB higher for the in-place path.");
     return at::empty({size}, options);
   }
   return at::from_blob(

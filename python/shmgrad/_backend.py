@@ -34,12 +34,12 @@ def _create(store, rank, size, timeout):
     first rank of each node joins a gloo group of the nodes' first ranks (all-reduce,
     broadcast, barrier: shared memory within, gloo between) and every rank a gloo group of
     all (the other collectives)."""
-    # A torchrun restart reuses the agent's store and the group's prefix: the attempt keeps
-    # its keys apart from the last one's.
     # DDP's reducer allocates its gradient buckets through the group's backend (c10d's
     # allocateTensor: here, in this rank's arena, all-reduced in place) only when
     # DDP_DISABLE_COMM_MEM is 0; torch's default is 1. A user's own setting stands.
     os.environ.setdefault("DDP_DISABLE_COMM_MEM", "0")
+    # A torchrun restart reuses the agent's store and the group's prefix: the attempt keeps
+    # its keys apart from the last one's.
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     prefix = f"shmgrad/attempt{attempt}/" if attempt is not None else "shmgrad/"
     store.set(f"{prefix}host/{rank}", _node_key())
