@@ -794,7 +794,9 @@ dist.all_reduce(t, op=dist.ReduceOp.AVG)
 assert torch.allclose(t, torch.full((3,), (world + 1) / 2))
 dist.barrier()
 params = [p.detach().flatten().tolist() for p in model.parameters()]
-print("PARAMS " + json.dumps({"rank": rank, "params": params}), flush=True)
+# A file per rank: two ranks' long lines on one agent's stdout can interleave.
+with open(os.path.join(sys.argv[2], f"params-{rank}.json"), "w") as f:
+    json.dump({"rank": rank, "params": params}, f)
 dist.destroy_process_group()
 """
 
@@ -806,6 +808,8 @@ def _two_nodes(tmp_path, backend):
     import subprocess
     import sys
 
+    tmp_path = tmp_path / backend  # this run's files only
+    tmp_path.mkdir()
     script = tmp_path / "nodes.py"
     script.write_text(NODES_SCRIPT)
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -827,6 +831,7 @@ def _two_nodes(tmp_path, backend):
                 str(port),
                 str(script),
                 backend,
+                str(tmp_path),
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -838,11 +843,10 @@ def _two_nodes(tmp_path, backend):
     outs = [p.communicate(timeout=180)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(outs)
     params = {}
-    for line in "\n".join(outs).splitlines():
-        if "PARAMS " in line:
-            record = json.loads(line.split("PARAMS ", 1)[1])
-            params[record["rank"]] = record["params"]
-    assert sorted(params) == [0, 1, 2, 3]
+    for path in sorted(tmp_path.glob("params-*.json")):
+        record = json.loads(path.read_text())
+        params[record["rank"]] = record["params"]
+    assert sorted(params) == [0, 1, 2, 3], "\n".join(outs)
     return params
 
 
