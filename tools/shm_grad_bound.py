@@ -12,7 +12,12 @@ cross-entropy, N intra-op threads), taking turns in blocks:
   private   the same copy into a private buffer (torch.empty): if it costs what copied
             costs, the price is the copy itself, not shared memory's pages;
   zeroed    .grad preallocated in that buffer: zeroed, then backward adds into it (what
-            a worker did before write-first).
+            a worker did before write-first);
+  direct    every nn.Linear's weight and bias gradients computed straight into the
+            /dev/shm buffer (a custom autograd Function: mm and sum with out=), nothing
+            copied: what a worker could do for Linear layers (models of other layers:
+            the same as plain for those). Its gradient is checked against plain's, bit
+            for bit, before timing.
 
 Prints each one's median and its ratio to plain. docs/BENCHMARKS.md cites its runs.
 
@@ -44,6 +49,42 @@ def shared_floats(n: int) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.float32)
 
 
+class DirectLinear(torch.autograd.Function):
+    """F.linear whose weight and bias gradients are written into given buffers (out=)
+    instead of returned: autograd's accumulator never sees them."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, grad_weight, grad_bias):
+        ctx.save_for_backward(x, weight)
+        ctx.grads = (grad_weight, grad_bias)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_weight, grad_bias = ctx.grads
+        torch.mm(grad_out.t(), x, out=grad_weight)
+        torch.sum(grad_out, 0, out=grad_bias)
+        grad_x = grad_out.mm(weight) if ctx.needs_input_grad[0] else None
+        return grad_x, None, None, None, None
+
+
+def direct_forward(model, views_of):
+    """model's forward with every nn.Linear run through DirectLinear into its views."""
+
+    def forward(module, x):
+        if isinstance(module, torch.nn.Linear) and module.bias is not None:
+            gw, gb = views_of(module.weight), views_of(module.bias)
+            return DirectLinear.apply(x, module.weight, module.bias, gw, gb)
+        if isinstance(module, torch.nn.Sequential):
+            for m in module:
+                x = forward(m, x)
+            return x
+        return module(x)
+
+    return lambda x: forward(model, x)
+
+
 def variant(name, model_name, x, y):
     model = models.make_model(model_name)
     params = list(model.parameters())
@@ -56,6 +97,11 @@ def variant(name, model_name, x, y):
     if name == "zeroed":
         for p, v in zip(params, views):
             p.grad = v
+    run = model
+    if name == "direct":
+        index = {id(p): i for i, p in enumerate(params)}
+        run = direct_forward(model, lambda p: views[index[id(p)]])
+        check_direct(model, run, views, x, y)
     if name in ("copied", "private"):
 
         def hook(v):
@@ -77,10 +123,26 @@ def variant(name, model_name, x, y):
         else:
             for p in params:
                 p.grad = None
-        F.cross_entropy(model(x), y, reduction="sum").backward()
+        F.cross_entropy(run(x), y, reduction="sum").backward()
         return time.perf_counter() - t0
 
     return step
+
+
+def check_direct(model, run, views, x, y):
+    """direct's buffer holds plain's gradient, bit for bit, for the Linear layers it
+    covers (the others: in .grad, as plain)."""
+    params = list(model.parameters())
+    for p in params:
+        p.grad = None
+    F.cross_entropy(model(x), y, reduction="sum").backward()
+    want = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    F.cross_entropy(run(x), y, reduction="sum").backward()
+    for p, v, w in zip(params, views, want):
+        got = p.grad if p.grad is not None else v
+        assert torch.equal(got, w), "direct's gradient differs from plain's"
 
 
 def main():
@@ -95,7 +157,7 @@ def main():
     torch.manual_seed(0)
     x = torch.randn(a.batch, *models.MODELS[a.model].input_shape)
     y = torch.randint(0, 10, (a.batch,))
-    names = ("plain", "copied", "private", "zeroed")
+    names = ("plain", "copied", "private", "zeroed", "direct")
     steps = {n: variant(n, a.model, x, y) for n in names}
     medians = {n: [] for n in names}
     for r in range(a.rounds):
