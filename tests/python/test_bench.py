@@ -536,3 +536,49 @@ def test_auto_paired_with_one_process_of_n_threads(tmp_path):
     ), result["targets"]
     row = next(line for line in table.splitlines() if "| auto-paired |" in line)
     assert f"single / this: median {auto['paired_ratio_median']:.3f}x" in row, row
+
+
+def _tool(name, *args, timeout=240):
+    """Runs tools/NAME ARGS with this Python; returns its stdout."""
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+    proc = subprocess.run(
+        [sys.executable, os.path.join(root, "tools", name), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_shm_grad_bound_tiny():
+    """tools/shm_grad_bound.py: every variant times; `direct` (Linear gradients computed
+    into shared memory) first checks its gradient against the plain loop's, bit for bit
+    (an AssertionError would fail the run)."""
+    out = _tool("shm_grad_bound.py", "--model", "tiny", "--batch", "8", "--rounds", "2")
+    for name in ("plain", "copied", "private", "zeroed", "direct"):
+        assert f"  {name} " in out, out
+
+
+@pytest.mark.full
+def test_ddp_bound_tiny(tmp_path):
+    """tools/ddp_bound.py: DDP's variants and both engines in two rank processes."""
+    path = tmp_path / "ddp-bound.json"
+    out = _tool(
+        "ddp_bound.py", "--model", "tiny", "--batch", "8", "--steps", "8", "--json", str(path)
+    )
+    with open(path) as f:
+        medians = json.load(f)["median_s"]
+    want = {
+        "plain",
+        "free",
+        "free+wait",
+        "arena",
+        "staged",
+        "bucket-views",
+        "engine",
+        "engine-eager",
+    }
+    assert set(medians) == want, medians
+    assert all(_finite_positive(v) for v in medians.values()), medians
+    assert "the TorchScript engine" in out
