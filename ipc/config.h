@@ -92,6 +92,9 @@ inline constexpr Tunable kTunables[] = {
      "the CUDA path's library an engine with devices loads (docs/GPU.md)"},
     {"SHMGRAD_BACKEND_STAGING_MB", nullptr, "64 MiB over the ranks, 0.25 to 8 MiB a buffer",
      "the `shmgrad` torch.distributed backend's staging buffer per rank (two each)"},
+    {"SHMGRAD_DIRECT_LINEAR", "1", nullptr,
+     "eager workers: nn.Linear layers compute their weight and bias gradients straight into "
+     "the gradient slot (python/shmgrad/_direct.py; 0: computed apart and copied in)"},
     {"SHMGRAD_BACKEND_ARENA_MB", nullptr, "4 GiB of address space per rank, 64 GiB over the ranks",
      "the `shmgrad` backend's arena per rank, where DDP's gradient buckets are allocated and "
      "all-reduced in place (0: none; memory is taken only for what is allocated)"},

@@ -187,6 +187,57 @@ class EagerParticipant {
 
 }  // namespace
 
+// nn.Linear whose weight and bias gradients backward computes straight into their .grad
+// when the step protocol takes them as the parameter's first write of the shard
+// (python/shmgrad/_direct.py says when it is used), handing autograd that .grad itself:
+// WriteFirstHook sees its own memory and neither copies nor adds. Otherwise a fresh
+// gradient, for the accumulator. In C++ so that backward calls no Python.
+struct DirectLinear : public torch::autograd::Function<DirectLinear> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& weight, const torch::Tensor& bias,
+                               worker::StepParticipant* participant, int64_t w_index,
+                               int64_t b_index) {
+    ctx->save_for_backward({x});
+    ctx->saved_data["weight"] = weight;
+    ctx->saved_data["bias"] = bias;
+    ctx->saved_data["participant"] = reinterpret_cast<int64_t>(participant);
+    ctx->saved_data["w_index"] = w_index;
+    ctx->saved_data["b_index"] = b_index;
+    return torch::nn::functional::linear(x, weight, bias.defined() ? bias : torch::Tensor());
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const torch::Tensor& go = grads[0];
+    const torch::Tensor x = ctx->get_saved_variables()[0];
+    const torch::Tensor weight = ctx->saved_data["weight"].toTensor();
+    const torch::Tensor bias = ctx->saved_data["bias"].toTensor();
+    auto* participant =
+        reinterpret_cast<worker::StepParticipant*>(ctx->saved_data["participant"].toInt());
+    auto target = [&](const torch::Tensor& param, int64_t index) -> torch::Tensor {
+      torch::Tensor grad = param.grad();
+      if (grad.defined() && grad.scalar_type() == torch::kFloat &&
+          go.scalar_type() == torch::kFloat && x.scalar_type() == torch::kFloat &&
+          grad.is_contiguous() && grad.sizes() == param.sizes() &&
+          participant->claimDirectWrite(static_cast<uint32_t>(index))) {
+        return grad;
+      }
+      return torch::Tensor();
+    };
+    torch::Tensor gx, gw, gb;
+    if (ctx->needs_input_grad(0)) gx = go.mm(weight);
+    if (ctx->needs_input_grad(1)) {
+      torch::Tensor out = target(weight, ctx->saved_data["w_index"].toInt());
+      gw = out.defined() ? at::mm_out(out, go.t(), x) : go.t().mm(x);
+    }
+    if (bias.defined() && ctx->needs_input_grad(2)) {
+      torch::Tensor out = target(bias, ctx->saved_data["b_index"].toInt());
+      gb = out.defined() ? at::sum_out(out, go, {0}) : go.sum(0);
+    }
+    return {gx, gw, gb, torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
 void bindEagerWorker(py::module_& m) {
   m.attr("EXIT_STOPPED") = worker::kExitStopped;
   m.attr("EXIT_COORDINATOR_GONE") = worker::kExitCoordinatorGone;
@@ -272,6 +323,16 @@ void bindEagerWorker(py::module_& m) {
       .def("watch_gradients", &EagerParticipant::watchGradients, py::arg("params"),
            "hook the parameters' gradient accumulators (the engine's parameters, in order): "
            "backward's completed buckets are reduced while it runs")
+      .def(
+          "direct_linear",
+          [](EagerParticipant& p, const torch::Tensor& x, const torch::Tensor& weight,
+             const std::optional<torch::Tensor>& bias, int64_t w_index, int64_t b_index) {
+            return DirectLinear::apply(x, weight, bias.value_or(torch::Tensor()),
+                                       p.participant_.get(), w_index, b_index);
+          },
+          py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("w_index"), py::arg("b_index"),
+          "F.linear(x, weight, bias), its parameters' gradients computed "
+          "into their .grad where the step protocol takes a first write (_direct.py)")
       .def("become_ready", [](EagerParticipant& p) { return p.participant_->becomeReady(); })
       .def(
           "dataset_views",

@@ -90,11 +90,25 @@ class WriteFirstHook : public torch::autograd::FunctionPreHook {
   WriteFirstHook(StepParticipant& participant, uint32_t param, torch::Tensor variable)
       : participant_(participant), param_(param), variable_(std::move(variable)) {}
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
-    if (grads.size() != 1 || !grads[0].defined() || !participant_.gradFirstWrite(param_)) {
-      return grads;
-    }
-    const torch::Tensor& fresh = grads[0];
+    if (grads.size() != 1 || !grads[0].defined()) return grads;
     torch::Tensor grad = variable_.grad();
+    if (grad.defined() && aliases(grads[0], grad)) {
+      // Computed into .grad by the layer itself (claimDirectWrite): the first
+      // write is done, nothing is copied or added; what it wrote is read once for
+      // non-finite values now, while it is still in the caches.
+      if (participant_.gradFirstWrite(param_) && grad.is_contiguous() &&
+          grad.scalar_type() == torch::kFloat) {
+        const float* data = grad.const_data_ptr<float>();
+        std::atomic<bool> bad{false};
+        at::parallel_for(0, grad.numel(), kSerialCopyFloats, [&](int64_t b, int64_t e) {
+          if (ipc::anyNonFinite(data, b, e)) bad.store(true, std::memory_order_relaxed);
+        });
+        if (!bad.load(std::memory_order_relaxed)) participant_.gradWrittenFinite(param_);
+      }
+      return {torch::Tensor()};
+    }
+    if (!participant_.gradFirstWrite(param_)) return grads;
+    const torch::Tensor& fresh = grads[0];
     if (!grad.defined()) return grads;  // not bound: the accumulator sets it
     torch::NoGradGuard no_grad;
     if (fresh.is_sparse() || fresh.layout() != grad.layout() || fresh.sizes() != grad.sizes() ||
@@ -123,6 +137,12 @@ class WriteFirstHook : public torch::autograd::FunctionPreHook {
   }
 
  private:
+  static bool aliases(const torch::Tensor& a, const torch::Tensor& b) {
+    return !a.is_sparse() && a.data_ptr() == b.data_ptr() && a.sizes() == b.sizes() &&
+           a.strides() == b.strides() && a.scalar_type() == b.scalar_type() &&
+           a.device() == b.device();
+  }
+
   StepParticipant& participant_;
   const uint32_t param_;
   torch::Tensor variable_;  // the parameter (its accumulator holds it too)

@@ -444,6 +444,7 @@ void StepParticipant::computePhase(const Shard& shard, ShardComputer& computer) 
   // parameters are never written, so they stay zero.
   writing_first_ = writeFirstPossible();
   std::memset(written_, 0, sizeof written_);
+  std::memset(direct_, 0, sizeof direct_);
   std::memset(finite_, 0, sizeof finite_);
   try {
     if (!writing_first_) mem_->zero(shard.device, shard.grads, h_->param_floats);

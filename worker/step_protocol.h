@@ -207,6 +207,20 @@ class StepParticipant {
   // instead of adding it (no pass to zero the slot, none to read the zeros back);
   // false: let the accumulator add. Called on the thread that runs backward.
   bool gradFirstWrite(uint32_t param);
+  // For a layer that can compute parameter `param`'s gradient straight into .grad (the
+  // eager worker's direct Linear): true, once per shard, where gradFirstWrite(param) will
+  // answer true; the layer then writes .grad and hands backward's accumulator that very
+  // .grad, whose WriteFirstHook consumes the first write. Once per shard, so that a
+  // parameter used twice gets one contribution written there and the other fresh (autograd
+  // sums them, and the hook writes the sum).
+  bool claimDirectWrite(uint32_t param) {
+    if (!writing_first_ || param >= ipc::kMaxParams || ipc::paramBit(written_, param) ||
+        ipc::paramBit(direct_, param)) {
+      return false;
+    }
+    ipc::setParamBit(direct_, param);
+    return true;
+  }
   // After gradFirstWrite's true: the caller wrote parameter `param`'s gradient and found
   // every value of it finite. While nothing is added to it, a shard alone (its slot the
   // result) need not read it again for non-finite values (reducePhase).
@@ -272,6 +286,7 @@ class StepParticipant {
   bool writing_first_ = false;
   int write_first_ok_ = -1;  // -1: not known yet
   uint64_t written_[ipc::kMaxParams / 64] = {};
+  uint64_t direct_[ipc::kMaxParams / 64] = {};  // claimDirectWrite's, this shard
   uint64_t finite_[ipc::kMaxParams / 64] = {};  // written, found finite, nothing added since
   bool writeFirstPossible();
   bool anyNonFiniteUnchecked(const float* grads);

@@ -118,6 +118,13 @@ class ShardRunner:
         # (their .data and .grad are the shared views set above).
         options = job.compile
         self.run_model = self.model if options is None else torch.compile(self.model, **options)
+        # Linear layers compute their gradients straight into the slot (python/shmgrad/
+        # _direct.py): on the host, uncompiled, unless SHMGRAD_DIRECT_LINEAR=0.
+        direct = os.environ.get("SHMGRAD_DIRECT_LINEAR", "1") != "0"
+        if self.device is None and options is None and direct:
+            from . import _direct
+
+            _direct.install(self.model, self.params, participant)
 
     def _bind_grads(self, in_reduced: bool):
         if in_reduced == self.grads_in_reduced:
