@@ -120,7 +120,9 @@ class ShardRunner:
         self.run_model = self.model if options is None else torch.compile(self.model, **options)
         # Linear layers compute their gradients straight into the slot (python/shmgrad/
         # _direct.py): on the host, uncompiled, unless SHMGRAD_DIRECT_LINEAR=0.
-        direct = os.environ.get("SHMGRAD_DIRECT_LINEAR", "1") != "0"
+        from ._native import tunable_value
+
+        direct = tunable_value("SHMGRAD_DIRECT_LINEAR") != "0"
         if self.device is None and options is None and direct:
             from . import _direct
 
