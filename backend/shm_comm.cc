@@ -319,6 +319,14 @@ const char* opName(uint32_t op) {
 
 using ipc::alignUp;
 
+// Where rank j's slice of a reduction over `len` bytes starts (rank `world`'s: the end):
+// whole cache lines, so that no two ranks write one line. The staged and the in-place
+// all-reduce cut alike, so that both add the same elements in the same order.
+uint64_t sliceStart(uint64_t len, uint32_t j, uint32_t world) {
+  const uint64_t lines = (len + kLine - 1) / kLine;
+  return std::min(len, lines * j / world * kLine);
+}
+
 }  // namespace
 
 namespace detail {
@@ -1030,9 +1038,7 @@ void ShmComm::reduce(const std::vector<Span>& data, ElemType t, ReduceKind r, ui
       }
     }
     // This rank's slice of the chunk: whole cache lines, in elements.
-    const uint64_t lines = (len + kLine - 1) / kLine;
-    const uint64_t b = std::min(len, lines * rank_ / world_ * kLine);
-    const uint64_t e = std::min(len, lines * (rank_ + 1) / world_ * kLine);
+    const uint64_t b = sliceStart(len, rank_, world_), e = sliceStart(len, rank_ + 1, world_);
     if (e > b) {
       for (uint32_t j = 0; j < world_; ++j) inputs[j] = staging(j, p) + b;
       reduceElements(staging(0, p) + b, inputs, world_, (e - b) / es, t, r);
@@ -1069,8 +1075,7 @@ void ShmComm::allreduceInPlace(uint64_t bytes, ElemType t, ReduceKind r, uint64_
   uint8_t* block[kMaxRanks];
   for (uint32_t j = 0; j < world_; ++j)
     block[j] = arenaBase(j) + record(j).sig[seq & 1].arena_offset;  // checked by ranksInArena
-  const uint64_t lines = (bytes + kLine - 1) / kLine;
-  auto cut = [&](uint32_t j) { return std::min(bytes, lines * j / world_ * kLine); };
+  auto cut = [&](uint32_t j) { return sliceStart(bytes, j, world_); };
   const uint64_t b = cut(rank_), e = cut(rank_ + 1);
   if (e > b) {
     const void* inputs[kMaxRanks];

@@ -203,7 +203,7 @@ struct DirectLinear : public torch::autograd::Function<DirectLinear> {
     ctx->saved_data["participant"] = reinterpret_cast<int64_t>(participant);
     ctx->saved_data["w_index"] = w_index;
     ctx->saved_data["b_index"] = b_index;
-    return torch::nn::functional::linear(x, weight, bias.defined() ? bias : torch::Tensor());
+    return torch::nn::functional::linear(x, weight, bias);
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -230,7 +230,7 @@ struct DirectLinear : public torch::autograd::Function<DirectLinear> {
       torch::Tensor out = target(weight, ctx->saved_data["w_index"].toInt());
       gw = out.defined() ? at::mm_out(out, go.t(), x) : go.t().mm(x);
     }
-    if (bias.defined() && ctx->needs_input_grad(2)) {
+    if (ctx->needs_input_grad(2)) {
       torch::Tensor out = target(bias, ctx->saved_data["b_index"].toInt());
       gb = out.defined() ? at::sum_out(out, go, {0}) : go.sum(0);
     }
@@ -326,9 +326,10 @@ void bindEagerWorker(py::module_& m) {
       .def(
           "direct_linear",
           [](EagerParticipant& p, const torch::Tensor& x, const torch::Tensor& weight,
-             const std::optional<torch::Tensor>& bias, int64_t w_index, int64_t b_index) {
-            return DirectLinear::apply(x, weight, bias.value_or(torch::Tensor()),
-                                       p.participant_.get(), w_index, b_index);
+             const torch::Tensor& bias, int64_t w_index, int64_t b_index) {
+            // A bias is required: an undefined tensor among the Function's inputs fails
+            // ("tensor does not have a device"); _direct.py leaves bias-less layers alone.
+            return DirectLinear::apply(x, weight, bias, p.participant_.get(), w_index, b_index);
           },
           py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("w_index"), py::arg("b_index"),
           "F.linear(x, weight, bias), its parameters' gradients computed "
