@@ -11,11 +11,11 @@ import dataclasses
 import logging
 import time
 import warnings
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
-from . import _gpu, _request, errors, multinode
+from . import _gpu, _request, _threads, errors, multinode
 from ._accumulation import Accumulation
 from ._binding import Binding
 from ._native import _C, ATTACH_OPTIONS, DEFAULTS, GRADIENT_OPTIONS
@@ -106,10 +106,12 @@ class Client:
         process_group=None,
         bucket_cap_mb: Optional[float] = None,
         buffers: str = DEFAULT_BUFFERS,
+        trainer_threads: Union[int, str, None] = "auto",
     ):
         """Wraps ``trainer``, a native ``_C.Trainer`` attached to engine ``name``. Use
         :func:`attach` (or :class:`shmgrad.Engine`) rather than this."""
         self.buffers = _check_buffers(buffers)
+        _threads.check(trainer_threads)
         self.name = name
         self.seed = seed  # eager workers' step seeds derive from it
         self._steps = 0  # gradient calls so far
@@ -119,9 +121,10 @@ class Client:
         # Only eager workers use a step's seed; TorchScript workers get 0, which spares the
         # step the seed's arithmetic.
         try:
-            self.mode = _C.status(name)["worker_kind"]  # "script" or "eager"
+            engine_status = _C.status(name)
+            self.mode = engine_status["worker_kind"]  # "script" or "eager"
         except Exception:  # no status: send seeds anyway, as an eager engine needs them
-            self.mode = "eager"
+            engine_status, self.mode = None, "eager"
         self._eager_workers = self.mode == "eager"
         self._param_info = [(n, tuple(s)) for n, s, _ in trainer.parameters()]
         self._param_views = trainer.parameter_views()
@@ -155,6 +158,19 @@ class Client:
             except BaseException:
                 self.close()  # an Engine's close() also stops the engine it started
                 raise
+        # The trainer's intra-op threads: on a CPU engine, those its workers leave free
+        # (python/shmgrad/_threads.py: idle threads spin for milliseconds on the workers'
+        # cores). Restored by close().
+        if engine_status is not None:
+            _threads.hold(
+                id(self), _threads.choose(trainer_threads, engine_status, _C.physical_cores()), name
+            )
+
+    @property
+    def trainer_threads(self) -> Optional[int]:
+        """The intra-op threads this client holds the trainer process to (None: its own
+        setting, ``trainer_threads=None`` or a GPU engine); see :class:`shmgrad.Engine`."""
+        return _threads.held(id(self))
 
     def _adopt_job(self, loss_reduction, probe_job, trainable):
         """What an :class:`shmgrad.Engine` knows from the job it started: what its loss
@@ -486,6 +502,7 @@ class Client:
         if self._closed:
             return
         self._closed = True
+        _threads.release(id(self))
         if self._binding is not None:
             self._binding.discard_watch.close()
         if getattr(self, "_on_device", False) and self._binding is not None:
@@ -536,6 +553,7 @@ def attach(
     process_group=None,
     bucket_cap_mb: Optional[float] = None,
     buffers: str = DEFAULT_BUFFERS,
+    trainer_threads: Union[int, str, None] = "auto",
 ) -> Client:
     """Attaches to an engine started with ``shmgrad serve --name NAME``.
 
@@ -546,10 +564,12 @@ def attach(
     ``process_group``: a ``torch.distributed`` group with one trainer per node (this
     node's engine is then one of several; collective, see :class:`Client`);
     ``bucket_cap_mb``: all-reduce the gradient in buckets of this many MiB (default: one
-    call on the whole buffer); ``buffers``: as :class:`shmgrad.Engine`'s.
+    call on the whole buffer); ``buffers`` and ``trainer_threads``: as
+    :class:`shmgrad.Engine`'s.
     """
     _C.check_engine_name(name)
     _check_buffers(buffers)
+    _threads.check(trainer_threads)
     trainer = _C.Trainer.attach(name, timeout_seconds=timeout, cuda_library=_gpu.LIBRARY)
     return Client(
         name,
@@ -560,4 +580,5 @@ def attach(
         process_group=process_group,
         bucket_cap_mb=bucket_cap_mb,
         buffers=buffers,
+        trainer_threads=trainer_threads,
     )

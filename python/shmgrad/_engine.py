@@ -12,7 +12,7 @@ from typing import Optional, Union
 import torch
 
 from . import _job, _losses, _mode, _modules
-from . import _gpu, _numerics
+from . import _gpu, _numerics, _threads
 from . import errors
 from ._native import _C
 from ._client import DEFAULT_BUFFERS, GRADIENT_DEFAULTS, Client, _check_buffers
@@ -324,6 +324,12 @@ class Engine(Client):
             by their examples; ``"first"``: the first worker's (DDP's rule).
         name: engine name (default: a unique one); others attach by it.
         threads_per_worker: intra-op threads of each worker (default 1).
+        trainer_threads: intra-op threads of this process (the trainer) while the engine
+            is open, restored by :meth:`close`. ``"auto"`` (default): on a CPU engine, the
+            cores its workers leave free, at least 1 (never more than it has): PyTorch's
+            idle intra-op threads spin for milliseconds after each parallel region, such as
+            ``optimizer.step()``, on the cores the workers compute on. ``None``: leave the
+            process's setting; an int: that many. :attr:`trainer_threads` says what holds.
         max_workers: gradient slots, the most workers :meth:`resize` can ask for.
         max_batch: most examples in one step.
         input_capacity_mb: shared memory for explicit batches (``inputs=``, ``targets=``).
@@ -387,10 +393,12 @@ class Engine(Client):
         devices=None,
         device=None,
         trainer_device=None,
+        trainer_threads: Union[int, str, None] = "auto",
     ):
         if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
             raise errors.InvalidArgumentError(f"seed must be an int >= 0, got {seed!r}")
         _check_buffers(buffers)
+        _threads.check(trainer_threads)
         server = serve(
             model=model,
             workers=workers,
@@ -430,6 +438,7 @@ class Engine(Client):
                 process_group=process_group,
                 bucket_cap_mb=bucket_cap_mb,
                 buffers=buffers,
+                trainer_threads=trainer_threads,
             )
         except BaseException:
             server.stop()

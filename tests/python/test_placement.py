@@ -205,3 +205,77 @@ def test_workers_a_step_leaves_out_are_not_woken_by_every_step():
         woken = {pid: _context_switches(pid) - n for pid, n in before.items()}
         for pid in idle:
             assert woken[pid] <= slices + 5, (woken, slices)
+
+
+# -- the trainer's intra-op threads (trainer_threads=, python/shmgrad/_threads.py) --------
+def _linear_engine(**kw):
+    return shmgrad.Engine(model=torch.nn.Linear(4, 2), workers=1, loss="mse", **kw)
+
+
+def test_trainer_threads_auto_leaves_the_workers_their_cores_and_close_restores():
+    """ "auto": the trainer keeps only the cores the workers leave free (at least 1), so
+    that its idle intra-op threads do not spin on the workers' cores; close() restores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(CORES + 3)
+    try:
+        with _linear_engine(threads_per_worker=1) as engine:
+            want = max(1, CORES - 1)  # one worker of one thread
+            assert engine.trainer_threads == want
+            assert torch.get_num_threads() == want
+        assert torch.get_num_threads() == CORES + 3
+        # A worker per core: the trainer runs on one thread.
+        with shmgrad.Engine(
+            model=torch.nn.Linear(4, 2), workers=1, threads_per_worker=CORES, loss="mse"
+        ) as engine:
+            assert engine.trainer_threads == 1 and torch.get_num_threads() == 1
+        assert torch.get_num_threads() == CORES + 3
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_trainer_threads_explicit_none_nested_and_changed_by_the_caller():
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        with _linear_engine(trainer_threads=None) as engine:
+            assert engine.trainer_threads is None and torch.get_num_threads() == 3
+        with _linear_engine(trainer_threads=2) as a:
+            assert torch.get_num_threads() == 2
+            with _linear_engine(trainer_threads=1) as b:  # the smallest holds
+                assert torch.get_num_threads() == 1 and b.trainer_threads == 1
+            assert torch.get_num_threads() == 2 and a.trainer_threads == 2
+        assert torch.get_num_threads() == 3
+        # The caller's own setting made while an engine is open stands after close().
+        with _linear_engine(trainer_threads=1):
+            torch.set_num_threads(2)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "all", True])
+def test_trainer_threads_refused_before_anything_starts(bad):
+    before = torch.get_num_threads()
+    with pytest.raises(shmgrad.InvalidArgumentError, match="trainer_threads must be"):
+        _linear_engine(trainer_threads=bad)
+    assert torch.get_num_threads() == before
+    with pytest.raises(shmgrad.InvalidArgumentError, match="trainer_threads must be"):
+        shmgrad.attach("no-such-engine", trainer_threads=bad)
+
+
+def test_trainer_threads_through_attach():
+    """A client attached to an engine served apart holds the trainer's threads the same
+    way, and its close() restores them (the engine keeps serving)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(CORES + 1)
+    try:
+        with shmgrad.serve(
+            model=torch.nn.Linear(4, 2), workers=1, threads_per_worker=CORES, loss="mse"
+        ) as server:
+            with shmgrad.attach(server.name) as client:
+                assert client.trainer_threads == 1 and torch.get_num_threads() == 1
+            assert torch.get_num_threads() == CORES + 1
+            with shmgrad.attach(server.name, trainer_threads=None) as client:
+                assert torch.get_num_threads() == CORES + 1
+    finally:
+        torch.set_num_threads(before)
