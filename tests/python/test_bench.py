@@ -560,6 +560,29 @@ def test_shm_grad_bound_tiny():
         assert f"  {name} " in out, out
 
 
+def test_loop_bench_tiny(tmp_path):
+    """tools/loop_bench.py: whole training loops, each system in its own process; the
+    engine's trainer holds the cores its worker leaves (trainer_threads="auto"), the
+    engine-keep run keeps the process's threads."""
+    path = tmp_path / "loop.json"
+    out = _tool(
+        "loop_bench.py",
+        *("--model", "tiny", "--batch", "8", "--workers", "1", "--rounds", "1"),
+        *("--steps", "5", "--warmup", "2", "--timeout", "120", "--json", str(path)),
+    )
+    with open(path) as f:
+        result = json.load(f)
+    assert set(result["median_s"]) == {"single", "engine", "engine-keep"}, out
+    assert all(v > 0 for v in result["median_s"].values()), out
+    from shmgrad import _C
+
+    cores = _C.physical_cores()
+    single = result["infos"]["single"][0]["trainer_threads"]
+    assert result["infos"]["engine"][0]["trainer_threads"] == max(1, min(single, cores - 1)), out
+    assert result["infos"]["engine-keep"][0]["trainer_threads"] == single, out
+    assert "single/this" in out, out
+
+
 @pytest.mark.full
 def test_ddp_bound_tiny(tmp_path):
     """tools/ddp_bound.py: DDP's variants and both engines in two rank processes."""
