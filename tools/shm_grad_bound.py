@@ -17,7 +17,12 @@ cross-entropy, N intra-op threads), taking turns in blocks:
             /dev/shm buffer (a custom autograd Function: mm and sum with out=), nothing
             copied: what a worker could do for Linear layers (models of other layers:
             the same as plain for those). Its gradient is checked against plain's, bit
-            for bit, before timing.
+            for bit, before timing;
+  slept     plain, after a sleep of one timer slack (time.sleep(0): about 50-60 us on
+            Linux, the thread's CPU idles) before each step, outside the timing: what a
+            step costs a process that slept waiting for it, as an engine's worker (or its
+            trainer) must when there is no core to spin on. On this project's VM guests
+            a CPU that idled hands the step back with cold caches.
 
 Prints each one's median and its ratio to plain. docs/BENCHMARKS.md cites its runs.
 
@@ -116,6 +121,8 @@ def variant(name, model_name, x, y):
             p.register_post_accumulate_grad_hook(hook(v))
 
     def step():
+        if name == "slept":
+            time.sleep(0)
         t0 = time.perf_counter()
         if name == "zeroed":
             for p in params:
@@ -155,7 +162,7 @@ def main():
     torch.manual_seed(0)
     x = torch.randn(a.batch, *models.MODELS[a.model].input_shape)
     y = torch.randint(0, 10, (a.batch,))
-    names = ("plain", "copied", "private", "zeroed", "direct")
+    names = ("plain", "copied", "private", "zeroed", "direct", "slept")
     steps = {n: variant(n, a.model, x, y) for n in names}
     medians = {n: [] for n in names}
     for r in range(a.rounds):

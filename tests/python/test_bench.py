@@ -556,7 +556,7 @@ def test_shm_grad_bound_tiny():
     into shared memory) first checks its gradient against the plain loop's, bit for bit
     (an AssertionError would fail the run)."""
     out = _tool("shm_grad_bound.py", "--model", "tiny", "--batch", "8", "--rounds", "2")
-    for name in ("plain", "copied", "private", "zeroed", "direct"):
+    for name in ("plain", "copied", "private", "zeroed", "direct", "slept"):
         assert f"  {name} " in out, out
 
 
