@@ -5,7 +5,9 @@
 #include <torch/extension.h>
 
 #include <memory>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ipc/error.h"
@@ -191,17 +193,60 @@ class EagerParticipant {
 // when the step protocol takes them as the parameter's first write of the shard
 // (python/shmgrad/_direct.py says when it is used), handing autograd that .grad itself:
 // WriteFirstHook sees its own memory and neither copies nor adds. Otherwise a fresh
-// gradient, for the accumulator. In C++ so that backward calls no Python.
+// gradient, for the accumulator. In C++ so that backward calls no Python. A layer without
+// a bias runs DirectLinearNoBias (an undefined tensor cannot be a Function's input).
+namespace direct {
+
+// What a Function saved of its layer: the participant and the engine's parameter indices.
+void save(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+          const torch::Tensor& weight, worker::StepParticipant* participant, int64_t w_index) {
+  ctx->save_for_backward({x});
+  ctx->saved_data["weight"] = weight;
+  ctx->saved_data["participant"] = reinterpret_cast<int64_t>(participant);
+  ctx->saved_data["w_index"] = w_index;
+}
+
+worker::StepParticipant* participantOf(torch::autograd::AutogradContext* ctx) {
+  return reinterpret_cast<worker::StepParticipant*>(ctx->saved_data["participant"].toInt());
+}
+
+// param's .grad, when backward may compute the gradient into it (the protocol's first
+// write of the shard, float32, the parameter's shape); else undefined: a fresh gradient.
+torch::Tensor target(worker::StepParticipant* participant, const torch::Tensor& param,
+                     int64_t index, const torch::Tensor& go, const torch::Tensor& x) {
+  torch::Tensor grad = param.grad();
+  if (grad.defined() && grad.scalar_type() == torch::kFloat && go.scalar_type() == torch::kFloat &&
+      x.scalar_type() == torch::kFloat && grad.is_contiguous() && grad.sizes() == param.sizes() &&
+      participant->claimDirectWrite(static_cast<uint32_t>(index))) {
+    return grad;
+  }
+  return torch::Tensor();
+}
+
+// The input's and the weight's gradients of x @ weight.T, given the output's (go).
+std::pair<torch::Tensor, torch::Tensor> inputAndWeight(torch::autograd::AutogradContext* ctx,
+                                                       const torch::Tensor& go) {
+  const torch::Tensor x = ctx->get_saved_variables()[0];
+  const torch::Tensor weight = ctx->saved_data["weight"].toTensor();
+  torch::Tensor gx, gw;
+  if (ctx->needs_input_grad(0)) gx = go.mm(weight);
+  if (ctx->needs_input_grad(1)) {
+    torch::Tensor out =
+        target(participantOf(ctx), weight, ctx->saved_data["w_index"].toInt(), go, x);
+    gw = out.defined() ? at::mm_out(out, go.t(), x) : go.t().mm(x);
+  }
+  return {gx, gw};
+}
+
+}  // namespace direct
+
 struct DirectLinear : public torch::autograd::Function<DirectLinear> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
                                const torch::Tensor& weight, const torch::Tensor& bias,
                                worker::StepParticipant* participant, int64_t w_index,
                                int64_t b_index) {
-    ctx->save_for_backward({x});
-    ctx->saved_data["weight"] = weight;
+    direct::save(ctx, x, weight, participant, w_index);
     ctx->saved_data["bias"] = bias;
-    ctx->saved_data["participant"] = reinterpret_cast<int64_t>(participant);
-    ctx->saved_data["w_index"] = w_index;
     ctx->saved_data["b_index"] = b_index;
     return torch::nn::functional::linear(x, weight, bias);
   }
@@ -209,32 +254,31 @@ struct DirectLinear : public torch::autograd::Function<DirectLinear> {
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const torch::Tensor& go = grads[0];
-    const torch::Tensor x = ctx->get_saved_variables()[0];
-    const torch::Tensor weight = ctx->saved_data["weight"].toTensor();
-    const torch::Tensor bias = ctx->saved_data["bias"].toTensor();
-    auto* participant =
-        reinterpret_cast<worker::StepParticipant*>(ctx->saved_data["participant"].toInt());
-    auto target = [&](const torch::Tensor& param, int64_t index) -> torch::Tensor {
-      torch::Tensor grad = param.grad();
-      if (grad.defined() && grad.scalar_type() == torch::kFloat &&
-          go.scalar_type() == torch::kFloat && x.scalar_type() == torch::kFloat &&
-          grad.is_contiguous() && grad.sizes() == param.sizes() &&
-          participant->claimDirectWrite(static_cast<uint32_t>(index))) {
-        return grad;
-      }
-      return torch::Tensor();
-    };
-    torch::Tensor gx, gw, gb;
-    if (ctx->needs_input_grad(0)) gx = go.mm(weight);
-    if (ctx->needs_input_grad(1)) {
-      torch::Tensor out = target(weight, ctx->saved_data["w_index"].toInt());
-      gw = out.defined() ? at::mm_out(out, go.t(), x) : go.t().mm(x);
-    }
+    auto [gx, gw] = direct::inputAndWeight(ctx, go);
+    torch::Tensor gb;
     if (ctx->needs_input_grad(2)) {
-      torch::Tensor out = target(bias, ctx->saved_data["b_index"].toInt());
+      const torch::Tensor x = ctx->get_saved_variables()[0];
+      torch::Tensor out =
+          direct::target(direct::participantOf(ctx), ctx->saved_data["bias"].toTensor(),
+                         ctx->saved_data["b_index"].toInt(), go, x);
       gb = out.defined() ? at::sum_out(out, go, {0}) : go.sum(0);
     }
     return {gx, gw, gb, torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+struct DirectLinearNoBias : public torch::autograd::Function<DirectLinearNoBias> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& weight, worker::StepParticipant* participant,
+                               int64_t w_index) {
+    direct::save(ctx, x, weight, participant, w_index);
+    return torch::nn::functional::linear(x, weight);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto [gx, gw] = direct::inputAndWeight(ctx, grads[0]);
+    return {gx, gw, torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -326,13 +370,14 @@ void bindEagerWorker(py::module_& m) {
       .def(
           "direct_linear",
           [](EagerParticipant& p, const torch::Tensor& x, const torch::Tensor& weight,
-             const torch::Tensor& bias, int64_t w_index, int64_t b_index) {
-            // A bias is required: an undefined tensor among the Function's inputs fails
-            // ("tensor does not have a device"); _direct.py leaves bias-less layers alone.
-            return DirectLinear::apply(x, weight, bias, p.participant_.get(), w_index, b_index);
+             const std::optional<torch::Tensor>& bias, int64_t w_index, int64_t b_index) {
+            if (!bias.has_value()) {
+              return DirectLinearNoBias::apply(x, weight, p.participant_.get(), w_index);
+            }
+            return DirectLinear::apply(x, weight, *bias, p.participant_.get(), w_index, b_index);
           },
           py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("w_index"), py::arg("b_index"),
-          "F.linear(x, weight, bias), its parameters' gradients computed "
+          "F.linear(x, weight, bias) (bias None: none), its parameters' gradients computed "
           "into their .grad where the step protocol takes a first write (_direct.py)")
       .def("become_ready", [](EagerParticipant& p) { return p.participant_->becomeReady(); })
       .def(

@@ -12,8 +12,9 @@ copies nor adds (it reads it once for non-finite values). Any other case (a late
 the shard, a zeroed slot, a weight used twice, whose contributions autograd sums first)
 gets a fresh gradient, as before.
 
-Only exact ``nn.Linear`` modules with a bias, of float32 engine parameters, on 2-D float32 inputs,
-outside autocast, on the host, without torch.compile; anything else runs ``F.linear``.
+Only exact ``nn.Linear`` modules (with or without a bias) of float32 engine parameters, on
+2-D float32 inputs, outside autocast, on the host, without torch.compile; anything else
+runs ``F.linear``.
 """
 
 import torch
@@ -28,12 +29,12 @@ def install(model, params, participant):
     for module in model.modules():
         if type(module) is not torch.nn.Linear or id(module.weight) not in index:
             continue
-        if module.bias is None or id(module.bias) not in index:
-            continue  # (a layer without a bias: F.linear, for now)
+        if module.bias is not None and id(module.bias) not in index:
+            continue
         if module.weight.dtype != torch.float32:
             continue
         w_index = index[id(module.weight)]
-        b_index = index[id(module.bias)]
+        b_index = -1 if module.bias is None else index[id(module.bias)]
         direct = participant.direct_linear
 
         def forward(x, m=module, w=w_index, b=b_index, direct=direct):

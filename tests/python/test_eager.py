@@ -690,7 +690,8 @@ def test_a_workers_shared_buffers_are_one_block():
 
 
 class TiedAndPlain(nn.Module):
-    """Linear layers of every kind _direct.py meets: plain ones, one without a bias, one
+    """Linear layers of every kind _direct.py meets: plain ones, one without a bias (in place
+    too, through its own C++ Function), one
     whose weight is used twice (its two gradients summed by autograd before the slot), a
     subclass it must leave alone, and a 3-D input it must pass to F.linear."""
 
@@ -779,7 +780,7 @@ def test_direct_linear_takes_exact_linear_layers_only():
     model = TiedAndPlain()
     params = list(model.parameters())
     rec = Recorder()
-    assert _direct.install(model, params, rec) == 3  # inp, square, out; not no_bias, scaled
+    assert _direct.install(model, params, rec) == 4  # inp, square, no_bias, out; not scaled
     model(torch.randn(4, 12))
     index = {id(p): i for i, p in enumerate(params)}
     w = lambda m: index[id(m.weight)]  # noqa: E731
@@ -787,6 +788,7 @@ def test_direct_linear_takes_exact_linear_layers_only():
         ((4, 12), w(model.inp), index[id(model.inp.bias)]),
         ((4, 16), w(model.square), index[id(model.square.bias)]),
         ((4, 16), w(model.square), index[id(model.square.bias)]),
+        ((4, 16), w(model.no_bias), -1),  # no bias: none passed, no index
     ]  # out's input is 3-D: F.linear
     rec.calls.clear()
     with torch.autocast("cpu", dtype=torch.bfloat16):
