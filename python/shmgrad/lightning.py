@@ -72,6 +72,7 @@ ENGINE_OPTIONS = (
     "max_examples_per_pass",
     "compile",
     "buffers",
+    "trainer_threads",
 )
 DOC = "docs/LIGHTNING.md"
 
@@ -637,8 +638,9 @@ Args (keyword-only):
         step that loses a worker is re-run, with the exact gradient).
     checkpoint_io: Lightning's.
     seed, name, threads_per_worker, max_workers, max_batch, input_capacity_mb,
-    startup_timeout, min_examples_per_worker, max_examples_per_pass, compile, buffers:
-        :class:`shmgrad.Engine`'s.
+    startup_timeout, min_examples_per_worker, max_examples_per_pass, compile, buffers,
+        trainer_threads: :class:`shmgrad.Engine`'s (trainer_threads: Lightning's process,
+        whose validation and callbacks then run on the cores the workers leave).
 
 The engine starts in :meth:`setup` when fitting (validate, test and predict run in this
 process alone) and stops in :meth:`teardown`, which Lightning also calls after an

@@ -267,6 +267,7 @@ def test_the_docs_one_line_way_runs_as_written(tmp_path, monkeypatch):
     net = Mlp()
     start = [p.detach().clone() for p in net.parameters()]
     namespace = {"model": Classifier(net), "datamodule": TinyData()}
+    threads = torch.get_num_threads()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", module="pytorch_lightning")
         warnings.filterwarnings("ignore", module="lightning_fabric")
@@ -275,6 +276,7 @@ def test_the_docs_one_line_way_runs_as_written(tmp_path, monkeypatch):
     assert isinstance(trainer.strategy, EngineStrategy)
     assert trainer.strategy.workers == shmgrad.lightning.default_workers()
     assert trainer.global_step == 6 and trainer.strategy.engine is None
+    assert torch.get_num_threads() == threads  # the engine's close gave them back
     assert any(not torch.equal(p, q) for p, q in zip(net.parameters(), start))
     # The signature shown is the code's: names and defaults.
     (shown,) = re.findall(r"^    (EngineStrategy\(.*?\))$", doc, re.M | re.S)
@@ -297,6 +299,7 @@ def test_strategy_is_registered_and_refuses_what_it_cannot_run():
             pl.Trainer(strategy=EngineStrategy(workers=2), accelerator="cpu", **args)
     with pytest.raises(InvalidArgumentError, match="unexpected options loss"):
         EngineStrategy(workers=2, loss="cross_entropy")
+    assert EngineStrategy(workers=2, trainer_threads=None).engine_options["trainer_threads"] is None
 
 
 def test_manual_optimization_is_refused_naming_the_fix():
