@@ -25,7 +25,8 @@ import torch
 
 from . import errors
 
-_lock = threading.Lock()
+# Reentrant: a client's __del__ (close) may run from the garbage collector inside hold().
+_lock = threading.RLock()
 _held = {}  # client key -> the thread count it holds
 _before = None  # the process's count before the first holder
 _set = None  # the count set last
