@@ -279,3 +279,29 @@ def test_trainer_threads_through_attach():
                 assert torch.get_num_threads() == CORES + 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_trainer_threads_release_inside_hold_does_not_deadlock(monkeypatch):
+    """A dropped client's close() can run from the garbage collector inside hold() on the
+    same thread: the registry's lock is reentrant (a plain Lock hangs here)."""
+    import threading
+
+    from shmgrad import _threads
+
+    before = torch.get_num_threads()
+    _threads.hold("a", 1, "a")
+    real = torch.get_num_threads
+
+    def collecting():
+        monkeypatch.setattr(torch, "get_num_threads", real)
+        _threads.release("a")  # as a client's __del__ would, mid-hold
+        return real()
+
+    monkeypatch.setattr(torch, "get_num_threads", collecting)
+    done = threading.Thread(target=_threads.hold, args=("b", 1, "b"), daemon=True)
+    done.start()
+    done.join(10)
+    assert not done.is_alive(), "hold() deadlocked on a release from inside it"
+    _threads.release("b")
+    assert _threads.held("a") is None and _threads.held("b") is None
+    assert torch.get_num_threads() == before
