@@ -31,7 +31,6 @@ def main():
     args = ap.parse_args()
 
     torch.manual_seed(args.seed)
-    torch.set_num_threads(1)  # the trainer only steps the optimizer; workers do the work
     model = FashionCNN()
     test_x, test_y = load_split("test")
     print(
