@@ -21,7 +21,11 @@ ignored folder .device/ (at most 64 MiB):
                                scaling benchmark (CNN and WRN at batch 256: shmgrad with
                                1, 2, 4, 8 and 16 workers against DDP over gloo and over
                                the shmgrad backend with as many ranks and one process, in
-                               one run), then, if time is left, examples/adaptive_batch.py
+                               one run), whole training loops (tools/loop_bench.py, the
+                               1.86 M-parameter MLP at batch 256: one process, the engine,
+                               and the engine whose trainer keeps its 16 threads, one run
+                               each; 120 s at most), then, if time is left,
+                               examples/adaptive_batch.py
                                shortened (like for like, one worker per core); all within
                                --deadline (470 s).
   --run --gpu --out DIR        the GPU workers' checks instead (issue 21), in this order,
@@ -196,6 +200,10 @@ SCALES = {
         },
         "collectives_timeout": 120,
         "bench_timeout": 270,
+        # Whole training loops (tools/loop_bench.py): the trainer's idle threads spinning
+        # after optimizer.step() (trainer_threads=None) against the default, at 16 cores.
+        "loop": ["--model", "mlp2", "--batch", "256", "--steps", "30", "--warmup", "10"],
+        "loop_timeout": 120,
         # GeoDamp doubling every epoch from 128 to 1024; batch 128 keeps 8 of the 16
         # workers busy (min_examples_per_worker 16), batches of 256 on use all 16.
         "adaptive": [
@@ -234,6 +242,9 @@ SCALES = {
         },
         "collectives_timeout": 120,
         "bench_timeout": 300,
+        "loop": ["--model", "tiny", "--batch", "8", "--workers", "1", "--steps", "5"]
+        + ["--warmup", "2"],
+        "loop_timeout": 120,
         "adaptive": [
             "--workers",
             "2",
@@ -932,6 +943,18 @@ class Checks:
             out=self.path("bench.log"),
         )
 
+    def loop(self, timeout):
+        out = self.path("loop.json")
+        code = run(
+            [self.python, os.path.join(ROOT, "tools", "loop_bench.py"), *self.scale["loop"]]
+            + ["--rounds", "1", "--timeout", str(max(30, timeout - 20)), "--json", out],
+            timeout=timeout,
+            env=self.env,
+            out=self.path("loop.log"),
+        )
+        self.report["loop"] = load_json(out)
+        return code
+
     def adaptive(self, timeout):
         self.report["adaptive"] = run_adaptive(
             self.python, self.scale, timeout, self.env, self.out_dir
@@ -949,6 +972,7 @@ class Checks:
         self.step("tests", self.tests, unless=self.why_not_built())
         self.step("collectives", self.collectives, unless=self.why_not_built())
         self.step("bench", self.bench, unless=self.why_not_built())
+        self.step("loop", self.loop, unless=self.why_not_built())
         self.step("adaptive", self.adaptive, unless=self.why_not_built())
 
     def run_gpu(self):
@@ -1024,6 +1048,11 @@ def write_report(report, out_dir):
     if os.path.exists(table):
         with open(table) as f:
             lines += ["", f.read()]
+    loop = os.path.join(out_dir, "loop.log")
+    if os.path.exists(loop):
+        with open(loop) as f:
+            text = f.read().strip()[-TAIL_CHARS:]
+        lines += ["", "## Whole training loops (tools/loop_bench.py)", "", "```", text, "```"]
     if report.get("adaptive", {}).get("summary_text"):
         lines += [
             "",

@@ -361,8 +361,11 @@ def test_device_check_prepares_and_dry_runs(tmp_path):
         "tests": 0,
         "collectives": 0,
         "bench": 0,
+        "loop": 0,
         "adaptive": 0,
     }
+    # Whole training loops: every system timed, the trainer's threads as each holds them.
+    assert set(report["loop"]["median_s"]) == {"single", "engine", "engine-keep"}
     # The adaptive example ran shortened and compared arrival with arrival.
     adaptive = report["adaptive"]
     assert adaptive["exit"] in (0, 1) and adaptive["summary"]["exit_status"] == adaptive["exit"]
@@ -379,6 +382,7 @@ def test_device_check_prepares_and_dry_runs(tmp_path):
     assert "## The shmgrad backend against gloo" in report_md
     assert "Process settings: alike" in report_md
     assert "## Adaptive batches, like for like" in report_md
+    assert "## Whole training loops (tools/loop_bench.py)" in report_md
     assert report["tests"]["counts"].get("passed", 0) > 0, report["tests"]
     assert all(c["outcome"] in ("passed", "skipped") for c in report["tests"]["cases"])
     # --gpu: the GPU cases only, each in report.json (here without a GPU: skipped, with the
@@ -453,9 +457,9 @@ def test_device_check_prepares_and_dry_runs(tmp_path):
     with open(tmp_path / "device-check-out" / "report.json") as f:
         report = json.load(f)
     assert report["steps"] == {"build": 0}
-    assert report["skipped"] == ["tests", "collectives", "bench"]
+    assert report["skipped"] == ["tests", "collectives", "bench", "loop"]
     assert (
-        "skipped for want of time: tests, collectives, bench"
+        "skipped for want of time: tests, collectives, bench, loop"
         in (tmp_path / "device-check-out" / "report.md").read_text()
     )
 
