@@ -21,6 +21,10 @@ int main(int argc, char** argv) {
   const int64_t batch = argc > 3 ? std::atoll(argv[3]) : 128;
   const double lr = argc > 4 ? std::atof(argv[4]) : 0.05;
   try {
+    // This process only steps the optimizer: on one thread, its idle intra-op threads do
+    // not spin on the workers' cores after each opt.step() (docs/DESIGN.md, "The trainer's
+    // threads"; the Python client does this itself).
+    at::set_num_threads(1);
     auto trainer = shmgrad::Trainer::attach(argv[1]);
     const int64_t n = trainer->datasetSize();
     if (n == 0) {
