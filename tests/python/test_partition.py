@@ -74,7 +74,8 @@ class Node:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env,
         )  # fmt: skip
         self.events = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
 
     def _read(self):
         for line in self.proc.stdout:
@@ -110,6 +111,14 @@ class Node:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(EXIT_BOUND_S)
+        # The child is gone: its stdout ends, then the reader; the pipes are closed here
+        # (left to the garbage collector, they were unclosed-file warnings).
+        self.reader.join(EXIT_BOUND_S)
+        for stream in (self.proc.stdin, self.proc.stdout):
+            try:
+                stream.close()
+            except (OSError, ValueError):  # a broken pipe's last flush
+                pass
         self.log.close()
 
 
