@@ -223,10 +223,11 @@ torch::Tensor target(worker::StepParticipant* participant, const torch::Tensor& 
   return torch::Tensor();
 }
 
-// The input's and the weight's gradients of x @ weight.T, given the output's (go).
+// The input's and the weight's gradients of x @ weight.T, given the output's (go) and the
+// saved input x (unpacked once by the caller's backward).
 std::pair<torch::Tensor, torch::Tensor> inputAndWeight(torch::autograd::AutogradContext* ctx,
-                                                       const torch::Tensor& go) {
-  const torch::Tensor x = ctx->get_saved_variables()[0];
+                                                       const torch::Tensor& go,
+                                                       const torch::Tensor& x) {
   const torch::Tensor weight = ctx->saved_data["weight"].toTensor();
   torch::Tensor gx, gw;
   if (ctx->needs_input_grad(0)) gx = go.mm(weight);
@@ -254,10 +255,10 @@ struct DirectLinear : public torch::autograd::Function<DirectLinear> {
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const torch::Tensor& go = grads[0];
-    auto [gx, gw] = direct::inputAndWeight(ctx, go);
+    const torch::Tensor x = ctx->get_saved_variables()[0];
+    auto [gx, gw] = direct::inputAndWeight(ctx, go, x);
     torch::Tensor gb;
     if (ctx->needs_input_grad(2)) {
-      const torch::Tensor x = ctx->get_saved_variables()[0];
       torch::Tensor out =
           direct::target(direct::participantOf(ctx), ctx->saved_data["bias"].toTensor(),
                          ctx->saved_data["b_index"].toInt(), go, x);
@@ -277,7 +278,7 @@ struct DirectLinearNoBias : public torch::autograd::Function<DirectLinearNoBias>
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    auto [gx, gw] = direct::inputAndWeight(ctx, grads[0]);
+    auto [gx, gw] = direct::inputAndWeight(ctx, grads[0], ctx->get_saved_variables()[0]);
     return {gx, gw, torch::Tensor(), torch::Tensor()};
   }
 };
