@@ -123,13 +123,12 @@ def main(argv=None):
     if unknown:
         p.error(f"unknown systems {sorted(unknown)}: use {', '.join(SYSTEMS)}")
     env = {**os.environ, **shmgrad.heap_environment()}
-    runs = {s: [] for s in systems}
-    infos = {}
+    passed = list(argv if argv is not None else sys.argv[1:])  # each run takes this run's
+    infos = {s: [] for s in systems}  # each run's result, in order
     for r in range(args.rounds):
         order = systems if r % 2 == 0 else systems[::-1]
         for system in order:
-            cmd = [sys.executable, os.path.abspath(__file__), "--system", system]
-            cmd += [a for a in (argv if argv is not None else sys.argv[1:])]
+            cmd = [sys.executable, os.path.abspath(__file__), "--system", system, *passed]
             proc = subprocess.run(
                 cmd, env=env, capture_output=True, text=True, timeout=args.timeout + 60
             )
@@ -137,13 +136,12 @@ def main(argv=None):
             if proc.returncode != 0 or not lines:
                 sys.stderr.write(proc.stdout + proc.stderr)
                 raise SystemExit(f"loop_bench: the {system} run failed (rc {proc.returncode})")
-            info = json.loads(lines[-1][len("RESULT ") :])
-            runs[system].append(info["median_s"])
-            infos.setdefault(system, []).append(info)
+            infos[system].append(json.loads(lines[-1][len("RESULT ") :]))
     print(
         f"{args.model} batch {args.batch}, {args.optimizer}, workers={args.workers} "
         f"({args.mode}), {args.rounds} runs each of {args.steps} steps; heap settings alike"
     )
+    runs = {s: [i["median_s"] for i in infos[s]] for s in systems}
     base = statistics.median(runs["single"]) if "single" in runs else None
     medians = {}
     for system in systems:
