@@ -99,6 +99,7 @@ EngineStatus statusOf(const std::string& name, const ipc::SegmentHeader* h) {
   s.placement = ipc::placementStateName(static_cast<ipc::PlacementState>(c.placement_state.load()));
   s.placement_workers = c.placement_workers.load();
   s.placement_threads = ipc::stepThreads(c.placement_threads.load(), h->threads_per_worker);
+  s.placement_in_trainer = c.placement_in_trainer.load() == 1;
   s.trainer_pid = c.trainer_pid.load();
   s.step_epoch = c.step_epoch.load();
   s.steps_served = c.steps_served.load();
@@ -176,8 +177,11 @@ std::string formatStatus(const EngineStatus& s) {
             "date; MPS %s\n",
             s.devices.c_str(), s.param_sync_bytes, s.mps ? "on" : "off");
   }
-  if (s.placement != "fixed" || s.placement_workers != 0 ||
-      s.placement_threads != s.threads_per_worker) {
+  if (s.placement_in_trainer) {
+    appendf(&out, "placement %s: the trainer computes, %u threads\n", s.placement.c_str(),
+            s.placement_threads);
+  } else if (s.placement != "fixed" || s.placement_workers != 0 ||
+             s.placement_threads != s.threads_per_worker) {
     appendf(&out, "placement %s: %s workers x %u threads each\n", s.placement.c_str(),
             s.placement_workers == 0 ? "all" : std::to_string(s.placement_workers).c_str(),
             s.placement_threads);

@@ -70,6 +70,7 @@ struct StepSummary {
     "fixed (workers as started), probing or chosen (serve --workers auto: the trainer chooses)") \
   X(uint32_t, placement_workers, "workers a step uses at most (0: every ready worker)")          \
   X(uint32_t, placement_threads, "intra-op threads of each worker a step uses")                  \
+  X(bool, placement_in_trainer, "the trainer computes each step itself (placement_workers 0)")   \
   X(int32_t, trainer_pid, "the trainer that holds the engine, 0 when none does")                 \
   X(uint32_t, step_epoch, "the last step published")                                             \
   X(uint64_t, steps_served, "")                                                                  \

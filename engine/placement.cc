@@ -30,6 +30,11 @@ uint32_t physicalCores() {
   return std::max<uint32_t>(1, cores);
 }
 
+std::string placementName(const Placement& p) {
+  if (p.in_trainer) return "trainer x" + std::to_string(p.threads);
+  return std::to_string(p.workers) + "x" + std::to_string(p.threads);
+}
+
 Placement autoStart(uint32_t max_workers) {
   const uint32_t cores = std::min(physicalCores(), ipc::kMaxThreadsPerWorker);
   const uint32_t most = max_workers == 0 ? ipc::kMaxWorkers : max_workers;
@@ -130,10 +135,12 @@ std::string PlacementProbe::report() const {
   for (const Result& r : results()) {
     char ms[32];
     std::snprintf(ms, sizeof ms, "%.4g", r.seconds_per_example * 1e3);
-    os << " " << r.placement.workers << "x" << r.placement.threads << " " << ms
-       << " ms/example (median of " << r.samples << " steps);";
+    os << " " << placementName(r.placement) << " " << ms << " ms/example (median of " << r.samples
+       << " steps);";
   }
-  if (done_) {
+  if (done_ && candidates_[chosen_].in_trainer) {
+    os << " chosen: the trainer computes, " << candidates_[chosen_].threads << " threads";
+  } else if (done_) {
     os << " chosen " << candidates_[chosen_].workers << " workers x "
        << candidates_[chosen_].threads << " threads";
   } else {

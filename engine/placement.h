@@ -15,7 +15,15 @@ uint32_t physicalCores();
 struct Placement {
   uint32_t workers = 0;  // participants at most (0: every ready worker)
   uint32_t threads = 0;  // intra-op threads of each (0: the engine's threads_per_worker)
+  // The trainer computes the step itself, on `threads` threads, in its own slot
+  // (ipc::trainerSlot): no worker takes part, no process is woken, nothing is reduced.
+  // workers is 0. Where one process beats any split of the batch (small GEMM-bound
+  // steps), this is one process's step plus the engine's bookkeeping.
+  bool in_trainer = false;
 };
+
+// The placement as the probe's report names it: "2x1" (workers x threads) or "trainer x2".
+std::string placementName(const Placement& p);
 
 // What serve --workers auto starts: one worker per physical core (at most `max_workers`,
 // 0: no bound but the layout's), each able to use every core.
@@ -50,6 +58,7 @@ class PlacementProbe {
   PlacementProbe(std::vector<Placement> candidates, const ProbeOptions& options);
 
   bool done() const { return done_; }
+  bool begun() const { return start_s_ >= 0; }  // a step has been recorded
   // The placement the next step runs with (the chosen one once done).
   Placement next() const;
   // The step just run with next() took `seconds` for `examples` examples, ending at

@@ -161,12 +161,19 @@ void Trainer::startPlacement() {
   ipc::ControlBlock& c = seg_->header()->control;
   if (c.placement_auto.load(std::memory_order_acquire) != 1) return;
   const auto state = static_cast<ipc::PlacementState>(c.placement_state.load());
-  const engine::Placement kept = {c.placement_workers.load(), c.placement_threads.load()};
+  const engine::Placement kept = {c.placement_workers.load(), c.placement_threads.load(),
+                                  c.placement_in_trainer.load() == 1};
   // Chosen by a trainer before, or fixed by a resize (an engine nobody placed yet reads
-  // fixed with zeros): kept. A probe a dead trainer left unfinished starts again.
+  // fixed with zeros): kept. A probe a dead trainer left unfinished starts again. A
+  // trainer that cannot compute (no setInTrainer yet: a C++ trainer, or the Python client
+  // before it has loaded the job) uses every ready worker instead of the in-trainer one.
   if (state == ipc::PlacementState::kChosen ||
-      (state == ipc::PlacementState::kFixed && (kept.workers != 0 || kept.threads != 0))) {
-    placement_ = kept.threads <= ipc::kMaxThreadsPerWorker ? kept : engine::Placement{};
+      (state == ipc::PlacementState::kFixed &&
+       (kept.workers != 0 || kept.threads != 0 || kept.in_trainer))) {
+    const bool usable = kept.threads <= ipc::kMaxThreadsPerWorker &&
+                        kept.workers <= ipc::kMaxWorkers &&
+                        (!kept.in_trainer || (in_trainer_ && kept.workers == 0));
+    placement_ = usable ? kept : engine::Placement{};
     return;
   }
   engine::ProbeOptions options;
@@ -175,9 +182,37 @@ void Trainer::startPlacement() {
   options.budget_s = config::kPlacementProbeBudgetS;
   options.settle_s = config::kPlacementSettleS;
   options.timed_s = config::kPlacementTimedS;
-  probe_ = std::make_unique<engine::PlacementProbe>(
-      engine::placementCandidates(cores_, seg_->header()->num_slots), options);
+  std::vector<engine::Placement> candidates =
+      engine::placementCandidates(cores_, seg_->header()->num_slots);
+  // First: a tie goes to it, as the trainer's own threads are then all the process's
+  // between steps too (the optimizer's step), which the probe does not time.
+  if (in_trainer_) {
+    candidates.insert(candidates.begin(),
+                      engine::Placement{0, std::min(cores_, ipc::kMaxThreadsPerWorker), true});
+  }
+  probe_ = std::make_unique<engine::PlacementProbe>(std::move(candidates), options);
   notePlacement();
+}
+
+bool Trainer::hasTrainerSlot() const { return segment().header()->trainer_slots == 1; }
+
+void Trainer::setInTrainer(InTrainerStep step) {
+  checkUsable();
+  SHMGRAD_CHECK(lease_, ErrorKind::kInvalidArgument, "an observer computes no steps");
+  SHMGRAD_CHECK(hasTrainerSlot(), ErrorKind::kInvalidArgument, "engine '", name_,
+                "' has no trainer slot: only an engine served with --workers auto and eager "
+                "workers on the host lets its trainer compute");
+  SHMGRAD_CHECK(step != nullptr, ErrorKind::kInvalidArgument, "setInTrainer needs a step");
+  in_trainer_ = std::move(step);
+  ipc::WorkerRecord& w = seg_->header()->workers[ipc::trainerSlot(*seg_->header())];
+  w.pid.store(getpid(), std::memory_order_release);
+  w.state.store(static_cast<uint32_t>(WorkerState::kReady), std::memory_order_release);
+  // A probe that has not timed a step starts again with the in-trainer candidate; a kept
+  // in-trainer placement is usable now.
+  if (probe_ == nullptr || !probe_->begun()) {
+    probe_.reset();
+    startPlacement();
+  }
 }
 
 // The placement the next step uses, in the segment for status readers.
@@ -190,11 +225,16 @@ void Trainer::notePlacement() {
   }
   c.placement_workers.store(placement_.workers, std::memory_order_relaxed);
   c.placement_threads.store(placement_.threads, std::memory_order_relaxed);
+  c.placement_in_trainer.store(placement_.in_trainer ? 1 : 0, std::memory_order_relaxed);
   c.placement_state.store(static_cast<uint32_t>(state), std::memory_order_release);
 }
 
-void Trainer::setPlacement(uint32_t workers, uint32_t threads) {
+void Trainer::setPlacement(uint32_t workers, uint32_t threads, bool in_trainer) {
   checkUsable();
+  SHMGRAD_CHECK(!in_trainer || (in_trainer_ && workers == 0), ErrorKind::kInvalidArgument,
+                in_trainer_ ? "the in-trainer placement takes workers=0"
+                            : "this trainer cannot compute steps itself (no in-trainer step: "
+                              "an eager engine served with --workers auto, from Python)");
   SHMGRAD_CHECK(workers <= ipc::kMaxWorkers, ErrorKind::kInvalidArgument,
                 "placement workers must be 0 (every ready worker) to ", ipc::kMaxWorkers, ", got ",
                 workers);
@@ -203,7 +243,7 @@ void Trainer::setPlacement(uint32_t workers, uint32_t threads) {
                 ipc::kMaxThreadsPerWorker, ", got ", threads);
   if (probe_ != nullptr) placement_report_ = probe_->report() + " (ended by set_placement)";
   probe_.reset();
-  placement_ = {workers, threads};
+  placement_ = {workers, threads, in_trainer};
   notePlacement();
 }
 
@@ -214,10 +254,11 @@ PlacementStatus Trainer::placement() const {
   out.state = ipc::placementStateName(static_cast<ipc::PlacementState>(c.placement_state.load()));
   out.workers = placement_.workers;
   out.threads = ipc::stepThreads(placement_.threads, seg_->header()->threads_per_worker);
+  out.in_trainer = placement_.in_trainer;
   if (probe_ != nullptr) {
     for (const auto& r : probe_->results()) {
-      out.probe.push_back(
-          {r.placement.workers, r.placement.threads, r.seconds_per_example, r.samples});
+      out.probe.push_back({r.placement.workers, r.placement.threads, r.seconds_per_example,
+                           r.samples, r.placement.in_trainer});
     }
     out.report = probe_->report();
   } else {
@@ -265,6 +306,7 @@ void Trainer::close() {
   // is gone it is closed and the segment says so (openMemory).
   mem_.reset();
   seg_.reset();
+  in_trainer_ = nullptr;
 }
 
 void Trainer::checkUsable() const {
@@ -627,6 +669,12 @@ Trainer::Participants Trainer::pickParticipants(int64_t B, const GradientOptions
                 "Participants holds one entry per possible worker");
   const ipc::SegmentHeader* h = seg_->header();
   Participants p;
+  if (placement_.in_trainer && in_trainer_) {  // this process alone, in its slot
+    p.n = 1;
+    p.slots[0] = static_cast<uint8_t>(ipc::trainerSlot(*h));
+    p.pids[0] = h->workers[p.slots[0]].pid.load(std::memory_order_acquire);
+    return p;
+  }
   for (;;) {
     for (uint32_t i = 0; i < h->num_slots; ++i) {
       const ipc::WorkerRecord& w = h->workers[i];
@@ -832,6 +880,15 @@ GradientStats Trainer::run(int64_t B, const GradientOptions& o, uint32_t kind, u
                   ErrorKind::kNotFound, "engine '", name_, "' has stopped", goneOnDevice());
     const Participants p = pickParticipants(B, o, deadline);
     const uint32_t e = publish(B, o, kind, p);
+    if (p.slots[0] == ipc::trainerSlot(*seg_->header()) && in_trainer_) {
+      try {  // computed here: done when this returns (an error of the job is in its record)
+        in_trainer_(e, placement_.threads);
+      } catch (...) {
+        dirty_ = true;
+        ipc::abortStep(c, e);
+        throw;
+      }
+    }
     const Outcome outcome = await(e, p, deadline);
     if (outcome == Outcome::kDone) {
       last_step_known_ = true;

@@ -16,6 +16,7 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -132,14 +133,16 @@ struct GradientStats {
 
 // How the steps place their cores (Trainer::placement(); engine/placement.h).
 struct PlacementStatus {
-  bool automatic = false;  // serve --workers auto: the trainer chooses
-  std::string state;       // "fixed", "probing" or "chosen"
-  uint32_t workers = 0;    // participants at most (0: every ready worker)
-  uint32_t threads = 0;    // intra-op threads of each
+  bool automatic = false;   // serve --workers auto: the trainer chooses
+  std::string state;        // "fixed", "probing" or "chosen"
+  uint32_t workers = 0;     // participants at most (0: every ready worker)
+  uint32_t threads = 0;     // intra-op threads of each
+  bool in_trainer = false;  // the trainer computes the steps itself (workers 0)
   struct Candidate {
     uint32_t workers, threads;
     double seconds_per_example;  // median of its timed steps (0: none yet)
     uint32_t samples;
+    bool in_trainer;
   };
   std::vector<Candidate> probe;  // this trainer's probe, when it ran one
   std::string report;            // the probe in one line ("" without one)
@@ -198,8 +201,18 @@ class Trainer {
   int workerCount() const;  // worker processes ready now
   // How steps place their cores (engine/placement.h): `workers` participants at most (0:
   // every ready worker) with `threads` intra-op threads each (0: the engine's
-  // threads_per_worker). Fixed from now on: ends a probe (serve --workers auto).
-  void setPlacement(uint32_t workers, uint32_t threads);
+  // threads_per_worker), or with in_trainer (workers 0) this trainer computing each step
+  // itself (setInTrainer first). Fixed from now on: ends a probe (serve --workers auto).
+  void setPlacement(uint32_t workers, uint32_t threads, bool in_trainer = false);
+  // Runs step `epoch` in this process, in the engine's trainer slot (ipc::trainerSlot):
+  // the step protocol's participant side (worker::StepParticipant::runStep) with the
+  // job's compute, on `threads` intra-op threads. Given by a trainer that can run the
+  // engine's job (the Python client, for an eager job): the in-trainer placement becomes
+  // possible, and a probe that has not begun also times it. Needs an engine with a
+  // trainer slot (serve --workers auto, eager, on the host).
+  using InTrainerStep = std::function<void(uint32_t epoch, uint32_t threads)>;
+  void setInTrainer(InTrainerStep step);
+  bool hasTrainerSlot() const;
   PlacementStatus placement() const;
   // What the job's loss returns for a batch: "sum", "mean", "weighted" ((loss_sum, count),
   // a mean over the count) or "unknown" (an eager job whose workers have not computed
@@ -286,6 +299,7 @@ class Trainer {
   // The placement steps use, and the probe choosing it (serve --workers auto) until done.
   engine::Placement placement_;
   std::unique_ptr<engine::PlacementProbe> probe_;
+  InTrainerStep in_trainer_;      // setInTrainer's (empty: this trainer cannot compute)
   std::string placement_report_;  // a probe ended early by setPlacement
   // The last step's participants (pid by slot, 0: not one), valid when it finished: a step
   // that takes another worker wakes the idle ones (ControlBlock::idle_wake).

@@ -12,7 +12,9 @@
 //   header.buffers      the shared buffers' bytes, each kAlign-aligned
 //   header.params       float32 parameters, each tensor 64-byte aligned
 //   header.slots        num_slots gradient slots, each laid out like params, then a copy
-//                       of the buffers region (the participant's, averaged by rank 0)
+//                       of the buffers region (the participant's, averaged by rank 0);
+//                       then the trainer's slot, where trainer_slots is 1
+//                       (trainerSlot(): the lease holder computes a step itself)
 //   header.reduced      the reduced gradient, laid out like params
 //   header.accum        a second reduced gradient, laid out like params: accumulating
 //                       steps read one and write the other (retry-safe)
@@ -37,7 +39,7 @@
 namespace shmgrad::ipc {
 
 constexpr uint64_t kMagic = 0x31444152474d4853ull;  // "SHMGRAD1", little endian
-constexpr uint32_t kLayoutVersion = 17;
+constexpr uint32_t kLayoutVersion = 18;
 constexpr uint64_t kAlign = 64;  // every region and tensor starts on a cache line
 constexpr uint32_t kAlignFloats = kAlign / sizeof(float);
 constexpr uint32_t kMaxWorkers = 64;            // gradient slots in one segment, at most
@@ -468,6 +470,7 @@ struct alignas(64) ControlBlock {
   std::atomic<uint32_t> placement_state;         // PlacementState
   std::atomic<uint32_t> placement_workers;       // participants at most (0: every ready worker)
   std::atomic<uint32_t> placement_threads;       // threads of each (0: threads_per_worker)
+  std::atomic<uint32_t> placement_in_trainer;    // 1: the trainer computes (trainerSlot())
   alignas(64) std::atomic<int32_t> trainer_pid;  // the lease: 0 free, else holder
   // An engine with devices: the trainer process that maps their memory (0: none). Set when
   // a trainer opens it, cleared when its last view of it is gone; the coordinator frees
@@ -500,7 +503,10 @@ struct alignas(64) SegmentHeader {
   // Regions (offsets and sizes in bytes).
   Region params_table;   // ParamEntry[num_params]
   uint32_t num_buffers;  // <= kMaxBuffers (0: the model has none)
-  uint32_t reserved3;
+  // 1: slot num_slots is the trainer's own (serve --workers auto with eager workers on the
+  // host; engine/placement.h, "in the trainer"): no worker ever runs in it, and the slots
+  // region holds num_slots + 1 slots. 0: none.
+  uint32_t trainer_slots;
   Region buffers_table;  // BufferEntry[num_buffers]
   Region buffers;        // the shared buffers' bytes
   Region params;         // param_floats floats
@@ -535,6 +541,11 @@ static_assert(std::atomic<uint64_t>::is_always_lock_free, "counters must be lock
 static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "futex word layout");
 
 inline uint64_t alignUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+
+// Slots in the slots region: the workers' and the trainer's (validateHeader: <= kMaxWorkers).
+inline uint32_t allSlots(const SegmentHeader& h) { return h.num_slots + h.trainer_slots; }
+// The trainer's own slot, where trainer_slots is 1: its record is workers[num_slots].
+inline uint32_t trainerSlot(const SegmentHeader& h) { return h.num_slots; }
 
 // Where a slot's copy of the shared buffers starts, in bytes from the slot's start.
 inline uint64_t slotBufferOffset(uint64_t param_floats) {

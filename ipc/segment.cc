@@ -258,6 +258,9 @@ bool processAlive(int pid) {
 Layout computeLayout(const SegmentSpec& spec) {
   SHMGRAD_CHECK(spec.num_slots >= 1 && spec.num_slots <= kMaxWorkers, ErrorKind::kInvalidArgument,
                 "--workers ", spec.num_slots, " is out of range: use 1 to ", kMaxWorkers);
+  SHMGRAD_CHECK(!spec.trainer_slot || spec.num_slots < kMaxWorkers, ErrorKind::kInvalidArgument,
+                "--workers ", spec.num_slots, " leaves no slot for the trainer: use 1 to ",
+                kMaxWorkers - 1);
   SHMGRAD_CHECK(!spec.params.empty(), ErrorKind::kInvalidArgument,
                 "the model has no parameters: nothing to compute a gradient of");
   SHMGRAD_CHECK(spec.params.size() <= kMaxParams, ErrorKind::kInvalidArgument, "the model has ",
@@ -321,7 +324,7 @@ Layout computeLayout(const SegmentSpec& spec) {
   l.buffers = take(buffer_bytes);
   l.params = take(l.param_floats * sizeof(float));
   l.slot_stride = alignUp(slotBufferOffset(l.param_floats) + buffer_bytes, kAlign);
-  l.slots = take(l.slot_stride * spec.num_slots);
+  l.slots = take(l.slot_stride * (spec.num_slots + (spec.trainer_slot ? 1 : 0)));
   l.reduced = take(l.param_floats * sizeof(float));
   l.accum = take(l.param_floats * sizeof(float));
   l.req_indices = take(static_cast<uint64_t>(spec.max_batch) * sizeof(int64_t));
@@ -355,6 +358,8 @@ void validateHeader(const SegmentHeader* h, uint64_t size) {
                 " bytes but the segment has ", size);
   SHMGRAD_CHECK(h->num_slots >= 1 && h->num_slots <= kMaxWorkers, ErrorKind::kCorrupt,
                 "segment header: num_slots ", h->num_slots);
+  SHMGRAD_CHECK(h->trainer_slots <= 1 && allSlots(*h) <= kMaxWorkers, ErrorKind::kCorrupt,
+                "segment header: trainer_slots ", h->trainer_slots);
   SHMGRAD_CHECK(h->num_params >= 1 && h->num_params <= kMaxParams, ErrorKind::kCorrupt,
                 "segment header: num_params ", h->num_params);
   SHMGRAD_CHECK(lossKindValid(h->loss), ErrorKind::kCorrupt, "segment header: loss ", h->loss);
@@ -377,7 +382,7 @@ void validateHeader(const SegmentHeader* h, uint64_t size) {
   SHMGRAD_CHECK(h->slot_stride >= slotBufferOffset(h->param_floats) + h->buffers.size &&
                     h->slot_stride % kAlign == 0 && h->slot_stride <= size,
                 ErrorKind::kCorrupt, "segment header: slot_stride ", h->slot_stride);
-  checkRegion("slots", h->slots, size, h->slot_stride * h->num_slots);
+  checkRegion("slots", h->slots, size, h->slot_stride * allSlots(*h));
   checkRegion("reduced", h->reduced, size, pbytes);
   checkRegion("accum", h->accum, size, pbytes);
   checkRegion("req_indices", h->req_indices, size, static_cast<uint64_t>(h->max_batch) * 8);
@@ -388,9 +393,11 @@ void validateHeader(const SegmentHeader* h, uint64_t size) {
   // hold it. A GPU engine's table is checked in full.
   static_assert(kAlign % alignof(DeviceTable) == 0, "an aligned region aligns the table");
   checkRegion("device", h->device, size, sizeof(DeviceTable));
-  validateDeviceTable(
-      *reinterpret_cast<const DeviceTable*>(reinterpret_cast<const uint8_t*>(h) + h->device.offset),
-      h->num_slots, h->param_floats, h->buffers.size, -1);
+  const auto& devices =
+      *reinterpret_cast<const DeviceTable*>(reinterpret_cast<const uint8_t*>(h) + h->device.offset);
+  validateDeviceTable(devices, h->num_slots, h->param_floats, h->buffers.size, -1);
+  SHMGRAD_CHECK(h->trainer_slots == 0 || devices.count == 0, ErrorKind::kCorrupt,
+                "segment header: a trainer slot on an engine with devices");
   {
     // No two regions may overlap: a worker writing its slot must never touch another.
     Region all[] = {h->params_table, h->params,       h->slots,      h->reduced,
@@ -564,6 +571,7 @@ void Segment::writeHeader(const SegmentSpec& spec, const Layout& l, uint8_t* bas
   h->worker_kind = static_cast<uint32_t>(spec.worker_kind);
   h->loss = static_cast<uint32_t>(spec.loss);
   h->num_slots = spec.num_slots;
+  h->trainer_slots = spec.trainer_slot ? 1 : 0;
   h->num_params = static_cast<uint32_t>(spec.params.size());
   h->threads_per_worker = spec.threads_per_worker;
   h->param_floats = l.param_floats;

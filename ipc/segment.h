@@ -40,6 +40,8 @@ struct SegmentSpec {
   uint32_t threads_per_worker = 1;
   // serve --workers auto: the trainer chooses workers x threads (ControlBlock::placement_auto).
   bool placement_auto = false;
+  // One more slot, the trainer's (SegmentHeader::trainer_slots): host memory only.
+  bool trainer_slot = false;
   std::vector<ParamSpec> params;
   std::vector<BufferSpec> buffers;  // shared buffers (BatchNorm statistics), may be empty
   int64_t max_batch = config::kDefaultMaxBatch;                  // examples per step

@@ -173,8 +173,9 @@ py::list serveOptionDescriptions() {
 }  // namespace
 
 namespace shmgrad {
-void bindEagerWorker(py::module_& m);  // python/worker_binding.cc
-}
+void bindEagerWorker(py::module_& m);                          // python/worker_binding.cc
+Trainer::InTrainerStep inTrainerStep(py::handle participant);  // python/worker_binding.cc
+}  // namespace shmgrad
 
 #ifndef SHMGRAD_CUDA_TOOLKIT
 #define SHMGRAD_CUDA_TOOLKIT ""  // nvcc's release when the CUDA path is built (CMakeLists.txt)
@@ -294,7 +295,17 @@ PYBIND11_MODULE(_C, m) {
       .def("loss_reduction", &shmgrad::Trainer::lossReduction)
       .def("worker_count", &shmgrad::Trainer::workerCount)
       .def("cores", &shmgrad::Trainer::cores)
-      .def("set_placement", &shmgrad::Trainer::setPlacement, py::arg("workers"), py::arg("threads"))
+      .def("set_placement", &shmgrad::Trainer::setPlacement, py::arg("workers"), py::arg("threads"),
+           py::arg("in_trainer") = false)
+      .def("has_trainer_slot", &shmgrad::Trainer::hasTrainerSlot)
+      .def(
+          "set_in_trainer",
+          [](shmgrad::Trainer& t, py::handle participant) {
+            t.setInTrainer(shmgrad::inTrainerStep(participant));
+          },
+          py::arg("participant"),
+          "steps of the in-trainer placement run participant's compute (the trainer slot's "
+          "_C.StepParticipant, prepared; kept alive by the caller while this trainer lives)")
       .def("placement",
            [](const shmgrad::Trainer& t) {
              const shmgrad::PlacementStatus p = t.placement();
@@ -305,6 +316,7 @@ PYBIND11_MODULE(_C, m) {
                d["threads_per_worker"] = c.threads;
                d["ms_per_example"] = c.seconds_per_example * 1e3;
                d["steps"] = c.samples;
+               d["in_trainer"] = c.in_trainer;
                probe.append(d);
              }
              py::dict d;
@@ -312,6 +324,7 @@ PYBIND11_MODULE(_C, m) {
              d["state"] = p.state;
              d["workers"] = p.workers;
              d["threads_per_worker"] = p.threads;
+             d["in_trainer"] = p.in_trainer;
              d["probe"] = probe;
              d["report"] = p.report;
              return d;

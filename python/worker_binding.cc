@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "engine/trainer.h"
 #include "ipc/error.h"
 #include "ipc/layout.h"
 #include "ipc/segment.h"
@@ -45,14 +46,17 @@ struct PyShard {
 // it caught (text: message and traceback); begin returns None or such a pair.
 class PyShardComputer : public worker::ShardComputer {
  public:
+  // in_trainer: the trainer's own compute (EagerParticipant::runInTrainer sets the threads
+  // around each step instead of the shard's placement setting them for good).
   PyShardComputer(py::function begin, py::function pass, py::function publish,
-                  py::function unreached, const ipc::Segment& seg)
+                  py::function unreached, const ipc::Segment& seg, bool in_trainer = false)
       : begin_(std::move(begin)),
         pass_(std::move(pass)),
         publish_(std::move(publish)),
         unreached_(std::move(unreached)),
         seg_(seg),
-        threads_(seg.header()->threads_per_worker) {}
+        threads_(seg.header()->threads_per_worker),
+        in_trainer_(in_trainer) {}
 
   // unreached() lists the parameters backward did not reach in the shard (by index;
   // usually none): every other one is marked.
@@ -77,7 +81,7 @@ class PyShardComputer : public worker::ShardComputer {
   }
 
   void beginShard(const worker::Shard& s) override {
-    threads_.apply(s.threads);
+    if (!in_trainer_) threads_.apply(s.threads);
     shard_ = PyShard();
     shard_.begin = s.begin;
     shard_.end = s.end;
@@ -136,7 +140,8 @@ class PyShardComputer : public worker::ShardComputer {
   py::function begin_, pass_, publish_, unreached_;
   const ipc::Segment& seg_;
   worker::StepThreads threads_;  // the placement's threads per step
-  PyShard shard_;                // the current shard, as Python sees it
+  bool in_trainer_;
+  PyShard shard_;  // the current shard, as Python sees it
 };
 
 // One eager worker's handle on its engine: the mapping, its slot's participant, and
@@ -175,6 +180,36 @@ class EagerParticipant {
     return participant_->serve(computer);
   }
 
+  // The trainer's side of the in-trainer placement (engine/trainer.h, setInTrainer): this
+  // participant is the engine's trainer slot, in the trainer process, and these are the
+  // job's compute functions (python/shmgrad/_in_trainer.py).
+  void prepareInTrainer(py::function begin, py::function compute_pass, py::function publish_buffers,
+                        py::function unreached) {
+    SHMGRAD_CHECK(seg_->header()->trainer_slots == 1 && slot_ == ipc::trainerSlot(*seg_->header()),
+                  ErrorKind::kInvalidArgument, "slot ", slot_, " is not engine '",
+                  seg_->engineName(), "''s trainer slot");
+    in_trainer_ = std::make_unique<PyShardComputer>(std::move(begin), std::move(compute_pass),
+                                                    std::move(publish_buffers),
+                                                    std::move(unreached), *seg_, true);
+  }
+
+  // Step e, computed here on `threads` intra-op threads (0: as the process has them), which
+  // the process has again afterwards. Called by Trainer::run without the GIL.
+  void runInTrainer(uint32_t e, uint32_t threads) {
+    SHMGRAD_CHECK(in_trainer_ != nullptr, ErrorKind::kInvalidArgument,
+                  "prepare_in_trainer was not called");
+    const int before = at::get_num_threads();
+    const bool change = threads != 0 && static_cast<int>(threads) != before;
+    if (change) at::set_num_threads(static_cast<int>(threads));
+    try {
+      participant_->runStep(e, *in_trainer_);
+    } catch (...) {
+      if (change) at::set_num_threads(before);
+      throw;
+    }
+    if (change) at::set_num_threads(before);
+  }
+
   // Hooks the model's parameters (the engine's, in order): their gradients' completion in
   // backward starts the bucketed reduction's buckets.
   void watchGradients(const std::vector<torch::Tensor>& params) {
@@ -185,9 +220,17 @@ class EagerParticipant {
   uint32_t slot_;
   std::unique_ptr<worker::StepParticipant> participant_;
   worker::GradReadyHooks hooks_;  // after participant_: removed before it goes
+  std::unique_ptr<PyShardComputer> in_trainer_;
 };
 
 }  // namespace
+
+// The in-trainer step over `participant` (a _C.StepParticipant of the trainer slot, kept
+// alive by the Python client for as long as its trainer; python/binding.cc).
+Trainer::InTrainerStep inTrainerStep(py::handle participant) {
+  EagerParticipant* p = participant.cast<EagerParticipant*>();
+  return [p](uint32_t e, uint32_t threads) { p->runInTrainer(e, threads); };
+}
 
 // nn.Linear whose weight and bias gradients backward computes straight into their .grad
 // when the step protocol takes them as the parameter's first write of the shard
@@ -417,6 +460,9 @@ void bindEagerWorker(py::module_& m) {
             return views::bufferViewsOf(*p.seg_, block);
           },
           py::arg("block"), "views of the buffers over a uint8 tensor laid out as that region")
+      .def("prepare_in_trainer", &EagerParticipant::prepareInTrainer, py::arg("begin"),
+           py::arg("compute_pass"), py::arg("publish_buffers"), py::arg("unreached"),
+           "this participant is the trainer slot, computed in the trainer process")
       .def("serve", &EagerParticipant::serve, py::arg("begin"), py::arg("compute_pass"),
            py::arg("publish_buffers"), py::arg("unreached"),
            "Serves steps until the engine stops, the slot is retired or the coordinator dies; "

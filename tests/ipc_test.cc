@@ -536,6 +536,9 @@ TEST(ValidateHeaderTest, TargetedCorruptionsAreCorrupt) {
       {"num_slots 65", [](SegmentHeader* h, ParamEntry*) { h->num_slots = kMaxWorkers + 1; }},
       {"num_slots past the slots region",
        [](SegmentHeader* h, ParamEntry*) { h->num_slots = kMaxWorkers; }},
+      {"trainer_slots 2", [](SegmentHeader* h, ParamEntry*) { h->trainer_slots = 2; }},
+      {"a trainer slot past the slots region",
+       [](SegmentHeader* h, ParamEntry*) { h->trainer_slots = 1; }},
       {"num_params 0", [](SegmentHeader* h, ParamEntry*) { h->num_params = 0; }},
       {"num_params huge", [](SegmentHeader* h, ParamEntry*) { h->num_params = 0xffffffffu; }},
       {"num_params past the table", [](SegmentHeader* h, ParamEntry*) { h->num_params += 1; }},
@@ -1134,6 +1137,35 @@ TEST(DeviceTableTest, SegmentsCheckTheirDeviceTableOnAttach) {
   EXPECT_TRUE(throwsKind(
       ErrorKind::kCorrupt, [&] { copy.validate(); }, &message));
   EXPECT_NE(message.find("device table"), std::string::npos) << message;
+}
+
+TEST(SegmentTest, TheTrainersSlotFollowsTheWorkersAndIsHostOnly) {
+  const std::string name = uniqueEngineName();
+  SegmentGuard guard(name);
+  SegmentSpec spec = smallSpec(name);
+  spec.trainer_slot = true;
+  auto seg = Segment::create(spec);
+  const SegmentHeader* h = seg->header();
+  EXPECT_EQ(h->trainer_slots, 1u);
+  EXPECT_EQ(allSlots(*h), spec.num_slots + 1);
+  EXPECT_EQ(trainerSlot(*h), spec.num_slots);
+  EXPECT_GE(h->slots.size, h->slot_stride * (spec.num_slots + 1));
+  const uint8_t* p = reinterpret_cast<const uint8_t*>(seg->slot(trainerSlot(*h)));
+  EXPECT_EQ(static_cast<uint64_t>(p - seg->base()),
+            h->slots.offset + spec.num_slots * h->slot_stride);
+  HeaderCopy copy(*seg);
+  ASSERT_NO_THROW(copy.validate());
+  // A trainer slot beside devices: refused (the trainer computes on the host only).
+  auto* table = reinterpret_cast<DeviceTable*>(copy.data() + copy.header()->device.offset);
+  initDeviceTable(table, {0}, copy.header()->num_slots, copy.header()->param_floats,
+                  copy.header()->buffers.size);
+  std::string message;
+  EXPECT_TRUE(throwsKind(
+      ErrorKind::kCorrupt, [&] { copy.validate(); }, &message));
+  EXPECT_NE(message.find("trainer slot"), std::string::npos) << message;
+  // No room for it beside kMaxWorkers workers.
+  spec.num_slots = kMaxWorkers;
+  EXPECT_TRUE(throwsKind(ErrorKind::kInvalidArgument, [&] { computeLayout(spec); }));
 }
 
 }  // namespace

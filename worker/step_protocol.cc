@@ -32,8 +32,8 @@ StepParticipant::StepParticipant(const ipc::Segment& segment, uint32_t slot, int
       me_(segment.header()->workers[slot]),
       slot_(slot),
       parent_pid_(parent_pid) {
-  SHMGRAD_CHECK(slot < h_->num_slots, ErrorKind::kInvalidArgument, "worker slot ", slot,
-                " is out of range: the engine has ", h_->num_slots, " slots");
+  SHMGRAD_CHECK(slot < ipc::allSlots(*h_), ErrorKind::kInvalidArgument, "worker slot ", slot,
+                " is out of range: the engine has ", ipc::allSlots(*h_), " slots");
   // The coordinator gives its workers the CUDA library it loaded ($SHMGRAD_CUDA_LIBRARY).
   mem_ = std::make_unique<gpu::EngineMemory>(segment, "", slot);
   if (mem_->onDevice()) {

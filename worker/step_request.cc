@@ -13,7 +13,7 @@ bool stepRequestValid(const ipc::SegmentHeader& h, uint32_t e, uint32_t rank) {
   const ipc::StepRequest& r = h.request;
   const uint32_t n = r.num_participants;
   bool valid =
-      n >= 1 && n <= h.num_slots && rank < n && r.num_examples >= 1 &&
+      n >= 1 && n <= ipc::allSlots(h) && rank < n && r.num_examples >= 1 &&
       r.num_examples <= h.max_batch && r.epoch == e &&
       r.kind >= static_cast<uint32_t>(ipc::BatchKind::kIndices) &&
       r.kind <= static_cast<uint32_t>(ipc::BatchKind::kStructured) &&
@@ -22,7 +22,7 @@ bool stepRequestValid(const ipc::SegmentHeader& h, uint32_t e, uint32_t rank) {
       r.buffer_rule <= static_cast<uint32_t>(ipc::BufferRule::kFirst) &&
       r.accumulate <= static_cast<uint32_t>(ipc::Accumulate::kAccumToReduced) &&
       std::isfinite(r.prev_count) && r.prev_count >= 0 && r.threads <= ipc::kMaxThreadsPerWorker;
-  for (uint32_t k = 0; valid && k < n; ++k) valid = r.participants[k] < h.num_slots;
+  for (uint32_t k = 0; valid && k < n; ++k) valid = r.participants[k] < ipc::allSlots(h);
   // Buckets: increasing cuts of the whole gradient on cache lines, for a fresh step of
   // two or more participants (a piece count that fits the claim word's count).
   if (valid && r.num_buckets != 0) {

@@ -15,7 +15,7 @@ from typing import Optional, Union
 
 import torch
 
-from . import _gpu, _request, _threads, errors, multinode
+from . import _gpu, _in_trainer, _request, _threads, errors, multinode
 from ._accumulation import Accumulation
 from ._binding import Binding
 from ._native import _C, ATTACH_OPTIONS, DEFAULTS, GRADIENT_OPTIONS
@@ -94,6 +94,9 @@ class Client:
     _closed = False
     _nodes = None
     _binding = None
+    _in_trainer = None
+    _engine_status = None
+    _trainer_threads = None
 
     def __init__(
         self,
@@ -142,9 +145,15 @@ class Client:
         )
         self._reduction = DefaultReduction(name, trainer)
         self._warned_passes = False
+        # serve --workers auto with eager workers on the host: this process may compute a
+        # step itself, as one of the placements (python/shmgrad/_in_trainer.py).
+        self._in_trainer = None
+        if trainer.has_trainer_slot():
+            self._in_trainer = _in_trainer.prepare(name, trainer)
         # serve --workers auto: the native trainer times placements on the first steps;
         # this says what it chose, once (status(), log(), the "shmgrad" logger).
-        self._placement_probing = trainer.placement()["state"] == "probing"
+        placement = trainer.placement()
+        self._placement_probing = placement["state"] == "probing"
         self._placement_report = ""
         if process_group is not None:
             try:
@@ -161,9 +170,18 @@ class Client:
         # The trainer's intra-op threads: on a CPU engine, those its workers leave free
         # (python/shmgrad/_threads.py: idle threads spin for milliseconds on the workers'
         # cores). Restored by close().
+        self._trainer_threads = trainer_threads
+        self._engine_status = engine_status
         if engine_status is not None:
             _threads.hold(
-                id(self), _threads.choose(trainer_threads, engine_status, _C.physical_cores()), name
+                id(self),
+                _threads.choose(
+                    trainer_threads,
+                    engine_status,
+                    _C.physical_cores(),
+                    placement["in_trainer"] and not self._placement_probing,
+                ),
+                name,
             )
 
     @property
@@ -417,6 +435,15 @@ class Client:
         self._placement_probing = False
         self._placement_report = f"engine {self.name!r}: {placement['report']}"
         logging.getLogger("shmgrad").info("%s", self._placement_report)
+        if placement["in_trainer"] and self._engine_status is not None:
+            # The trainer computes: its threads are the machine's again, between steps too.
+            _threads.rehold(
+                id(self),
+                _threads.choose(
+                    self._trainer_threads, self._engine_status, _C.physical_cores(), True
+                ),
+                self.name,
+            )
 
     @property
     def node_rank(self) -> int:
@@ -468,6 +495,15 @@ class Client:
                     "worker did not start"
                 )
             time.sleep(RESIZE_POLL_S)
+        if self._engine_status is not None:
+            # The workers compute from now on (the trainer may have computed itself): the
+            # trainer's threads are the cores they leave free again.
+            status = dict(self._engine_status, target_workers=workers)
+            _threads.rehold(
+                id(self),
+                _threads.choose(self._trainer_threads, status, _C.physical_cores()),
+                self.name,
+            )
 
     def log(self) -> str:
         """What the engine's coordinator and workers have printed so far: ``""`` for an
@@ -509,6 +545,7 @@ class Client:
             self._detach_from_device_memory()
         if self._trainer is not None:
             self._trainer.close()
+        self._in_trainer = None  # after the trainer, which calls into it
 
     def _detach_from_device_memory(self):
         """The engine frees its device memory when it stops, and CUDA leaves freeing memory

@@ -277,9 +277,11 @@ class Engine(Client):
             TorchScript file.
         workers: number of worker processes, or ``"auto"``: one per physical core, each
             able to use every core, and the trainer times a few placements (1 worker with
-            every thread, 2, 4, ... workers with the cores shared, one per core) on its
-            first steps (real steps: their gradients are exact; a bounded probe, seconds)
-            and keeps the fastest (``status().placement``, ``placement_probe``,
+            every thread, 2, 4, ... workers with the cores shared, one per core; with
+            eager workers also this process computing each step itself, on a model of its
+            own loaded from the job) on its first steps (real steps: their gradients are
+            exact; a bounded probe, seconds) and keeps the fastest
+            (``status().placement``, ``placement_in_trainer``, ``placement_probe``,
             :meth:`log`). Required for a CPU engine; with
             ``devices=``, one per GPU by default. Several on one GPU run their kernels at
             once only under MPS (``status().mps``); without it they take turns, and a

@@ -32,25 +32,37 @@ _before = None  # the process's count before the first holder
 _set = None  # the count set last
 
 
-def choose(requested: Union[int, str, None], status: dict, cores: int) -> Optional[int]:
+def choose(
+    requested: Union[int, str, None], status: dict, cores: int, in_trainer: bool = False
+) -> Optional[int]:
     """The trainer's intra-op threads for ``trainer_threads=requested`` on the engine whose
     ``_C.status`` is ``status``, on a machine of ``cores`` physical cores; None: leave the
     process's setting alone. ``"auto"``: a CPU engine's free cores (those its workers'
-    threads leave, at least 1), never more than the process has now; None for an engine
-    with GPUs."""
+    threads leave, at least 1), never more than the process had before shmgrad held it;
+    with ``in_trainer`` (the trainer computes the steps itself, python/shmgrad/_in_trainer.py)
+    all of those; None for an engine with GPUs."""
     if requested is None:
         return None
     if requested == "auto":
         if status.get("devices"):
             return None
+        if in_trainer:
+            return ceiling()
         workers = max(1, int(status["target_workers"]))
         used = workers * max(1, int(status["threads_per_worker"]))
-        return max(1, min(torch.get_num_threads(), cores - used))
+        return max(1, min(ceiling(), cores - used))
     if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
         raise errors.InvalidArgumentError(
             f'trainer_threads must be "auto", None (leave them) or an int >= 1, got {requested!r}'
         )
     return requested
+
+
+def ceiling() -> int:
+    """The most threads "auto" gives: the process's count before the first hold (now, if
+    nothing holds it)."""
+    with _lock:
+        return _before if _held and _before is not None else torch.get_num_threads()
 
 
 def check(requested):
@@ -60,7 +72,8 @@ def check(requested):
 
 
 def hold(key, threads: Optional[int], name: str):
-    """While ``key`` is held, this process computes on at most ``threads`` intra-op threads."""
+    """While ``key`` is held, this process computes on at most ``threads`` intra-op threads
+    (held again: the new count replaces the old)."""
     global _before, _set
     if threads is None:
         return
@@ -73,13 +86,30 @@ def hold(key, threads: Optional[int], name: str):
         if target != current:
             torch.set_num_threads(target)
             logging.getLogger("shmgrad").info(
-                "engine %r: this trainer's intra-op threads %d -> %d while it is attached, so "
-                "that they do not spin on the workers' cores (trainer_threads= to choose)",
+                "engine %r: this trainer's intra-op threads %d -> %d while it is attached, %s "
+                "(trainer_threads= to choose)",
                 name,
                 current,
                 target,
+                "so that they do not spin on the workers' cores"
+                if target < current
+                else "as it computes the steps itself",
             )
         _set = target
+
+
+def rehold(key, threads: Optional[int], name: str):
+    """``key``'s count becomes ``threads`` (the placement changed), unless the caller has
+    set its own count since shmgrad last did, which stands."""
+    if threads is None:
+        return
+    with _lock:
+        if key not in _held:
+            return
+        if torch.get_num_threads() != _set:
+            _held[key] = threads
+            return
+        hold(key, threads, name)
 
 
 def release(key):

@@ -1,0 +1,63 @@
+"""The in-trainer placement: the trainer process computes a step itself.
+
+Where splitting a small batch over processes cannot beat one process's threads (GEMM-bound
+steps of a few hundred microseconds), handing the step to a worker still costs a wake-up,
+cold caches and, on a 2-core machine, a trainer whose idle threads must stay off the
+worker's cores. An engine served with ``workers="auto"`` and eager workers on the host has
+one more gradient slot, the trainer's (ipc::trainerSlot). The client loads the engine's
+job into its own process once (a model of its own, as a worker has: its parameters views
+of the shared ones, its ``.grad`` views of the reduced gradient or of that slot), and
+hands the native trainer a step that runs the worker's compute (the same
+:class:`~shmgrad._eager_worker.ShardRunner`) under the same step protocol
+(worker::StepParticipant::runStep): the same checks, scales, passes, accumulation,
+non-finite detection, unused parameters and buffers as a worker's step, with no process
+woken and nothing reduced. The placement probe then times it beside the worker
+placements (engine/placement.h) and keeps it only where it is fastest.
+
+The user's own module is never touched: the step runs on the job's copy.
+"""
+
+import logging
+
+from ._native import _C, tunable_value
+
+_log = logging.getLogger("shmgrad")
+
+
+class InTrainer:
+    """The trainer slot's participant and its compute, kept for as long as the trainer."""
+
+    def __init__(self, participant, runner):
+        self.participant = participant
+        self.runner = runner
+
+
+def prepare(name: str, trainer):
+    """An :class:`InTrainer` given to ``trainer`` (a native ``_C.Trainer`` holding the
+    lease of engine ``name``), or None where this engine or job cannot compute here (no
+    trainer slot, ``SHMGRAD_IN_TRAINER=0``, a torch.compile'd job) or its job does not
+    load in this process (logged; the workers compute as before)."""
+    if not trainer.has_trainer_slot() or tunable_value("SHMGRAD_IN_TRAINER") == "0":
+        return None
+    from ._eager_worker import ShardRunner, describe
+    from ._job import load_job
+
+    try:
+        participant = _C.StepParticipant(name, trainer.slot_count(), trainer.coordinator_pid())
+        job = load_job(participant.job_path)
+        if job.compile is not None:
+            return None  # compiling again here would cost the probe seconds
+        runner = ShardRunner(participant, job)
+        participant.prepare_in_trainer(
+            runner.begin, runner.compute_pass, runner.publish_buffers, runner.unreached
+        )
+    except Exception as exc:  # any failure of the job to load here: the workers compute
+        _log.warning(
+            "engine %r: this trainer cannot run the engine's job itself (%s); its workers "
+            "compute every step",
+            name,
+            describe(exc),
+        )
+        return None
+    trainer.set_in_trainer(participant)
+    return InTrainer(participant, runner)

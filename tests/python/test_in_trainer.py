@@ -1,0 +1,234 @@
+"""The in-trainer placement (python/shmgrad/_in_trainer.py, engine/placement.h; issue 38):
+an engine served with workers="auto" and eager workers on the host lets the trainer compute
+a step itself, in the engine's trainer slot, under the same step protocol as a worker.
+These tests put the engine on that placement explicitly (the probe's choice depends on the
+machine) and check that each step ran in this process, and that its gradient, loss,
+buffers and statistics are a worker's: against one process of plain PyTorch, and bit for
+bit against one worker alone."""
+
+import os
+
+import pytest
+import torch
+
+import shmgrad
+from shmgrad import _C
+
+CORES = _C.physical_cores()
+PID_ENV = "SHMGRAD_TEST_TRAINER_PID"
+
+
+class Net(torch.nn.Module):
+    """Linear layers (computed in place), a BatchNorm (shared buffers) and a branch that a
+    flag leaves unused."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(6, 10)
+        self.bn = torch.nn.BatchNorm1d(10)
+        self.fc2 = torch.nn.Linear(10, 3, bias=False)
+        self.unused = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.bn(self.fc1(x))))
+
+
+def _net():
+    torch.manual_seed(0)
+    return Net()
+
+
+def _where_forward(model, batch):
+    """The loss summed over the shard, plus 1000 where this process is the trainer (its pid,
+    which every worker reads from the environment it inherited): a constant without a
+    gradient, which says in the step's loss who computed it."""
+    x, y = batch
+    loss = torch.nn.functional.cross_entropy(model(x), y, reduction="sum")
+    return loss + (1000.0 if os.getpid() == int(os.environ[PID_ENV]) else 0.0)
+
+
+def _batch(n=20, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def _reference(model, x, y, scale=1.0):
+    """One process of plain PyTorch from the bound module's state: the module with its
+    gradient, and the loss."""
+    ref = _net()
+    ref.load_state_dict(model.state_dict())
+    ref.train(model.training)
+    loss = torch.nn.functional.cross_entropy(ref(x), y, reduction="sum")
+    (scale * loss).backward()
+    ref.loss = loss.item()
+    return ref
+
+
+@pytest.fixture
+def engine(monkeypatch):
+    monkeypatch.setenv(PID_ENV, str(os.getpid()))
+    with shmgrad.Engine(
+        model=_net(),
+        workers="auto",
+        loss="cross_entropy",
+        mode="eager",
+        forward=_where_forward,
+        loss_reduction="sum",
+    ) as e:
+        yield e
+
+
+def _place(engine, in_trainer):
+    if in_trainer:
+        engine._trainer.set_placement(0, CORES, in_trainer=True)
+    else:
+        engine._trainer.set_placement(1, CORES)
+
+
+def test_the_trainer_computes_a_workers_step_exactly(engine):
+    model = engine.bind(_net())
+    x, y = _batch()
+    x2, y2 = _batch(seed=2)
+    runs = {}
+    for in_trainer in (True, False, True):
+        _place(engine, in_trainer)
+        model.train()
+        model.bn.running_mean.zero_()
+        model.bn.running_var.fill_(1.0)
+        model.bn.num_batches_tracked.zero_()
+        ref = _reference(model, x, y)
+        stats = engine.gradient(inputs=x, targets=y)
+        buffers = [b.clone() for b in model.buffers()]
+        assert stats.workers == 1
+        assert stats.loss - ref.loss == pytest.approx(1000.0 if in_trainer else 0.0, abs=0.01)
+        for (name, got), want in zip(model.named_parameters(), ref.parameters()):
+            if name.startswith("unused."):
+                assert got.grad is None, name  # as plain backward leaves it
+                continue
+            torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-6)
+        assert stats.unused_params == [5, 6]
+        grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+        runs.setdefault(in_trainer, []).append((grads, buffers))
+        # Accumulated over two batches, in passes of 7: the sum of both (in eval mode, where
+        # BatchNorm adds no dependence between examples).
+        model.eval()
+        engine.gradient(inputs=x, targets=y, max_examples_per_pass=7)
+        engine.gradient(inputs=x2, targets=y2, max_examples_per_pass=7, accumulate=True)
+        both = _reference(model, torch.cat([x, x2]), torch.cat([y, y2]))
+        for (name, got), want in zip(model.named_parameters(), both.parameters()):
+            if not name.startswith("unused."):
+                torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-5)
+        # A mean with a loss scale, as a GradScaler asks for it.
+        stats = engine.gradient(inputs=x, targets=y, reduction="mean", loss_scale=8.0)
+        mean = _reference(model, x, y, scale=8.0 / len(x))
+        for (name, got), want in zip(model.named_parameters(), mean.parameters()):
+            if not name.startswith("unused."):
+                torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-6)
+    # The same bits and the same shared BatchNorm statistics as one worker alone.
+    (g_in, b_in), (g_in2, b_in2) = runs[True]
+    ((g_w, b_w),) = runs[False]
+    for a, b, c in zip(g_in, g_w, g_in2):
+        assert (a is None) == (b is None) == (c is None)
+        if a is not None:
+            assert torch.equal(a, b) and torch.equal(a, c)
+    for a, b, c in zip(b_in, b_w, b_in2):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    st = engine.status()
+    assert st.placement_in_trainer and st.placement_workers == 0, st.text
+    assert "the trainer computes" in st.text, st.text
+
+
+def test_an_error_in_the_trainers_step_is_raised_and_the_engine_goes_on(engine):
+    model = engine.bind(_net())
+    _place(engine, True)
+    x, y = _batch()
+    with pytest.raises(shmgrad.WorkerError, match="mat1 and mat2 shapes cannot be multiplied"):
+        engine.gradient(inputs=torch.randn(4, 5), targets=y[:4])
+    real = _reference(model, x, y).loss
+    stats = engine.gradient(inputs=x, targets=y)
+    assert stats.loss - real == pytest.approx(1000.0, abs=0.01)
+    # A NaN from the trainer's step is found as a worker's is.
+    with pytest.raises(shmgrad.NonFiniteError):
+        engine.gradient(inputs=x * float("nan"), targets=y, raise_on_nonfinite=True)
+
+
+SLOW_ENV = "SHMGRAD_TEST_SLOW_IN"
+
+
+def _slowed_forward(model, batch):
+    """_where_forward, 3 ms slower where $SHMGRAD_TEST_SLOW_IN says ("trainer" or
+    "workers"): the probe's choice made certain."""
+    import time
+
+    in_trainer = os.getpid() == int(os.environ[PID_ENV])
+    if (os.environ[SLOW_ENV] == "trainer") == in_trainer:
+        time.sleep(0.003)
+    return _where_forward(model, batch)
+
+
+@pytest.mark.skipif(CORES < 2, reason=f"a placement probe needs 2 or more cores; {CORES} here")
+@pytest.mark.parametrize("slow", ["workers", "trainer"])
+def test_the_probe_times_the_trainer_and_threads_follow_the_choice(monkeypatch, slow):
+    monkeypatch.setenv(PID_ENV, str(os.getpid()))
+    monkeypatch.setenv(SLOW_ENV, slow)
+    before = torch.get_num_threads()
+    engine = shmgrad.Engine(
+        model=_net(),
+        workers="auto",
+        loss="cross_entropy",
+        mode="eager",
+        forward=_slowed_forward,
+        loss_reduction="sum",
+    )
+    try:
+        model = engine.bind(_net())
+        st = engine.status()
+        assert st.placement == "probing", st.text
+        assert torch.get_num_threads() == 1  # the workers' cores are left to them
+        x, y = _batch()
+        seen = set()
+        for _ in range(2000):
+            st = engine.status()
+            if st.placement != "probing":
+                break
+            real = _reference(model, x, y).loss
+            stats = engine.gradient(inputs=x, targets=y)
+            in_trainer = stats.loss - real > 500
+            assert in_trainer == st.placement_in_trainer, st.text
+            seen.add(in_trainer)
+        assert st.placement == "chosen", st.text
+        assert seen == {True, False}, seen
+        assert any(c["in_trainer"] for c in st.placement_probe), st.placement_probe
+        assert "trainer x" in st.placement_report, st.placement_report
+        # The faster one is kept, and the trainer's threads follow: all it had where it
+        # computes the steps itself, the cores the workers leave (1) otherwise.
+        assert st.placement_in_trainer == (slow == "workers"), st.placement_report
+        if slow == "workers":
+            assert "chosen: the trainer computes" in st.placement_report
+            assert torch.get_num_threads() == before
+            stats = engine.gradient(inputs=x, targets=y)
+            assert stats.worker_slots == [engine._trainer.slot_count()]
+            # A resize hands the steps to the workers again, and their cores with them.
+            engine.resize(2)
+            assert not engine.status().placement_in_trainer
+            assert torch.get_num_threads() == 1
+            stats = engine.gradient(inputs=x, targets=y)
+            assert stats.workers == 2 and stats.loss < 500  # not the trainer's
+        else:
+            assert torch.get_num_threads() == 1
+    finally:
+        engine.close()
+    assert torch.get_num_threads() == before
+
+
+def test_no_trainer_slot_or_turned_off_means_workers_only(monkeypatch):
+    monkeypatch.setenv("SHMGRAD_IN_TRAINER", "0")
+    with shmgrad.Engine(model=_net(), workers="auto", loss="cross_entropy", mode="eager") as e:
+        assert not any(c["in_trainer"] for c in e.status().placement_probe)
+        with pytest.raises(shmgrad.InvalidArgumentError, match="cannot compute steps itself"):
+            e._trainer.set_placement(0, CORES, in_trainer=True)
+    monkeypatch.delenv("SHMGRAD_IN_TRAINER")
+    with shmgrad.Engine(model=_net(), workers=1, loss="cross_entropy", mode="eager") as e:
+        assert not e._trainer.has_trainer_slot()
+        assert e._in_trainer is None
+
