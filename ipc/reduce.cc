@@ -1,6 +1,7 @@
 #include "ipc/reduce.h"
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 
@@ -145,6 +146,26 @@ bool copyAnyNonFinite(float* __restrict dst, const float* __restrict src, uint64
     bad |= nonFiniteBits(u);
   }
   return bad != 0;
+}
+
+SHMGRAD_MULTIVERSION
+uint32_t maxMagnitudeBits(const float* data, uint64_t n) {
+  uint32_t most = 0;
+  for (uint64_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, data + i, sizeof(u));
+    u &= 0x7fffffffu;
+    most = u > most ? u : most;
+  }
+  return most;
+}
+
+bool productFinite(uint64_t k, uint32_t a_bits, uint32_t b_bits) {
+  if (a_bits >= 0x7f800000u || b_bits >= 0x7f800000u || k >= (uint64_t{1} << 24)) return false;
+  float a, b;
+  std::memcpy(&a, &a_bits, sizeof(a));
+  std::memcpy(&b, &b_bits, sizeof(b));
+  return static_cast<double>(k) * a * b * 4.0 < static_cast<double>(FLT_MAX);
 }
 
 }  // namespace shmgrad::ipc

@@ -77,4 +77,17 @@ bool anyNonFinite(const float* data, uint64_t begin, uint64_t end);
 // them is NaN or infinite: a gradient written into the slot is checked while it is read.
 bool copyAnyNonFinite(float* dst, const float* src, uint64_t begin, uint64_t end);
 
+// The largest magnitude among data[0, n) as a float's bits (sign cleared, which orders
+// them as the magnitudes): >= 0x7f800000 when any of them is NaN or infinite.
+uint32_t maxMagnitudeBits(const float* data, uint64_t n);
+
+// Whether a @ b, where a is [k, m] and b is [k, n] (float32, the product over k), can hold
+// no NaN or infinity, given the largest magnitudes in each (maxMagnitudeBits): both finite
+// and k * max|a| * max|b| under FLT_MAX / 4. Every element is a sum of k products, at most
+// k * max|a| * max|b| in magnitude, and rounding in any order grows such a sum by less
+// than a factor e for k < 2^24; finite inputs without overflow make no NaN. Reads a and b
+// (k x (m + n) floats) instead of the product (m x n). b_bits 0x3f800000 (1.0): a's sum
+// over k.
+bool productFinite(uint64_t k, uint32_t a_bits, uint32_t b_bits);
+
 }  // namespace shmgrad::ipc

@@ -13,6 +13,7 @@
 #include "engine/trainer.h"
 #include "ipc/error.h"
 #include "ipc/layout.h"
+#include "ipc/reduce.h"
 #include "ipc/segment.h"
 #include "views/segment_views.h"
 #include "worker/grad_hooks.h"
@@ -266,18 +267,40 @@ torch::Tensor target(worker::StepParticipant* participant, const torch::Tensor& 
   return torch::Tensor();
 }
 
+// The largest magnitude in t as ipc::maxMagnitudeBits gives it, computed once (bits 0:
+// not yet); a tensor that is not contiguous counts as holding an infinity.
+uint32_t magnitude(const torch::Tensor& t, uint32_t* cached) {
+  if (*cached == 0) {
+    *cached = t.is_contiguous()
+                  ? std::max<uint32_t>(1, ipc::maxMagnitudeBits(t.const_data_ptr<float>(),
+                                                                static_cast<uint64_t>(t.numel())))
+                  : 0x7f800000u;
+  }
+  return *cached;
+}
+
 // The input's and the weight's gradients of x @ weight.T, given the output's (go) and the
-// saved input x (unpacked once by the caller's backward).
+// saved input x (unpacked once by the caller's backward). Where the weight's is computed
+// into .grad and a shard alone will read it for non-finite values, the bound on go and x
+// vouches for it instead when it can (ipc::productFinite): reading them costs B x (in +
+// out) floats against in x out. go_bits: go's magnitude, shared with the bias.
 std::pair<torch::Tensor, torch::Tensor> inputAndWeight(torch::autograd::AutogradContext* ctx,
                                                        const torch::Tensor& go,
-                                                       const torch::Tensor& x) {
+                                                       const torch::Tensor& x, uint32_t* go_bits) {
   const torch::Tensor weight = ctx->saved_data["weight"].toTensor();
   torch::Tensor gx, gw;
   if (ctx->needs_input_grad(0)) gx = go.mm(weight);
   if (ctx->needs_input_grad(1)) {
-    torch::Tensor out =
-        target(participantOf(ctx), weight, ctx->saved_data["w_index"].toInt(), go, x);
+    worker::StepParticipant* participant = participantOf(ctx);
+    const int64_t index = ctx->saved_data["w_index"].toInt();
+    torch::Tensor out = target(participant, weight, index, go, x);
     gw = out.defined() ? at::mm_out(out, go.t(), x) : go.t().mm(x);
+    uint32_t x_bits = 0;
+    if (out.defined() && participant->checksWrites() &&
+        ipc::productFinite(static_cast<uint64_t>(go.size(0)), magnitude(go, go_bits),
+                           magnitude(x, &x_bits))) {
+      participant->vouchFinite(static_cast<uint32_t>(index));
+    }
   }
   return {gx, gw};
 }
@@ -299,13 +322,21 @@ struct DirectLinear : public torch::autograd::Function<DirectLinear> {
                                                  torch::autograd::variable_list grads) {
     const torch::Tensor& go = grads[0];
     const torch::Tensor x = ctx->get_saved_variables()[0];
-    auto [gx, gw] = direct::inputAndWeight(ctx, go, x);
+    uint32_t go_bits = 0;
+    auto [gx, gw] = direct::inputAndWeight(ctx, go, x, &go_bits);
     torch::Tensor gb;
     if (ctx->needs_input_grad(2)) {
+      worker::StepParticipant* participant = direct::participantOf(ctx);
+      const int64_t index = ctx->saved_data["b_index"].toInt();
       torch::Tensor out =
-          direct::target(direct::participantOf(ctx), ctx->saved_data["bias"].toTensor(),
-                         ctx->saved_data["b_index"].toInt(), go, x);
+          direct::target(participant, ctx->saved_data["bias"].toTensor(), index, go, x);
       gb = out.defined() ? at::sum_out(out, go, {0}) : go.sum(0);
+      constexpr uint32_t kOne = 0x3f800000u;  // the bias's sum over the batch: go times 1
+      if (out.defined() && participant->checksWrites() &&
+          ipc::productFinite(static_cast<uint64_t>(go.size(0)), direct::magnitude(go, &go_bits),
+                             kOne)) {
+        participant->vouchFinite(static_cast<uint32_t>(index));
+      }
     }
     return {gx, gw, gb, torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
@@ -321,7 +352,8 @@ struct DirectLinearNoBias : public torch::autograd::Function<DirectLinearNoBias>
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    auto [gx, gw] = direct::inputAndWeight(ctx, grads[0], ctx->get_saved_variables()[0]);
+    uint32_t go_bits = 0;
+    auto [gx, gw] = direct::inputAndWeight(ctx, grads[0], ctx->get_saved_variables()[0], &go_bits);
     return {gx, gw, torch::Tensor(), torch::Tensor()};
   }
 };

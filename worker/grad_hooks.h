@@ -94,10 +94,15 @@ class WriteFirstHook : public torch::autograd::FunctionPreHook {
     torch::Tensor grad = variable_.grad();
     if (grad.defined() && aliases(grads[0], grad)) {
       // Computed into .grad by the layer itself (claimDirectWrite): the first
-      // write is done, nothing is copied or added; what it wrote is read once for
+      // write is done, nothing is copied or added. Where a shard alone needs to know, what
+      // it wrote is finite by the layer's word (its inputs' bound), or read once for
       // non-finite values now, while it is still in the caches.
-      if (participant_.gradFirstWrite(param_) && grad.is_contiguous() &&
-          grad.scalar_type() == torch::kFloat) {
+      if (!participant_.gradFirstWrite(param_) || !participant_.checksWrites()) {
+        return {torch::Tensor()};
+      }
+      if (participant_.vouchedFinite(param_)) {
+        participant_.gradWrittenFinite(param_);
+      } else if (grad.is_contiguous() && grad.scalar_type() == torch::kFloat) {
         const float* data = grad.const_data_ptr<float>();
         std::atomic<bool> bad{false};
         at::parallel_for(0, grad.numel(), kSerialCopyFloats, [&](int64_t b, int64_t e) {

@@ -443,9 +443,11 @@ void StepParticipant::computePhase(const Shard& shard, ShardComputer& computer) 
   // way: .grad stays defined, so backward writes shared memory. Padding and frozen
   // parameters are never written, so they stay zero.
   writing_first_ = writeFirstPossible();
+  alone_ = shard.alone;
   std::memset(written_, 0, sizeof written_);
   std::memset(direct_, 0, sizeof direct_);
   std::memset(finite_, 0, sizeof finite_);
+  std::memset(vouched_, 0, sizeof vouched_);
   try {
     if (!writing_first_) mem_->zero(shard.device, shard.grads, h_->param_floats);
     if (shard.size() > 0) computePasses(shard, computer);

@@ -225,6 +225,18 @@ class StepParticipant {
   // every value of it finite. While nothing is added to it, a shard alone (its slot the
   // result) need not read it again for non-finite values (reducePhase).
   void gradWrittenFinite(uint32_t param);
+  // Whether what a hook writes is worth checking for non-finite values as it writes it:
+  // only a shard alone reads its result again otherwise; a larger step's reducers read
+  // every slot anyway (checkNonFinite).
+  bool checksWrites() const { return writing_first_ && alone_; }
+  // The direct layer's word, after its claimDirectWrite(param), that what it computed into
+  // .grad is finite (ipc::productFinite, from its inputs): the hook takes it as checked.
+  void vouchFinite(uint32_t param) {
+    if (param < ipc::kMaxParams && ipc::paramBit(direct_, param)) ipc::setParamBit(vouched_, param);
+  }
+  bool vouchedFinite(uint32_t param) const {
+    return param < ipc::kMaxParams && ipc::paramBit(vouched_, param);
+  }
 
  private:
   bool prepareShard(uint32_t e, Shard* shard);
@@ -286,8 +298,10 @@ class StepParticipant {
   bool writing_first_ = false;
   int write_first_ok_ = -1;  // -1: not known yet
   uint64_t written_[ipc::kMaxParams / 64] = {};
-  uint64_t direct_[ipc::kMaxParams / 64] = {};  // claimDirectWrite's, this shard
-  uint64_t finite_[ipc::kMaxParams / 64] = {};  // written, found finite, nothing added since
+  uint64_t direct_[ipc::kMaxParams / 64] = {};   // claimDirectWrite's, this shard
+  uint64_t finite_[ipc::kMaxParams / 64] = {};   // written, found finite, nothing added since
+  uint64_t vouched_[ipc::kMaxParams / 64] = {};  // vouchFinite's, this shard
+  bool alone_ = false;                           // this shard's Shard::alone
   bool writeFirstPossible();
   bool anyNonFiniteUnchecked(const float* grads);
   void zeroUnwritten(float* grads);

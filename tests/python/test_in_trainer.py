@@ -232,3 +232,30 @@ def test_no_trainer_slot_or_turned_off_means_workers_only(monkeypatch):
         assert not e._trainer.has_trainer_slot()
         assert e._in_trainer is None
 
+
+def test_an_overflowing_gradient_is_found_however_the_step_is_placed(monkeypatch):
+    """Linear layers vouch for what they compute into .grad from a bound on their inputs
+    (ipc::productFinite) instead of reading it; where the bound does not hold, it is read.
+    A loss scale of 1e38 overflows the Linear gradients themselves (no other parameter
+    here), one of 1e30 does not: every target is class 0, so the last bias's gradient sums
+    at least 10 terms of about -0.7 x 1e38 in every placement."""
+    monkeypatch.setenv(PID_ENV, str(os.getpid()))
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 3))
+    with shmgrad.Engine(model=net, workers="auto", loss="cross_entropy", mode="eager") as engine:
+        engine.bind(net)
+        x, _ = _batch()
+        y = torch.zeros(len(x), dtype=torch.int64)
+        placements = [(0, CORES, True), (1, CORES, False)]
+        if CORES >= 2:
+            placements.append((2, 1, False))
+        for workers, threads, in_trainer in placements:
+            engine._trainer.set_placement(workers, threads, in_trainer=in_trainer)
+            stats = engine.gradient(inputs=x, targets=y, loss_scale=1e38)
+            assert stats.nonfinite, (workers, in_trainer)
+            assert any(not torch.isfinite(p.grad).all() for p in net.parameters())
+            with pytest.raises(shmgrad.NonFiniteError):
+                engine.gradient(inputs=x, targets=y, loss_scale=1e38, raise_on_nonfinite=True)
+            stats = engine.gradient(inputs=x, targets=y, loss_scale=1e30)
+            assert not stats.nonfinite, (workers, in_trainer)
+            assert all(torch.isfinite(p.grad).all() for p in net.parameters())
