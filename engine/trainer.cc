@@ -864,6 +864,16 @@ GradientStats Trainer::run(int64_t B, const GradientOptions& o, uint32_t kind, u
                            uint64_t deadline) {
   ipc::ControlBlock& c = seg_->header()->control;
   GradientStats stats;
+  // The probe's sample of the last step: the time from its start to this one's, all that a
+  // training loop pays for it (its optimizer's step and whatever else the loop does
+  // between two calls, with the trainer's threads as that placement leaves them), not the
+  // call alone; then the placement this step runs with.
+  if (probe_ != nullptr && !probe_->done() && probe_last_.start != 0 && start > probe_last_.start) {
+    probe_->record((start - probe_last_.start) / 1e9, probe_last_.examples, start / 1e9,
+                   probe_last_.timed);
+    notePlacement();
+  }
+  probe_last_ = {};
   // Before any device work: a stopped engine's memory is gone (memory reads only: a dead
   // coordinator is found in await, without a system call per step here).
   SHMGRAD_CHECK(serving(), ErrorKind::kNotFound, "engine '", name_, "' has stopped",
@@ -905,10 +915,7 @@ GradientStats Trainer::run(int64_t B, const GradientOptions& o, uint32_t kind, u
       stats.step_seconds = (done - publish) / 1e9;
       stats.wake_seconds = (last_start - publish) / 1e9;
       stats.finish_seconds = (now - std::min(now, done)) / 1e9;
-      if (probe_ != nullptr && !probe_->done()) {
-        probe_->record(stats.wall_seconds, B, now / 1e9, attempt == 0);
-        notePlacement();
-      }
+      if (probe_ != nullptr && !probe_->done()) probe_last_ = {start, B, attempt == 0};
       return stats;
     }
     // The step did not finish: end it for every waiter, the one abort path.

@@ -299,7 +299,13 @@ class Trainer {
   // The placement steps use, and the probe choosing it (serve --workers auto) until done.
   engine::Placement placement_;
   std::unique_ptr<engine::PlacementProbe> probe_;
-  InTrainerStep in_trainer_;      // setInTrainer's (empty: this trainer cannot compute)
+  InTrainerStep in_trainer_;  // setInTrainer's (empty: this trainer cannot compute)
+  // The probe's last step, timed when the next one starts (start 0: none to time).
+  struct ProbedStep {
+    uint64_t start = 0;
+    int64_t examples = 0;
+    bool timed = false;
+  } probe_last_;
   std::string placement_report_;  // a probe ended early by setPlacement
   // The last step's participants (pid by slot, 0: not one), valid when it finished: a step
   // that takes another worker wakes the idle ones (ControlBlock::idle_wake).

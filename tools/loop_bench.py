@@ -90,7 +90,11 @@ def run_one(args) -> dict:
         info["trainer_threads"] = torch.get_num_threads()
         if engine is not None:
             st = engine.status()
-            info["placement"] = f"{st.placement_workers}x{st.placement_threads}"
+            info["placement"] = (
+                f"trainer x{st.placement_threads}"
+                if st.placement_in_trainer
+                else f"{st.placement_workers}x{st.placement_threads}"
+            )
     finally:
         if engine is not None:
             engine.close()

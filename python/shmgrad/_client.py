@@ -97,6 +97,7 @@ class Client:
     _in_trainer = None
     _engine_status = None
     _trainer_threads = None
+    _threads_in_trainer = False
 
     def __init__(
         self,
@@ -172,14 +173,13 @@ class Client:
         # cores). Restored by close().
         self._trainer_threads = trainer_threads
         self._engine_status = engine_status
+        # A placement chosen before (by an earlier trainer) may be the trainer's own.
+        self._threads_in_trainer = placement["in_trainer"] and not self._placement_probing
         if engine_status is not None:
             _threads.hold(
                 id(self),
                 _threads.choose(
-                    trainer_threads,
-                    engine_status,
-                    _C.physical_cores(),
-                    placement["in_trainer"] and not self._placement_probing,
+                    trainer_threads, engine_status, _C.physical_cores(), self._threads_in_trainer
                 ),
                 name,
             )
@@ -428,22 +428,31 @@ class Client:
         )
 
     def _note_placement(self):
-        """After a step of the placement probe: once it has chosen, says what, once."""
+        """After a step of the placement probe: the trainer's threads for the placement
+        that step ran with; once the probe has chosen, says what, once."""
         placement = self._trainer.placement()
+        self._follow_placement(placement["in_trainer"])
         if placement["state"] == "probing":
             return
         self._placement_probing = False
         self._placement_report = f"engine {self.name!r}: {placement['report']}"
         logging.getLogger("shmgrad").info("%s", self._placement_report)
-        if placement["in_trainer"] and self._engine_status is not None:
-            # The trainer computes: its threads are the machine's again, between steps too.
-            _threads.rehold(
-                id(self),
-                _threads.choose(
-                    self._trainer_threads, self._engine_status, _C.physical_cores(), True
-                ),
-                self.name,
-            )
+
+    def _follow_placement(self, in_trainer: bool):
+        """The trainer's threads (trainer_threads="auto") for a placement: all it had where
+        it computes the steps itself, the cores the workers leave free otherwise. During
+        the probe too, which times each candidate from one step's start to the next's:
+        what a loop pays for it, its optimizer's step on these threads included."""
+        if in_trainer == self._threads_in_trainer or self._engine_status is None:
+            return
+        self._threads_in_trainer = in_trainer
+        _threads.rehold(
+            id(self),
+            _threads.choose(
+                self._trainer_threads, self._engine_status, _C.physical_cores(), in_trainer
+            ),
+            self.name,
+        )
 
     @property
     def node_rank(self) -> int:
@@ -499,6 +508,7 @@ class Client:
             # The workers compute from now on (the trainer may have computed itself): the
             # trainer's threads are the cores they leave free again.
             status = dict(self._engine_status, target_workers=workers)
+            self._threads_in_trainer = False
             _threads.rehold(
                 id(self),
                 _threads.choose(self._trainer_threads, status, _C.physical_cores()),

@@ -188,14 +188,14 @@ def test_the_probe_times_the_trainer_and_threads_follow_the_choice(monkeypatch, 
         x, y = _batch()
         seen = set()
         for _ in range(2000):
-            st = engine.status()
-            if st.placement != "probing":
-                break
             real = _reference(model, x, y).loss
             stats = engine.gradient(inputs=x, targets=y)
+            st = engine.status()  # the placement this step ran with
             in_trainer = stats.loss - real > 500
             assert in_trainer == st.placement_in_trainer, st.text
             seen.add(in_trainer)
+            if st.placement != "probing":
+                break
         assert st.placement == "chosen", st.text
         assert seen == {True, False}, seen
         assert any(c["in_trainer"] for c in st.placement_probe), st.placement_probe

@@ -66,19 +66,21 @@ def test_auto_probes_real_steps_keeps_one_and_every_gradient_is_exact():
         deadline = time.monotonic() + 60
         # The probe settles and times each visit for 50 ms: a few hundred steps this small.
         while time.monotonic() < deadline:
-            before = engine.status()
             stats = engine.gradient(inputs=x, targets=y)
+            # The placement this step ran with (the next step's is set as it starts, once
+            # this one's time to it is known).
+            after = engine.status()
             # The workers computed with the threads the placement says, every step.
-            placed = before.placement_threads
+            placed = after.placement_threads
             # The trainer computing the step itself (python/shmgrad/_in_trainer.py) is one
             # participant with every core's thread.
-            workers = 1 if before.placement_in_trainer else (before.placement_workers or CORES)
-            assert stats.workers == workers, (len(ran), before.text)
+            workers = 1 if after.placement_in_trainer else (after.placement_workers or CORES)
+            assert stats.workers == workers, (len(ran), after.text)
             assert stats.loss - real == pytest.approx(1000.0 * stats.workers * placed**2, abs=0.5)
-            ran.append((before.placement_workers, placed))
+            ran.append((after.placement_workers, placed))
             for got, want in zip(model.parameters(), reference):
                 torch.testing.assert_close(got.grad, want, rtol=1e-5, atol=1e-6)
-            if engine.status().placement == "chosen":
+            if after.placement == "chosen":
                 break
         st = engine.status()
         assert st.placement == "chosen", f"still probing after {len(ran)} steps: {st.text}"
