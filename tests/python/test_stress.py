@@ -67,21 +67,24 @@ def test_stress_short_run(tmp_path):
     assert counts["kills"] == sum(r["kills"] for r in counts["runs"].values())
 
 
-def test_stress_with_auto_placement(tmp_path):
+@pytest.mark.parametrize("mode", ["script", "eager"])
+def test_stress_with_auto_placement(tmp_path, mode):
     """`--workers auto`: the engine places its steps itself, the probe running while
     workers are killed and the engine is resized (which fixes the placement); still no
-    wrong gradient, hang or leak."""
+    wrong gradient, hang or leak. With eager workers the trainer computes some of the
+    steps itself (the probe's first candidate), between steps whose workers are killed."""
     counts_path = tmp_path / "stress.json"
     out = _run_stress(
         counts_path,
-        "--mode", "script", "--workers", "auto", "--steps", "16", "--kill-rate", "0.3",
+        "--mode", mode, "--workers", "auto", "--steps", "16", "--kill-rate", "0.3",
         "--resize-rate", "0.1", "--seed", "2", "--step-timeout", "30",
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     with open(counts_path) as f:
         counts = json.load(f)
-    run = counts["runs"]["script"]
+    run = counts["runs"][mode]
     assert run["ok"] is True and run["steps"] == 16 and run["kills"] > 0, run
+    assert (run["in_trainer_steps"] > 0) == (mode == "eager"), run
     for key in ("wrong", "hangs", "leaked_segments", "leftover_workers"):
         assert run[key] == 0, (key, run)
 

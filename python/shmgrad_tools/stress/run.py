@@ -92,6 +92,7 @@ class Counts:
     structured_steps: int = 0  # eager: explicit batches given as gradient(batch=(x, y))
     accumulated_steps: int = 0  # eager: a batch given as two accumulated micro-batches
     scaled_steps: int = 0  # steps with a loss scale (2^10), unscaled before the check
+    in_trainer_steps: int = 0  # steps the trainer computed itself (eager, --workers auto)
     stops: int = 0  # workers SIGSTOPped
     stop_timeouts: int = 0  # steps with a stopped worker that ended in a timeout, then re-run
     stops_resumed: int = 0  # stopped workers not needed by their batch twice, resumed
@@ -164,6 +165,7 @@ class StressRun:
         self.model = workload.model
         self.trainer = None
         self.opt = None
+        self.worker_slots = 0  # the engine's worker slots (its status)
 
     # -- the run ------------------------------------------------------------------------
     def run(self) -> Counts:
@@ -180,6 +182,7 @@ class StressRun:
                 )
                 self._attach()
                 before = read_status(self.name)
+                self.worker_slots = before.slots
                 if self.sampler is not None:
                     self.sampler.start_run()
                 steps = range(self.args.steps) if self.deadline is None else itertools.count()
@@ -452,6 +455,10 @@ class StressRun:
             if self.sampler is not None:
                 self.sampler.step_done(time.monotonic() - t0)
             self.counts.recoveries += stats.retries
+            # The trainer's own slot comes after the workers' (docs/DESIGN.md, "In the
+            # trainer"): a step it computed names it (an accumulated pair says nothing).
+            if getattr(stats, "worker_slots", None) == [self.worker_slots]:
+                self.counts.in_trainer_steps += 1
             grads = [p.grad.cpu() for p in self.model.parameters()]
             if relative_error(grads, ref) > MAX_GRADIENT_ERROR:
                 self.counts.wrong += 1
