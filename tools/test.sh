@@ -62,7 +62,8 @@ if [ -z "${SHMGRAD_SKIP_OLDEST:-}" ]; then
   # The oldest supported torch: its own environment, the pip build against it, and the
   # Python tests of the engine, the builds, and of the eager workers what touches torch's
   # API most (a custom loss with transforms, Adam steps, parametrizations, serve --eager,
-  # a kill mid-step, the gradient hooks of the bucketed reduction); the rest of the suite, the launcher's tests against stand-in
+  # a kill mid-step, the gradient hooks of the bucketed reduction, a step the trainer
+  # computes itself); the rest of the suite, the launcher's tests against stand-in
   # programs, the fake device's, the wheel test and the device-check dry run are left to
   # the newest torch, to keep CI under 40 minutes.
   wait "$OLDEST_DOWNLOAD" || { cat "$ROOT/build/oldest-download.log"; exit 1; }
@@ -77,6 +78,7 @@ if [ -z "${SHMGRAD_SKIP_OLDEST:-}" ]; then
     test_eager.py::test_parametrized_modules_reach_eager_workers_and_train_exactly \
     test_eager.py::test_serve_eager_module_function_and_attach \
     test_eager.py::test_worker_killed_mid_step_is_retried_exactly \
+    test_in_trainer.py::test_the_trainer_computes_a_workers_step_exactly \
     test_buckets.py::test_bucketed_gradients_are_the_unbucketed_ones_bit_for_bit \
     test_backend.py::test_collectives_give_gloos_bits \
     test_backend.py::test_ddp_gives_the_parameters_of_ddp_with_gloo)
