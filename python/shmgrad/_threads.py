@@ -71,9 +71,10 @@ def check(requested):
         choose(requested, {}, 1)
 
 
-def hold(key, threads: Optional[int], name: str):
+def hold(key, threads: Optional[int], name: str, quiet: bool = False):
     """While ``key`` is held, this process computes on at most ``threads`` intra-op threads
-    (held again: the new count replaces the old)."""
+    (held again: the new count replaces the old). A change is logged (``quiet``: at the
+    debug level)."""
     global _before, _set
     if threads is None:
         return
@@ -85,7 +86,8 @@ def hold(key, threads: Optional[int], name: str):
         target = min(_held.values())
         if target != current:
             torch.set_num_threads(target)
-            logging.getLogger("shmgrad").info(
+            log = logging.getLogger("shmgrad")
+            (log.debug if quiet else log.info)(
                 "engine %r: this trainer's intra-op threads %d -> %d while it is attached, %s "
                 "(trainer_threads= to choose)",
                 name,
@@ -99,8 +101,9 @@ def hold(key, threads: Optional[int], name: str):
 
 
 def rehold(key, threads: Optional[int], name: str):
-    """``key``'s count becomes ``threads`` (the placement changed), unless the caller has
-    set its own count since shmgrad last did, which stands."""
+    """``key``'s count becomes ``threads`` (the placement changed: logged at the debug
+    level, as the probe's visits change it, and its report says what it chose), unless the
+    caller has set its own count since shmgrad last did, which stands."""
     if threads is None:
         return
     with _lock:
@@ -109,7 +112,7 @@ def rehold(key, threads: Optional[int], name: str):
         if torch.get_num_threads() != _set:
             _held[key] = threads
             return
-        hold(key, threads, name)
+        hold(key, threads, name, quiet=True)
 
 
 def release(key):
