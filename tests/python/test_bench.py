@@ -470,6 +470,26 @@ def test_collective_options_are_checked(tmp_path):
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="auto over 2 cores needs 2 CPUs")
+def test_eager_auto_may_place_the_steps_in_the_trainer(tmp_path):
+    """`--systems eager-auto`: the probe also times the trainer computing each step itself
+    (docs/DESIGN.md, "In the trainer"); whichever it keeps, the steps run on what it says
+    (one participant where it is the trainer) and the row names it."""
+    result, table = _bench(tmp_path, "--tiny", "--workers", "2", "--systems", "single,eager-auto")
+    auto = next(r for r in result["results"] if r["system"] == "eager-auto")
+    assert "error" not in auto, auto
+    assert [c["in_trainer"] for c in auto["probe"]].count(True) == 1, auto["probe"]
+    where, threads = auto["placement"].split("x")
+    row = next(line for line in table.splitlines() if "| eager-auto |" in line)
+    if where == "trainer":
+        assert auto["participants"] == 1 and threads == "2", auto
+        assert "placed in the trainer, 2 threads" in row, row
+    else:
+        assert auto["participants"] == int(where), auto
+        assert f"placed {where} workers x {threads} threads" in row, row
+    assert auto["grad_rel_err"] < 1e-4, auto
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="auto over 2 cores needs 2 CPUs")
 def test_auto_placement_against_the_best_baseline(tmp_path):
     """`--systems single,auto`: the engine with workers="auto" over N=2 cores probes its
     placement on the batches first (the steps it took and what it chose are reported),

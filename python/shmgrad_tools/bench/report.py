@@ -229,9 +229,14 @@ def table(records, reductions, targets):
             ratio = f"{r['ratio_to_shmgrad']:.2f}x" if "ratio_to_shmgrad" in r else "-"
         notes = []
         if "placement" in r:
+            where, threads = r["placement"].split("x")
+            placed = (
+                f"in the trainer, {threads}"
+                if where == "trainer"
+                else f"{where} workers x {threads}"
+            )
             notes.append(
-                f"placed {r['placement'].replace('x', ' workers x ')} threads "
-                f"(probe {r['probe_steps']} steps, {r['probe_s']:.1f} s)"
+                f"placed {placed} threads (probe {r['probe_steps']} steps, {r['probe_s']:.1f} s)"
             )
         if "best_baseline_over_this" in r:
             notes.append(f"{r['best_baseline']} / this {r['best_baseline_over_this']:.2f}x")

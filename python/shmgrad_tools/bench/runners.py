@@ -115,7 +115,7 @@ def run_shmgrad(
         placement = {}
         if auto:
             placement = probe_placement(engine, batches, deadline)
-            workers = int(placement["placement"].split("x")[0])  # the steps' participants
+            workers = placement["participants"]  # the steps' participants
 
         def step(i, x, y, left):
             nonlocal grad
@@ -190,9 +190,16 @@ def probe_placement(engine, batches, deadline):
         engine.gradient(inputs=x, targets=y, reduction="sum", timeout=max(1.0, deadline - now()))
         steps += 1
     st = engine.status()
+    # The trainer computing the steps itself (eager workers): one participant, its own.
+    if st.placement_in_trainer:
+        where, participants = "trainer", 1
+    else:
+        participants = st.placement_workers or len(st.ready_workers)
+        where = str(participants)
     return {
         "threads": st.placement_threads,
-        "placement": f"{st.placement_workers or len(st.ready_workers)}x{st.placement_threads}",
+        "placement": f"{where}x{st.placement_threads}",
+        "participants": participants,
         "probe_steps": steps,
         "probe_s": now() - t0,
         "probe": list(st.placement_probe),
