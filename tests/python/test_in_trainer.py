@@ -64,17 +64,22 @@ def _reference(model, x, y, scale=1.0):
     return ref
 
 
-@pytest.fixture
-def engine(monkeypatch):
-    monkeypatch.setenv(PID_ENV, str(os.getpid()))
-    with shmgrad.Engine(
+def _auto_engine(forward):
+    """An engine of Net with workers="auto" and eager workers, whose forward is ``forward``."""
+    return shmgrad.Engine(
         model=_net(),
         workers="auto",
         loss="cross_entropy",
         mode="eager",
-        forward=_where_forward,
+        forward=forward,
         loss_reduction="sum",
-    ) as e:
+    )
+
+
+@pytest.fixture
+def engine(monkeypatch):
+    monkeypatch.setenv(PID_ENV, str(os.getpid()))
+    with _auto_engine(_where_forward) as e:
         yield e
 
 
@@ -172,14 +177,7 @@ def test_the_probe_times_the_trainer_and_threads_follow_the_choice(monkeypatch, 
     monkeypatch.setenv(PID_ENV, str(os.getpid()))
     monkeypatch.setenv(SLOW_ENV, slow)
     before = torch.get_num_threads()
-    engine = shmgrad.Engine(
-        model=_net(),
-        workers="auto",
-        loss="cross_entropy",
-        mode="eager",
-        forward=_slowed_forward,
-        loss_reduction="sum",
-    )
+    engine = _auto_engine(_slowed_forward)
     try:
         model = engine.bind(_net())
         st = engine.status()
