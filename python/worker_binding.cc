@@ -279,11 +279,24 @@ uint32_t magnitude(const torch::Tensor& t, uint32_t* cached) {
   return *cached;
 }
 
+// After parameter `index`'s gradient was computed into its .grad as go.T @ b (b null: go's
+// sum over the batch, b = 1): where a shard alone will read it for non-finite values, the
+// bound on go and b vouches for it instead when it can (ipc::productFinite), which reads
+// B x (in + out) floats against in x out. go_bits: go's magnitude, computed once for the
+// weight and the bias.
+void vouchIfBounded(worker::StepParticipant* participant, int64_t index, const torch::Tensor& go,
+                    uint32_t* go_bits, const torch::Tensor* b) {
+  if (!participant->checksWrites()) return;
+  constexpr uint32_t kOne = 0x3f800000u;  // 1.0f's bits
+  uint32_t b_bits = 0;
+  if (ipc::productFinite(static_cast<uint64_t>(go.size(0)), magnitude(go, go_bits),
+                         b == nullptr ? kOne : magnitude(*b, &b_bits))) {
+    participant->vouchFinite(static_cast<uint32_t>(index));
+  }
+}
+
 // The input's and the weight's gradients of x @ weight.T, given the output's (go) and the
-// saved input x (unpacked once by the caller's backward). Where the weight's is computed
-// into .grad and a shard alone will read it for non-finite values, the bound on go and x
-// vouches for it instead when it can (ipc::productFinite): reading them costs B x (in +
-// out) floats against in x out. go_bits: go's magnitude, shared with the bias.
+// saved input x (unpacked once by the caller's backward); go_bits as vouchIfBounded's.
 std::pair<torch::Tensor, torch::Tensor> inputAndWeight(torch::autograd::AutogradContext* ctx,
                                                        const torch::Tensor& go,
                                                        const torch::Tensor& x, uint32_t* go_bits) {
@@ -295,12 +308,7 @@ std::pair<torch::Tensor, torch::Tensor> inputAndWeight(torch::autograd::Autograd
     const int64_t index = ctx->saved_data["w_index"].toInt();
     torch::Tensor out = target(participant, weight, index, go, x);
     gw = out.defined() ? at::mm_out(out, go.t(), x) : go.t().mm(x);
-    uint32_t x_bits = 0;
-    if (out.defined() && participant->checksWrites() &&
-        ipc::productFinite(static_cast<uint64_t>(go.size(0)), magnitude(go, go_bits),
-                           magnitude(x, &x_bits))) {
-      participant->vouchFinite(static_cast<uint32_t>(index));
-    }
+    if (out.defined()) vouchIfBounded(participant, index, go, go_bits, &x);
   }
   return {gx, gw};
 }
@@ -331,12 +339,7 @@ struct DirectLinear : public torch::autograd::Function<DirectLinear> {
       torch::Tensor out =
           direct::target(participant, ctx->saved_data["bias"].toTensor(), index, go, x);
       gb = out.defined() ? at::sum_out(out, go, {0}) : go.sum(0);
-      constexpr uint32_t kOne = 0x3f800000u;  // the bias's sum over the batch: go times 1
-      if (out.defined() && participant->checksWrites() &&
-          ipc::productFinite(static_cast<uint64_t>(go.size(0)), direct::magnitude(go, &go_bits),
-                             kOne)) {
-        participant->vouchFinite(static_cast<uint32_t>(index));
-      }
+      if (out.defined()) direct::vouchIfBounded(participant, index, go, &go_bits, nullptr);
     }
     return {gx, gw, gb, torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
