@@ -148,9 +148,7 @@ class Client:
         self._warned_passes = False
         # serve --workers auto with eager workers on the host: this process may compute a
         # step itself, as one of the placements (python/shmgrad/_in_trainer.py).
-        self._in_trainer = None
-        if trainer.has_trainer_slot():
-            self._in_trainer = _in_trainer.prepare(name, trainer)
+        self._in_trainer = _in_trainer.prepare(name, trainer)
         # serve --workers auto: the native trainer times placements on the first steps;
         # this says what it chose, once (status(), log(), the "shmgrad" logger).
         placement = trainer.placement()
@@ -438,12 +436,13 @@ class Client:
         self._placement_report = f"engine {self.name!r}: {placement['report']}"
         logging.getLogger("shmgrad").info("%s", self._placement_report)
 
-    def _follow_placement(self, in_trainer: bool):
+    def _follow_placement(self, in_trainer: bool, changed: bool = False):
         """The trainer's threads (trainer_threads="auto") for a placement: all it had where
         it computes the steps itself, the cores the workers leave free otherwise. During
         the probe too, which times each candidate from one step's start to the next's:
-        what a loop pays for it, its optimizer's step on these threads included."""
-        if in_trainer == self._threads_in_trainer or self._engine_status is None:
+        what a loop pays for it, its optimizer's step on these threads included.
+        ``changed``: the workers changed (a resize), so their free cores may have too."""
+        if self._engine_status is None or (in_trainer == self._threads_in_trainer and not changed):
             return
         self._threads_in_trainer = in_trainer
         _threads.rehold(
@@ -507,13 +506,8 @@ class Client:
         if self._engine_status is not None:
             # The workers compute from now on (the trainer may have computed itself): the
             # trainer's threads are the cores they leave free again.
-            status = dict(self._engine_status, target_workers=workers)
-            self._threads_in_trainer = False
-            _threads.rehold(
-                id(self),
-                _threads.choose(self._trainer_threads, status, _C.physical_cores()),
-                self.name,
-            )
+            self._engine_status = dict(self._engine_status, target_workers=workers)
+            self._follow_placement(False, changed=True)
 
     def log(self) -> str:
         """What the engine's coordinator and workers have printed so far: ``""`` for an
