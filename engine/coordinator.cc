@@ -140,9 +140,10 @@ class Coordinator {
     spec.num_slots = slots;
     spec.threads_per_worker = opt_.threads_per_worker;
     spec.placement_auto = opt_.auto_placement;
-    // The trainer may compute a step itself (engine/placement.h, "in the trainer"): an eager
-    // job on the host, where the trainer (Python) can run it; one more gradient slot.
-    spec.trainer_slot = opt_.auto_placement && eager() && opt_.devices.empty();
+    // The trainer may compute a step itself (engine/placement.h, "in the trainer"): on the
+    // host, the eager job (python/shmgrad/_in_trainer.py) or the TorchScript model
+    // (worker::ScriptInTrainer) in the trainer's process; one more gradient slot.
+    spec.trainer_slot = opt_.auto_placement && opt_.devices.empty();
     spec.params = model.params;
     spec.buffers = model.buffers;
     spec.max_batch = opt_.max_batch;

@@ -200,8 +200,8 @@ void Trainer::setInTrainer(InTrainerStep step) {
   checkUsable();
   SHMGRAD_CHECK(lease_, ErrorKind::kInvalidArgument, "an observer computes no steps");
   SHMGRAD_CHECK(hasTrainerSlot(), ErrorKind::kInvalidArgument, "engine '", name_,
-                "' has no trainer slot: only an engine served with --workers auto and eager "
-                "workers on the host lets its trainer compute");
+                "' has no trainer slot: only an engine served with --workers auto on the host "
+                "lets its trainer compute");
   SHMGRAD_CHECK(step != nullptr, ErrorKind::kInvalidArgument, "setInTrainer needs a step");
   in_trainer_ = std::move(step);
   ipc::WorkerRecord& w = seg_->header()->workers[ipc::trainerSlot(*seg_->header())];

@@ -93,11 +93,12 @@ inline constexpr Tunable kTunables[] = {
     {"SHMGRAD_BACKEND_STAGING_MB", nullptr, "64 MiB over the ranks, 0.25 to 8 MiB a buffer",
      "the `shmgrad` torch.distributed backend's staging buffer per rank (two each)"},
     {"SHMGRAD_DIRECT_LINEAR", "1", nullptr,
-     "eager workers: nn.Linear layers compute their weight and bias gradients straight into "
-     "the gradient slot (python/shmgrad/_direct.py; 0: computed apart and copied in)"},
+     "eager and TorchScript workers on the host: nn.Linear layers compute their weight and "
+     "bias gradients straight into the gradient slot (worker/direct_linear.h; 0: computed "
+     "apart and copied in)"},
     {"SHMGRAD_IN_TRAINER", "1", nullptr,
-     "workers=\"auto\" with eager workers on the host: the placement probe also times the "
-     "trainer computing each step itself (0: workers only)"},
+     "workers=\"auto\" on the host: the placement probe also times the trainer computing "
+     "each step itself (0: workers only)"},
     {"SHMGRAD_BACKEND_ARENA_MB", nullptr, "4 GiB of address space per rank, 64 GiB over the ranks",
      "the `shmgrad` backend's arena per rank, where DDP's gradient buckets are allocated and "
      "all-reduced in place (0: none; memory is taken only for what is allocated)"},

@@ -299,13 +299,21 @@ PYBIND11_MODULE(_C, m) {
            py::arg("in_trainer") = false)
       .def("has_trainer_slot", &shmgrad::Trainer::hasTrainerSlot)
       .def(
+          "worker_kind",
+          [](const shmgrad::Trainer& t) {
+            return std::string(shmgrad::ipc::workerKindName(
+                static_cast<shmgrad::ipc::WorkerKind>(t.segment().header()->worker_kind)));
+          },
+          "the engine's workers: \"script\" (TorchScript) or \"eager\"")
+      .def(
           "set_in_trainer",
           [](shmgrad::Trainer& t, py::handle participant) {
             t.setInTrainer(shmgrad::inTrainerStep(participant));
           },
           py::arg("participant"),
           "steps of the in-trainer placement run participant's compute (the trainer slot's "
-          "_C.StepParticipant, prepared; kept alive by the caller while this trainer lives)")
+          "_C.StepParticipant, prepared, or a _C.ScriptInTrainer; kept alive by the caller "
+          "while this trainer lives)")
       .def("placement",
            [](const shmgrad::Trainer& t) {
              const shmgrad::PlacementStatus p = t.placement();

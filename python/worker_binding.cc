@@ -16,9 +16,12 @@
 #include "ipc/reduce.h"
 #include "ipc/segment.h"
 #include "views/segment_views.h"
+#include "worker/direct_linear.h"
 #include "worker/grad_hooks.h"
 #include "worker/process.h"
+#include "worker/replica.h"
 #include "worker/step_protocol.h"
+#include "worker/worker_loop.h"
 
 namespace py = pybind11;
 
@@ -199,16 +202,7 @@ class EagerParticipant {
   void runInTrainer(uint32_t e, uint32_t threads) {
     SHMGRAD_CHECK(in_trainer_ != nullptr, ErrorKind::kInvalidArgument,
                   "prepare_in_trainer was not called");
-    const int before = at::get_num_threads();
-    const bool change = threads != 0 && static_cast<int>(threads) != before;
-    if (change) at::set_num_threads(static_cast<int>(threads));
-    try {
-      participant_->runStep(e, *in_trainer_);
-    } catch (...) {
-      if (change) at::set_num_threads(before);
-      throw;
-    }
-    if (change) at::set_num_threads(before);
+    worker::withIntraOpThreads(threads, [&] { participant_->runStep(e, *in_trainer_); });
   }
 
   // Hooks the model's parameters (the engine's, in order): their gradients' completion in
@@ -226,140 +220,17 @@ class EagerParticipant {
 
 }  // namespace
 
-// The in-trainer step over `participant` (a _C.StepParticipant of the trainer slot, kept
-// alive by the Python client for as long as its trainer; python/binding.cc).
+// The in-trainer step over `participant` (a _C.StepParticipant of the trainer slot, or a
+// _C.ScriptInTrainer; kept alive by the Python client for as long as its trainer;
+// python/binding.cc).
 Trainer::InTrainerStep inTrainerStep(py::handle participant) {
+  if (py::isinstance<worker::ScriptInTrainer>(participant)) {
+    worker::ScriptInTrainer* s = participant.cast<worker::ScriptInTrainer*>();
+    return [s](uint32_t e, uint32_t threads) { s->run(e, threads); };
+  }
   EagerParticipant* p = participant.cast<EagerParticipant*>();
   return [p](uint32_t e, uint32_t threads) { p->runInTrainer(e, threads); };
 }
-
-// nn.Linear whose weight and bias gradients backward computes straight into their .grad
-// when the step protocol takes them as the parameter's first write of the shard
-// (python/shmgrad/_direct.py says when it is used), handing autograd that .grad itself:
-// WriteFirstHook sees its own memory and neither copies nor adds. Otherwise a fresh
-// gradient, for the accumulator. In C++ so that backward calls no Python. A layer without
-// a bias runs DirectLinearNoBias (an undefined tensor cannot be a Function's input).
-namespace direct {
-
-// What a Function saved of its layer: the participant and the engine's parameter indices.
-void save(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
-          const torch::Tensor& weight, worker::StepParticipant* participant, int64_t w_index) {
-  ctx->save_for_backward({x});
-  ctx->saved_data["weight"] = weight;
-  ctx->saved_data["participant"] = reinterpret_cast<int64_t>(participant);
-  ctx->saved_data["w_index"] = w_index;
-}
-
-worker::StepParticipant* participantOf(torch::autograd::AutogradContext* ctx) {
-  return reinterpret_cast<worker::StepParticipant*>(ctx->saved_data["participant"].toInt());
-}
-
-// param's .grad, when backward may compute the gradient into it (the protocol's first
-// write of the shard, float32, the parameter's shape); else undefined: a fresh gradient.
-torch::Tensor target(worker::StepParticipant* participant, const torch::Tensor& param,
-                     int64_t index, const torch::Tensor& go, const torch::Tensor& x) {
-  torch::Tensor grad = param.grad();
-  if (grad.defined() && grad.scalar_type() == torch::kFloat && go.scalar_type() == torch::kFloat &&
-      x.scalar_type() == torch::kFloat && grad.is_contiguous() && grad.sizes() == param.sizes() &&
-      participant->claimDirectWrite(static_cast<uint32_t>(index))) {
-    return grad;
-  }
-  return torch::Tensor();
-}
-
-// The largest magnitude in t as ipc::maxMagnitudeBits gives it, computed once (bits 0:
-// not yet); a tensor that is not contiguous counts as holding an infinity.
-uint32_t magnitude(const torch::Tensor& t, uint32_t* cached) {
-  if (*cached == 0) {
-    *cached = t.is_contiguous()
-                  ? std::max<uint32_t>(1, ipc::maxMagnitudeBits(t.const_data_ptr<float>(),
-                                                                static_cast<uint64_t>(t.numel())))
-                  : 0x7f800000u;
-  }
-  return *cached;
-}
-
-// After parameter `index`'s gradient was computed into its .grad as go.T @ b (b null: go's
-// sum over the batch, b = 1): where a shard alone will read it for non-finite values, the
-// bound on go and b vouches for it instead when it can (ipc::productFinite), which reads
-// B x (in + out) floats against in x out. go_bits: go's magnitude, computed once for the
-// weight and the bias.
-void vouchIfBounded(worker::StepParticipant* participant, int64_t index, const torch::Tensor& go,
-                    uint32_t* go_bits, const torch::Tensor* b) {
-  if (!participant->checksWrites()) return;
-  constexpr uint32_t kOne = 0x3f800000u;  // 1.0f's bits
-  uint32_t b_bits = 0;
-  if (ipc::productFinite(static_cast<uint64_t>(go.size(0)), magnitude(go, go_bits),
-                         b == nullptr ? kOne : magnitude(*b, &b_bits))) {
-    participant->vouchFinite(static_cast<uint32_t>(index));
-  }
-}
-
-// The input's and the weight's gradients of x @ weight.T, given the output's (go) and the
-// saved input x (unpacked once by the caller's backward); go_bits as vouchIfBounded's.
-std::pair<torch::Tensor, torch::Tensor> inputAndWeight(torch::autograd::AutogradContext* ctx,
-                                                       const torch::Tensor& go,
-                                                       const torch::Tensor& x, uint32_t* go_bits) {
-  const torch::Tensor weight = ctx->saved_data["weight"].toTensor();
-  torch::Tensor gx, gw;
-  if (ctx->needs_input_grad(0)) gx = go.mm(weight);
-  if (ctx->needs_input_grad(1)) {
-    worker::StepParticipant* participant = participantOf(ctx);
-    const int64_t index = ctx->saved_data["w_index"].toInt();
-    torch::Tensor out = target(participant, weight, index, go, x);
-    gw = out.defined() ? at::mm_out(out, go.t(), x) : go.t().mm(x);
-    if (out.defined()) vouchIfBounded(participant, index, go, go_bits, &x);
-  }
-  return {gx, gw};
-}
-
-}  // namespace direct
-
-struct DirectLinear : public torch::autograd::Function<DirectLinear> {
-  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
-                               const torch::Tensor& weight, const torch::Tensor& bias,
-                               worker::StepParticipant* participant, int64_t w_index,
-                               int64_t b_index) {
-    direct::save(ctx, x, weight, participant, w_index);
-    ctx->saved_data["bias"] = bias;
-    ctx->saved_data["b_index"] = b_index;
-    return torch::nn::functional::linear(x, weight, bias);
-  }
-
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const torch::Tensor& go = grads[0];
-    const torch::Tensor x = ctx->get_saved_variables()[0];
-    uint32_t go_bits = 0;
-    auto [gx, gw] = direct::inputAndWeight(ctx, go, x, &go_bits);
-    torch::Tensor gb;
-    if (ctx->needs_input_grad(2)) {
-      worker::StepParticipant* participant = direct::participantOf(ctx);
-      const int64_t index = ctx->saved_data["b_index"].toInt();
-      torch::Tensor out =
-          direct::target(participant, ctx->saved_data["bias"].toTensor(), index, go, x);
-      gb = out.defined() ? at::sum_out(out, go, {0}) : go.sum(0);
-      if (out.defined()) direct::vouchIfBounded(participant, index, go, &go_bits, nullptr);
-    }
-    return {gx, gw, gb, torch::Tensor(), torch::Tensor(), torch::Tensor()};
-  }
-};
-
-struct DirectLinearNoBias : public torch::autograd::Function<DirectLinearNoBias> {
-  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
-                               const torch::Tensor& weight, worker::StepParticipant* participant,
-                               int64_t w_index) {
-    direct::save(ctx, x, weight, participant, w_index);
-    return torch::nn::functional::linear(x, weight);
-  }
-
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    uint32_t go_bits = 0;
-    auto [gx, gw] = direct::inputAndWeight(ctx, grads[0], ctx->get_saved_variables()[0], &go_bits);
-    return {gx, gw, torch::Tensor(), torch::Tensor()};
-  }
-};
 
 void bindEagerWorker(py::module_& m) {
   m.attr("EXIT_STOPPED") = worker::kExitStopped;
@@ -397,6 +268,30 @@ void bindEagerWorker(py::module_& m) {
       .def_readonly("targets", &PyShard::targets)
       .def_readonly("leaves", &PyShard::leaves)
       .def_readonly("structure", &PyShard::structure);
+
+  m.def(
+      "rewrite_linears",
+      [](const std::string& path) {
+        torch::jit::Module module = worker::loadModel(path);
+        const int count = worker::rewriteLinears(module);
+        std::string graphs;
+        for (const torch::jit::Module& m : module.modules()) {
+          for (const torch::jit::Method& method : m.get_methods())
+            graphs += method.graph()->toString();
+        }
+        return py::make_tuple(count, graphs);
+      },
+      py::arg("path"),
+      "for tests: a TorchScript file's model as a replica loads it, its aten::linear nodes "
+      "rewritten into shmgrad::linear (worker/direct_linear.h): (nodes rewritten, the graphs "
+      "of every module's methods)");
+
+  py::class_<worker::ScriptInTrainer>(
+      m, "ScriptInTrainer",
+      "A TorchScript engine's trainer slot computed in this process (worker/worker_loop.h), "
+      "for Trainer.set_in_trainer")
+      .def(py::init<const std::string&, int>(), py::arg("name"), py::arg("coordinator_pid"),
+           py::call_guard<py::gil_scoped_release>());
 
   py::class_<EagerParticipant>(m, "StepParticipant")
       .def(py::init<const std::string&, uint32_t, int>(), py::arg("name"), py::arg("slot"),
@@ -450,10 +345,7 @@ void bindEagerWorker(py::module_& m) {
           "direct_linear",
           [](EagerParticipant& p, const torch::Tensor& x, const torch::Tensor& weight,
              const std::optional<torch::Tensor>& bias, int64_t w_index, int64_t b_index) {
-            if (!bias.has_value()) {
-              return DirectLinearNoBias::apply(x, weight, p.participant_.get(), w_index);
-            }
-            return DirectLinear::apply(x, weight, *bias, p.participant_.get(), w_index, b_index);
+            return worker::directLinear(p.participant_.get(), x, weight, bias, w_index, b_index);
           },
           py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("w_index"), py::arg("b_index"),
           "F.linear(x, weight, bias) (bias None: none), its parameters' gradients computed "

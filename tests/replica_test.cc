@@ -302,6 +302,30 @@ TEST(ReplicaErrorsTest, SlotOutOfRangeAndMismatchedModel) {
         throwsKind(ErrorKind::kInvalidArgument, [&] { worker::Replica r(*seg, 2, memory); }));
   }
   {
+    // With a trainer slot (serve --workers auto), slot 2 is the trainer's: a replica there
+    // (worker::ScriptInTrainer's) computes into it; slot 3 is out of range.
+    const std::string name = uniqueName("replica-trainer-slot");
+    SegmentGuard guard(name);
+    ipc::SegmentSpec spec = specFor(name, mlp, model, 2);
+    spec.trainer_slot = true;
+    auto seg = ipc::Segment::create(spec);
+    writeInitialParams(*seg, model);
+    const gpu::EngineMemory memory(*seg);
+    EXPECT_TRUE(
+        throwsKind(ErrorKind::kInvalidArgument, [&] { worker::Replica r(*seg, 3, memory); }));
+    worker::Replica r(*seg, 2, memory);
+    r.zeroGrad();
+    torch::manual_seed(5);
+    torch::Tensor x = torch::randn({6, 1, kSide, kSide});
+    torch::Tensor y = torch::randint(0, kClasses, {6}, torch::kInt64);
+    r.accumulate(x, y);
+    EXPECT_LT(relativeError(readBuffer(*seg, seg->slot(2)),
+                            referenceGradient(mlp, "cross_entropy", x, y)),
+              1e-5);
+    EXPECT_EQ(nonZero(*seg, seg->slot(0)), 0);
+    EXPECT_EQ(nonZero(*seg, seg->slot(1)), 0);
+  }
+  {
     // The segment describes the MLP but its model path names the CNN.
     const std::string name = uniqueName("replica-mismatch");
     SegmentGuard guard(name);
@@ -312,6 +336,50 @@ TEST(ReplicaErrorsTest, SlotOutOfRangeAndMismatchedModel) {
         ErrorKind::kInvalidArgument, [&] { worker::Replica r(*seg, 0, memory); }, &message));
     EXPECT_NE(message.find("does not match"), std::string::npos) << message;
   }
+}
+
+// The replica's linear layers become shmgrad::linear (worker/direct_linear.h), which
+// outside a shard's pass (no DirectLinearScope) is aten::linear: the same outputs and the
+// same gradients; SHMGRAD_DIRECT_LINEAR=0 leaves the graph as it is.
+TEST(ReplicaDirectLinearTest, LinearLayersAreRewrittenAndComputeAsBefore) {
+  const std::string dir = tempDir("replica-direct");
+  // The test MLP with its products as linear layers (aten::linear), one without a bias.
+  const std::string path = dir + "/linear.pt";
+  {
+    torch::jit::Module mlp = torch::jit::load(saveModel("mlp", dir, 7));
+    torch::jit::Module m("LinearMlp");
+    for (const auto& p : mlp.named_parameters()) m.register_parameter(p.name, p.value, false);
+    m.define(R"(
+def forward(self, x):
+    h = torch.relu(torch.linear(torch.flatten(x, 1), self.w1, self.b1))
+    return torch.linear(h, self.w2) + self.b2
+)");
+    m.save(path);
+  }
+  torch::jit::Module plain = torch::jit::load(path);
+  torch::jit::Module rewritten = worker::loadModel(path);
+  EXPECT_GE(worker::rewriteLinears(rewritten), 1);
+  EXPECT_EQ(worker::rewriteLinears(rewritten), 0);  // none left
+  torch::manual_seed(3);
+  torch::Tensor x = torch::randn({5, 1, kSide, kSide});
+  EXPECT_TRUE(torch::equal(plain.forward({x}).toTensor(), rewritten.forward({x}).toTensor()));
+
+  worker::ModelParams model = worker::describeModel(path);
+  const std::string name = uniqueName("replica-direct");
+  SegmentGuard guard(name);
+  auto seg = ipc::Segment::create(specFor(name, path, model, 1));
+  writeInitialParams(*seg, model);
+  const gpu::EngineMemory memory(*seg);
+  {
+    worker::Replica r(*seg, 0, memory);
+    EXPECT_EQ(r.directIndex().size(), r.parameters().size());
+  }
+  ASSERT_EQ(setenv("SHMGRAD_DIRECT_LINEAR", "0", 1), 0);
+  {
+    worker::Replica r(*seg, 0, memory);
+    EXPECT_TRUE(r.directIndex().empty());
+  }
+  unsetenv("SHMGRAD_DIRECT_LINEAR");
 }
 
 TEST(ReplicaErrorsTest, ModelFileErrors) {

@@ -96,4 +96,21 @@ class StepThreads {
   uint32_t started_, current_;
 };
 
+// The in-trainer placement's threads (Trainer::setInTrainer): fn runs on `threads` intra-op
+// threads (0: as the process has them), and the process has its own again afterwards, also
+// when fn throws. Both kinds of in-trainer compute (eager and TorchScript) use it.
+template <typename Fn>
+void withIntraOpThreads(uint32_t threads, Fn&& fn) {
+  const int before = at::get_num_threads();
+  const bool change = threads != 0 && static_cast<int>(threads) != before;
+  if (change) at::set_num_threads(static_cast<int>(threads));
+  try {
+    fn();
+  } catch (...) {
+    if (change) at::set_num_threads(before);
+    throw;
+  }
+  if (change) at::set_num_threads(before);
+}
+
 }  // namespace shmgrad::worker

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <fstream>
 
+#include "ipc/config.h"
 #include "ipc/error.h"
 #include "ipc/layout.h"
 #include "views/segment_views.h"
@@ -104,8 +105,8 @@ Replica::Replica(const ipc::Segment& segment, uint32_t slot, const gpu::EngineMe
       memory_(memory),
       loss_(static_cast<ipc::LossKind>(segment.header()->loss)) {
   const ipc::SegmentHeader* h = segment.header();
-  SHMGRAD_CHECK(slot < h->num_slots, ErrorKind::kInvalidArgument, "worker slot ", slot,
-                " >= slots ", h->num_slots);
+  SHMGRAD_CHECK(slot < ipc::allSlots(*h), ErrorKind::kInvalidArgument, "worker slot ", slot,
+                " >= slots ", ipc::allSlots(*h));
   module_ = loadModel(h->model_path);
   module_.train();
   device_ = memory.ordinal(slot);
@@ -137,6 +138,15 @@ Replica::Replica(const ipc::Segment& segment, uint32_t slot, const gpu::EngineMe
   }
   SHMGRAD_CHECK(i == h->num_params, ErrorKind::kInvalidArgument, "model ", h->model_path, " has ",
                 i, " parameters but the engine's table has ", h->num_params);
+  // On the host, the model's linear layers compute their gradients into the slot
+  // (worker/direct_linear.h), as eager workers' do, unless SHMGRAD_DIRECT_LINEAR=0.
+  const char* direct = config::tunable("SHMGRAD_DIRECT_LINEAR");
+  if (!options_.device().is_cuda() && !(direct != nullptr && std::string(direct) == "0") &&
+      rewriteLinears(module_) > 0) {
+    for (size_t k = 0; k < params_.size(); ++k) {
+      direct_index_.emplace(params_[k].unsafeGetTensorImpl(), static_cast<int64_t>(k));
+    }
+  }
   bindGradients(grads);
   grad_versions_.assign(params_.size(), 0);
   // Buffers: this replica keeps its own, as views of one block laid out as the segment's

@@ -10,6 +10,7 @@
 
 #include "gpu/engine_memory.h"
 #include "ipc/segment.h"
+#include "worker/direct_linear.h"
 
 namespace shmgrad::worker {
 
@@ -73,6 +74,10 @@ class Replica {
   void markGradParams(uint64_t* bits) const;
 
   const std::vector<torch::Tensor>& parameters() const { return params_; }
+  // The engine parameters' indices by tensor, for a DirectLinearScope around a pass: empty
+  // where the module's linear layers were not rewritten (on a device, or
+  // SHMGRAD_DIRECT_LINEAR=0), which then compute fresh gradients.
+  const ParamIndex& directIndex() const { return direct_index_; }
   torch::jit::Module& module() { return module_; }
 
  private:
@@ -89,6 +94,7 @@ class Replica {
   // shared buffers and of this slot's copy of them (BufferRule::kMean).
   torch::Tensor buffer_block_, shared_block_, slot_block_;
   ipc::LossKind loss_;
+  ParamIndex direct_index_;
 };
 
 }  // namespace shmgrad::worker

@@ -29,16 +29,23 @@ namespace {
 
 // The compute phase of a TorchScript worker: the replica's forward, built-in loss and
 // backward over one pass of the shard. Everything else is StepParticipant's.
+// in_trainer: the trainer's own compute (ScriptInTrainer::run sets the threads around each
+// step instead of the shard's placement setting them for good).
 class ScriptShardComputer : public ShardComputer {
  public:
-  ScriptShardComputer(const ipc::Segment& seg, Replica& replica, StepParticipant& participant)
-      : seg_(seg), replica_(replica), threads_(seg.header()->threads_per_worker) {
+  ScriptShardComputer(const ipc::Segment& seg, Replica& replica, StepParticipant& participant,
+                      bool in_trainer = false)
+      : seg_(seg),
+        replica_(replica),
+        participant_(participant),
+        threads_(seg.header()->threads_per_worker),
+        in_trainer_(in_trainer) {
     bindDataset();
     hooks_.watch(participant, replica.parameters());  // buckets reduced as backward goes
   }
 
   void beginShard(const Shard& s) override {
-    threads_.apply(s.threads);
+    if (!in_trainer_) threads_.apply(s.threads);
     replica_.bindGradients(s.grads);  // a no-op unless the buffer changed
     replica_.noteGradVersions();
     replica_.loadBuffers();
@@ -48,6 +55,8 @@ class ScriptShardComputer : public ShardComputer {
 
   PassResult computePass(const Shard& s, int64_t begin, int64_t end) override {
     // A loss by name is a sum over the examples: each counts once in a mean.
+    // Its linear layers' gradients straight into .grad (worker/direct_linear.h).
+    DirectLinearScope direct(&participant_, &replica_.directIndex());
     return {replica_.accumulate(inputs_.narrow(0, begin, end - begin),
                                 targets_.narrow(0, begin, end - begin), s.grad_scale),
             static_cast<double>(end - begin)};
@@ -81,9 +90,11 @@ class ScriptShardComputer : public ShardComputer {
 
   const ipc::Segment& seg_;
   Replica& replica_;
+  StepParticipant& participant_;
   torch::Tensor data_inputs_, data_targets_;
   torch::Tensor inputs_, targets_;  // the current shard's batch
   worker::StepThreads threads_;     // the placement's threads per step
+  const bool in_trainer_;
   GradReadyHooks hooks_;
 };
 
@@ -146,6 +157,40 @@ int runWorker(const WorkerOptions& o) {
   }
   if (!participant->becomeReady()) return kExitStopped;  // retired while starting
   return participant->serve(*computer);
+}
+
+struct ScriptInTrainer::State {
+  std::unique_ptr<ipc::Segment> seg;
+  std::unique_ptr<StepParticipant> participant;
+  std::unique_ptr<Replica> replica;
+  std::unique_ptr<ScriptShardComputer> computer;  // last: its hooks go before the replica
+};
+
+ScriptInTrainer::ScriptInTrainer(const std::string& engine_name, int coordinator_pid)
+    : state_(std::make_unique<State>()) {
+  State& s = *state_;
+  s.seg = ipc::Segment::open(engine_name);
+  const ipc::SegmentHeader* h = s.seg->header();
+  SHMGRAD_CHECK(h->worker_kind == static_cast<uint32_t>(ipc::WorkerKind::kScript),
+                ErrorKind::kInvalidArgument, "engine '", engine_name,
+                "' runs eager workers: its trainer computes through the job "
+                "(python/shmgrad/_in_trainer.py)");
+  SHMGRAD_CHECK(h->trainer_slots == 1, ErrorKind::kInvalidArgument, "engine '", engine_name,
+                "' has no trainer slot: only an engine served with --workers auto on the host "
+                "lets its trainer compute");
+  const uint32_t slot = ipc::trainerSlot(*h);
+  s.participant = std::make_unique<StepParticipant>(*s.seg, slot, coordinator_pid);
+  s.replica = std::make_unique<Replica>(*s.seg, slot, s.participant->memory());
+  s.computer = std::make_unique<ScriptShardComputer>(*s.seg, *s.replica, *s.participant, true);
+}
+
+ScriptInTrainer::~ScriptInTrainer() = default;
+
+void ScriptInTrainer::run(uint32_t epoch, uint32_t threads) {
+  // As the worker runs its graph (configureTorch), for this thread and this call only: the
+  // trainer's own TorchScript keeps torch's setting.
+  torch::jit::GraphOptimizerEnabledGuard plain(false);
+  withIntraOpThreads(threads, [&] { state_->participant->runStep(epoch, *state_->computer); });
 }
 
 }  // namespace shmgrad::worker

@@ -146,7 +146,7 @@ class Client:
         )
         self._reduction = DefaultReduction(name, trainer)
         self._warned_passes = False
-        # serve --workers auto with eager workers on the host: this process may compute a
+        # serve --workers auto on the host: this process may compute a
         # step itself, as one of the placements (python/shmgrad/_in_trainer.py).
         self._in_trainer = _in_trainer.prepare(name, trainer)
         # serve --workers auto: the native trainer times placements on the first steps;

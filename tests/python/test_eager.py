@@ -12,7 +12,7 @@ from torch import nn
 
 import shmgrad
 from conftest import relative_error, segments
-from helpers import GradientCall, wait_until_busy
+from helpers import GradientCall, LinearLayers, check_direct_linear_bits, wait_until_busy
 
 
 class Unscriptable(nn.Module):
@@ -689,11 +689,10 @@ def test_a_workers_shared_buffers_are_one_block():
         assert not torch.equal(model.bn2.running_mean, torch.zeros(6))
 
 
-class TiedAndPlain(nn.Module):
-    """Linear layers of every kind _direct.py meets: plain ones, one without a bias (in place
-    too, through its own C++ Function), one
-    whose weight is used twice (its two gradients summed by autograd before the slot), a
-    subclass it must leave alone, and a 3-D input it must pass to F.linear."""
+class TiedAndPlain(LinearLayers):
+    """Linear layers of every kind _direct.py meets: LinearLayers' (plain ones, one without
+    a bias, in place too through its own C++ Function, one whose weight is used twice, a
+    3-D input it must pass to F.linear), and a subclass it must leave alone."""
 
     class Scaled(nn.Linear):
         def forward(self, x):
@@ -701,20 +700,10 @@ class TiedAndPlain(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.inp = nn.Linear(12, 16)
-        self.square = nn.Linear(16, 16)
-        self.no_bias = nn.Linear(16, 16, bias=False)
         self.scaled = TiedAndPlain.Scaled(16, 16)
-        self.out = nn.Linear(16, 3)
 
     def forward(self, x):
-        h = torch.tanh(self.inp(x))
-        h = torch.tanh(self.square(h))
-        h = torch.tanh(self.square(h))  # the same weight again
-        h = torch.tanh(self.no_bias(h))
-        h = self.scaled(h)
-        h3 = self.out(h.unsqueeze(1))  # 3-D: F.linear as it is
-        return h3.squeeze(1)
+        return self.head(self.scaled(self.body(x)))
 
 
 @pytest.mark.parametrize("workers,per_pass", [(1, 5), (2, None)])
@@ -723,44 +712,7 @@ def test_direct_linear_gives_the_copied_paths_bits(monkeypatch, workers, per_pas
     _direct.py) give the same bits as the write-first copy (SHMGRAD_DIRECT_LINEAR=0), and
     plain PyTorch's gradient, over one shard in passes of 5 (a later pass must add, not
     overwrite) and two workers, two steps each (the second after an optimizer step)."""
-    torch.manual_seed(0)
-    model = TiedAndPlain()
-    start = {k: v.clone() for k, v in model.state_dict().items()}
-    g = torch.Generator().manual_seed(3)
-    batches = [(torch.randn(20, 12, generator=g), torch.randint(0, 3, (20,), generator=g))]
-    batches.append((torch.randn(20, 12, generator=g), torch.randint(0, 3, (20,), generator=g)))
-    grads = {}
-    for direct in ("1", "0"):
-        monkeypatch.setenv("SHMGRAD_DIRECT_LINEAR", direct)
-        model.load_state_dict(start)
-        options = {} if per_pass is None else {"max_examples_per_pass": per_pass}
-        with shmgrad.Engine(
-            model=model,
-            workers=workers,
-            threads_per_worker=1,
-            mode="eager",
-            loss="cross_entropy",
-            **options,
-        ) as engine:
-            engine.bind(model)
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            out = []
-            for x, y in batches:
-                opt.zero_grad()
-                engine.gradient(inputs=x, targets=y, reduction="sum", timeout=60)
-                out.append([p.grad.clone() for p in model.parameters()])
-                opt.step()
-        grads[direct] = out
-    for step_direct, step_copied in zip(grads["1"], grads["0"]):
-        for a, b in zip(step_direct, step_copied):
-            assert torch.equal(a, b)
-    # And plain PyTorch's first gradient, to rounding (other thread counts).
-    ref = TiedAndPlain()
-    ref.load_state_dict(start)
-    x, y = batches[0]
-    nn.functional.cross_entropy(ref(x), y, reduction="sum").backward()
-    for a, p in zip(grads["1"][0], ref.parameters()):
-        assert relative_error(a, p.grad) < 1e-5
+    check_direct_linear_bits(monkeypatch, TiedAndPlain, "eager", workers, per_pass, 12)
 
 
 def test_direct_linear_takes_exact_linear_layers_only():

@@ -1,6 +1,7 @@
 """The in-trainer placement (python/shmgrad/_in_trainer.py, engine/placement.h; issue 38):
-an engine served with workers="auto" and eager workers on the host lets the trainer compute
-a step itself, in the engine's trainer slot, under the same step protocol as a worker.
+an engine served with workers="auto" on the host (eager or TorchScript workers) lets the
+trainer compute a step itself, in the engine's trainer slot, under the same step protocol
+as a worker.
 These tests put the engine on that placement explicitly (the probe's choice depends on the
 machine) and check that each step ran in this process, and that its gradient, loss,
 buffers and statistics are a worker's: against one process of plain PyTorch, and bit for
@@ -257,3 +258,64 @@ def test_an_overflowing_gradient_is_found_however_the_step_is_placed(monkeypatch
             stats = engine.gradient(inputs=x, targets=y, loss_scale=1e30)
             assert not stats.nonfinite, (workers, in_trainer)
             assert all(torch.isfinite(p.grad).all() for p in net.parameters())
+
+
+class ScriptNet(torch.nn.Module):
+    """Net for TorchScript: linear layers (rewritten to compute in place), a BatchNorm."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(6, 10)
+        self.bn = torch.nn.BatchNorm1d(10)
+        self.fc2 = torch.nn.Linear(10, 3, bias=False)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.bn(self.fc1(x))))
+
+
+def test_a_torchscript_engines_trainer_computes_a_workers_step_exactly():
+    """TorchScript engines compute in the trainer through a C++ replica of their own
+    (worker::ScriptInTrainer): the step is the trainer slot's, and its gradient and
+    BatchNorm statistics are one worker's, bit for bit, and plain PyTorch's."""
+    torch.manual_seed(0)
+    net = ScriptNet()
+    with shmgrad.Engine(model=net, workers="auto", loss="cross_entropy", mode="script") as engine:
+        assert engine.mode == "script" and engine._in_trainer is not None
+        model = engine.bind(net)
+        x, y = _batch()
+        start = {k: v.clone() for k, v in model.state_dict().items()}
+        runs = {}
+        for in_trainer in (True, False):
+            model.load_state_dict(start)
+            _place(engine, in_trainer)
+            stats = engine.gradient(inputs=x, targets=y, reduction="sum")
+            trainer_slot = engine._trainer.slot_count()
+            assert (stats.worker_slots == [trainer_slot]) == in_trainer, stats.worker_slots
+            assert engine.status().placement_in_trainer == in_trainer
+            runs[in_trainer] = [p.grad.clone() for p in model.parameters()] + [
+                b.clone() for b in model.buffers()
+            ]
+            # Over two batches in passes of 7, accumulated, in eval mode.
+            model.eval()
+            engine.gradient(inputs=x, targets=y, max_examples_per_pass=7, reduction="sum")
+            x2, y2 = _batch(seed=2)
+            engine.gradient(
+                inputs=x2, targets=y2, max_examples_per_pass=7, accumulate=True, reduction="sum"
+            )
+            ref = ScriptNet()
+            ref.load_state_dict(model.state_dict())
+            ref.eval()
+            loss = torch.nn.functional.cross_entropy(
+                ref(torch.cat([x, x2])), torch.cat([y, y2]), reduction="sum"
+            )
+            loss.backward()
+            for got, want in zip(model.parameters(), ref.parameters()):
+                torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-5)
+            model.train()
+        for a, b in zip(runs[True], runs[False]):
+            assert torch.equal(a, b)
+        ref = ScriptNet()
+        ref.load_state_dict(start)
+        torch.nn.functional.cross_entropy(ref(x), y, reduction="sum").backward()
+        for got, want in zip(runs[True], ref.parameters()):
+            torch.testing.assert_close(got, want.grad, rtol=1e-5, atol=1e-6)

@@ -92,7 +92,7 @@ class Counts:
     structured_steps: int = 0  # eager: explicit batches given as gradient(batch=(x, y))
     accumulated_steps: int = 0  # eager: a batch given as two accumulated micro-batches
     scaled_steps: int = 0  # steps with a loss scale (2^10), unscaled before the check
-    in_trainer_steps: int = 0  # steps the trainer computed itself (eager, --workers auto)
+    in_trainer_steps: int = 0  # steps the trainer computed itself (--workers auto, on the host)
     stops: int = 0  # workers SIGSTOPped
     stop_timeouts: int = 0  # steps with a stopped worker that ended in a timeout, then re-run
     stops_resumed: int = 0  # stopped workers not needed by their batch twice, resumed
