@@ -603,6 +603,20 @@ def test_loop_bench_tiny(tmp_path):
     assert "single/this" in out, out
 
 
+def test_direct_linear_ab_tiny(tmp_path):
+    """tools/direct_linear_ab.py: two TorchScript engines, direct and copied, taking turns."""
+    path = tmp_path / "ab.json"
+    out = _tool(
+        "direct_linear_ab.py",
+        *("--configs", "tiny:8:1x1", "--steps", "6", "--warmup", "2", "--json", str(path)),
+    )
+    with open(path) as f:
+        (result,) = json.load(f)["results"]
+    assert result["model"] == "tiny" and result["workers"] == 1, result
+    assert all(_finite_positive(result[k]) for k in ("direct_s", "copied_s", "copied_over_direct"))
+    assert "copied/direct" in out, out
+
+
 @pytest.mark.full
 def test_ddp_bound_tiny(tmp_path):
     """tools/ddp_bound.py: DDP's variants and both engines in two rank processes."""
