@@ -22,6 +22,7 @@
 #include "ipc/segment.h"
 #include "tests/segment_testing.h"
 #include "tests/test_util.h"
+#include "worker/worker_loop.h"
 
 namespace shmgrad::testing {
 namespace {
@@ -99,6 +100,36 @@ INSTANTIATE_TEST_SUITE_P(ModelsAndWorkers, GradientTest,
                            return std::get<0>(info.param) + "_" +
                                   std::to_string(std::get<1>(info.param)) + "workers";
                          });
+
+// A C++ trainer of a TorchScript engine served with --workers auto computes steps itself
+// through worker::ScriptInTrainer (the in-trainer placement): each step is the trainer
+// slot's, its gradient the reference's and one worker's, bit for bit.
+TEST(EngineTest, ACppTrainerComputesTheStepsItselfThroughScriptInTrainer) {
+  Fixture f = makeFixture("mlp", 9);
+  const std::string name = uniqueName("in-trainer");
+  EngineProcess engine(name, {"--model", f.model, "--workers", "auto", "--loss", "cross_entropy",
+                              "--dataset", "npy:" + f.inputs_npy + "," + f.targets_npy});
+  auto t = Trainer::attach(name);
+  ASSERT_TRUE(t->hasTrainerSlot());
+  worker::ScriptInTrainer in_trainer(name, t->coordinatorPid());
+  t->setInTrainer([&](uint32_t e, uint32_t threads) { in_trainer.run(e, threads); });
+  auto grads = t->gradientViews();
+  torch::Tensor idx = torch::randperm(kExamples, torch::kInt64).narrow(0, 0, 40);
+  auto ref = referenceGradient(f.model, "cross_entropy", f.x.index_select(0, idx),
+                               f.y.index_select(0, idx));
+  std::vector<std::vector<torch::Tensor>> got;
+  for (const bool here : {true, false}) {
+    SCOPED_TRACE(here ? "in the trainer" : "one worker");
+    t->setPlacement(here ? 0 : 1, 1, here);
+    GradientStats s = t->gradient(idx);
+    ASSERT_EQ(s.workers.size(), 1u);
+    EXPECT_EQ(s.workers[0].slot == t->slotCount(), here);
+    EXPECT_LT(relativeError(grads, ref), 1e-5);
+    got.emplace_back();
+    for (const auto& g : grads) got.back().push_back(g.clone());
+  }
+  for (size_t i = 0; i < grads.size(); ++i) EXPECT_TRUE(torch::equal(got[0][i], got[1][i])) << i;
+}
 
 TEST(EngineTest, MoreWorkersThanExamplesAndOtherLosses) {
   Fixture f = makeFixture("mlp", 11);

@@ -45,7 +45,7 @@ def run_config(model_name, batch, workers, threads, mode, steps, warmup):
                 if i >= warmup:
                     times[direct].append(time.perf_counter() - t0)
     finally:
-        os.environ.pop("SHMGRAD_DIRECT_LINEAR", None)
+        os.environ["SHMGRAD_DIRECT_LINEAR"] = "1"  # the default again
         for e in engines.values():
             e.close()
     ratios = [c / d for d, c in zip(times["1"], times["0"])]
