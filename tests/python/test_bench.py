@@ -553,7 +553,7 @@ def test_auto_paired_with_one_process_of_n_threads(tmp_path):
         s / a for s, a in zip(block_medians(single["times_s"]), block_medians(auto["times_s"]))
     ]
     assert _finite_positive(auto["paired_ratio_median"])
-    assert auto["placement"] in {"1x2", "2x1"} and auto["probe_steps"] >= 4, auto
+    assert auto["placement"] in {"trainerx2", "1x2", "2x1"} and auto["probe_steps"] >= 4, auto
     assert auto["grad_rel_err"] < 1e-4 and single["grad_rel_err"] < 1e-4, (single, auto)
     assert any(
         t["config"] == "tiny b128 N=2" and t["target"].startswith("auto at least as fast")

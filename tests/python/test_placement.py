@@ -119,16 +119,24 @@ def test_a_later_trainer_keeps_the_choice_and_resize_fixes_the_placement():
                 first.gradient(inputs=x, targets=y)
             st = first.status()
             assert st.placement == "chosen", st.text
-            chosen = (st.placement_workers, st.placement_threads)
+            # The trainer's own placement too (a TorchScript engine's trainer computes
+            # through a replica of its own): the next trainer loads one and keeps it.
+            chosen = (st.placement_workers, st.placement_threads, st.placement_in_trainer)
         with shmgrad.attach(server.name) as second:
             second.gradient_tensors()
             st = second.status()
             assert (
-                st.placement == "chosen" and (st.placement_workers, st.placement_threads) == chosen
-            )
+                st.placement == "chosen"
+                and (
+                    st.placement_workers,
+                    st.placement_threads,
+                    st.placement_in_trainer,
+                )
+                == chosen
+            ), st.text
             assert st.placement_probe == ()  # no probe of its own
             stats = second.gradient(inputs=x, targets=y)
-            assert stats.workers == (chosen[0] or CORES)
+            assert stats.workers == (1 if chosen[2] else chosen[0] or CORES)
             # resize: the count asked for, the cores shared among them, from now on.
             second.resize(1)
             st = second.status()
