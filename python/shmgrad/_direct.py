@@ -4,7 +4,7 @@ In an eager worker each parameter's ``.grad`` is a view of the worker's gradient
 shared memory. Backward normally computes a fresh gradient and the write-first hook copies
 it into the slot (docs/DESIGN.md, "Write-first"): for GEMM-bound models that copy is 9 to
 35 % of a step (tools/shm_grad_bound.py). Here an ``nn.Linear`` runs through a C++
-autograd Function (``direct_linear``, python/worker_binding.cc) whose backward computes the
+autograd Function (``direct_linear``, worker/direct_linear.cc) whose backward computes the
 weight's gradient with ``mm(out=.grad)`` and the bias's with ``sum(out=.grad)`` when the
 step protocol takes it as the parameter's first gradient of the shard, and hands autograd
 that very ``.grad``: the accumulator's write-first hook sees its own memory and neither
