@@ -224,8 +224,7 @@ int rewriteLinears(torch::jit::Module& module) {
       count += rewriteBlock(graph->block(), *graph);
     }
   };
-  rewrite(module);
-  for (const torch::jit::Module& m : module.modules()) rewrite(m);
+  for (const torch::jit::Module& m : module.modules()) rewrite(m);  // module itself first
   return count;
 }
 

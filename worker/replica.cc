@@ -140,8 +140,8 @@ Replica::Replica(const ipc::Segment& segment, uint32_t slot, const gpu::EngineMe
                 i, " parameters but the engine's table has ", h->num_params);
   // On the host, the model's linear layers compute their gradients into the slot
   // (worker/direct_linear.h), as eager workers' do, unless SHMGRAD_DIRECT_LINEAR=0.
-  const char* direct = config::tunable("SHMGRAD_DIRECT_LINEAR");
-  if (!options_.device().is_cuda() && !(direct != nullptr && std::string(direct) == "0") &&
+  if (!options_.device().is_cuda() &&
+      std::string(config::tunableValue("SHMGRAD_DIRECT_LINEAR")) != "0" &&
       rewriteLinears(module_) > 0) {
     for (size_t k = 0; k < params_.size(); ++k) {
       direct_index_.emplace(params_[k].unsafeGetTensorImpl(), static_cast<int64_t>(k));

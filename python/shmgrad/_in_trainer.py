@@ -43,22 +43,16 @@ def prepare(name: str, trainer):
     before)."""
     if not trainer.has_trainer_slot() or tunable_value("SHMGRAD_IN_TRAINER") == "0":
         return None
-    from ._eager_worker import ShardRunner, describe
-    from ._job import load_job
-
     if trainer.worker_kind() == "script":
         try:
             script = _C.ScriptInTrainer(name, trainer.coordinator_pid())
-        except Exception as exc:  # the model does not load here: the workers compute
-            _log.warning(
-                "engine %r: this trainer cannot run the engine's model itself (%s); its workers "
-                "compute every step",
-                name,
-                exc,
-            )
-            return None
+        except Exception as exc:  # the model does not load here
+            return _workers_only(name, "model", exc)
         trainer.set_in_trainer(script)
         return InTrainer(script, None)
+    from ._eager_worker import ShardRunner, describe
+    from ._job import load_job
+
     try:
         participant = _C.StepParticipant(name, trainer.slot_count(), trainer.coordinator_pid())
         job = load_job(participant.job_path)
@@ -68,13 +62,19 @@ def prepare(name: str, trainer):
         participant.prepare_in_trainer(
             runner.begin, runner.compute_pass, runner.publish_buffers, runner.unreached
         )
-    except Exception as exc:  # any failure of the job to load here: the workers compute
-        _log.warning(
-            "engine %r: this trainer cannot run the engine's job itself (%s); its workers "
-            "compute every step",
-            name,
-            describe(exc),
-        )
-        return None
+    except Exception as exc:  # any failure of the job to load here
+        return _workers_only(name, "job", describe(exc))
     trainer.set_in_trainer(participant)
     return InTrainer(participant, runner)
+
+
+def _workers_only(name, what, why):
+    """None, logged: this trainer cannot compute the engine's steps, its workers do."""
+    _log.warning(
+        "engine %r: this trainer cannot run the engine's %s itself (%s); its workers compute "
+        "every step",
+        name,
+        what,
+        why,
+    )
+    return None
