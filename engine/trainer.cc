@@ -499,8 +499,6 @@ GradientStats Trainer::gradient(const torch::Tensor& inputs, const torch::Tensor
   const uint64_t start = ipc::monotonicNs();
   const uint64_t deadline = deadlineFor(o);
   waitIdle(deadline);
-  std::memcpy(seg_->region<uint8_t>(h->req_inputs), x.data_ptr(), in_bytes);
-  std::memcpy(seg_->region<uint8_t>(h->req_targets), y.data_ptr(), tg_bytes);
   ipc::StepRequest& r = h->request;
   std::memset(&r.example_shape, 0, sizeof(r.example_shape));
   std::memset(&r.target_shape, 0, sizeof(r.target_shape));
@@ -511,7 +509,27 @@ GradientStats Trainer::gradient(const torch::Tensor& inputs, const torch::Tensor
                                                                           : ipc::DType::kFloat32);
   r.target_shape.ndim = static_cast<uint32_t>(y.dim() - 1);
   for (int64_t d = 1; d < y.dim(); ++d) r.target_shape.dims[d - 1] = y.size(d);
+  // x and y outlive the step: run() copies them for workers, or the trainer reads them.
+  batch_ = {{static_cast<const uint8_t*>(x.data_ptr()), static_cast<const uint8_t*>(y.data_ptr())},
+            in_bytes,
+            tg_bytes,
+            false};
+  struct Forget {
+    ExplicitBatch& b;
+    ~Forget() { b = {}; }
+  } forget{batch_};
   return run(B, o, static_cast<uint32_t>(ipc::BatchKind::kExplicit), start, deadline);
+}
+
+// Workers read the batch in the request region: written there once per call, before the
+// first step that a worker takes part in is published (after waitIdle: no worker of an
+// earlier step still reads it).
+void Trainer::copyBatchForWorkers() {
+  if (batch_.local.inputs == nullptr || batch_.copied) return;
+  const ipc::SegmentHeader* h = seg_->header();
+  std::memcpy(seg_->region<uint8_t>(h->req_inputs), batch_.local.inputs, batch_.in_bytes);
+  std::memcpy(seg_->region<uint8_t>(h->req_targets), batch_.local.targets, batch_.tg_bytes);
+  batch_.copied = true;
 }
 
 GradientStats Trainer::gradient(const std::vector<torch::Tensor>& leaves,
@@ -889,10 +907,12 @@ GradientStats Trainer::run(int64_t B, const GradientOptions& o, uint32_t kind, u
     SHMGRAD_CHECK(serving() && (attempt == 0 || ipc::processAlive(seg_->header()->coordinator_pid)),
                   ErrorKind::kNotFound, "engine '", name_, "' has stopped", goneOnDevice());
     const Participants p = pickParticipants(B, o, deadline);
+    const bool here = p.slots[0] == ipc::trainerSlot(*seg_->header()) && in_trainer_;
+    if (!here) copyBatchForWorkers();
     const uint32_t e = publish(B, o, kind, p);
-    if (p.slots[0] == ipc::trainerSlot(*seg_->header()) && in_trainer_) {
+    if (here) {
       try {  // computed here: done when this returns (an error of the job is in its record)
-        in_trainer_(e, placement_.threads);
+        in_trainer_(e, placement_.threads, batch_.local);
       } catch (...) {
         dirty_ = true;
         ipc::abortStep(c, e);

@@ -24,6 +24,7 @@
 #include "engine/placement.h"
 #include "ipc/layout.h"
 #include "ipc/record.h"
+#include "ipc/step.h"
 
 namespace shmgrad {
 
@@ -209,8 +210,11 @@ class Trainer {
   // job's compute, on `threads` intra-op threads. Given by a trainer that can run the
   // engine's job (the Python client, for an eager job): the in-trainer placement becomes
   // possible, and a probe that has not begun also times it. Needs an engine with a
-  // trainer slot (serve --workers auto, eager, on the host).
-  using InTrainerStep = std::function<void(uint32_t epoch, uint32_t threads)>;
+  // trainer slot (serve --workers auto, eager, on the host). `batch`: a step of explicit
+  // inputs and targets reads them where this trainer holds them, not copied into the
+  // request region (pass it to StepParticipant::runStep, or ScriptInTrainer::run).
+  using InTrainerStep =
+      std::function<void(uint32_t epoch, uint32_t threads, const ipc::LocalBatch& batch)>;
   void setInTrainer(InTrainerStep step);
   bool hasTrainerSlot() const;
   PlacementStatus placement() const;
@@ -300,6 +304,15 @@ class Trainer {
   engine::Placement placement_;
   std::unique_ptr<engine::PlacementProbe> probe_;
   InTrainerStep in_trainer_;  // setInTrainer's (empty: this trainer cannot compute)
+  // The explicit batch of the step being run (gradient(inputs, targets)), held here until a
+  // step's participants are known: copied into the request region once for workers, read
+  // where it lies by the in-trainer placement. Empty outside that call.
+  struct ExplicitBatch {
+    ipc::LocalBatch local;
+    uint64_t in_bytes = 0, tg_bytes = 0;
+    bool copied = false;
+  } batch_;
+  void copyBatchForWorkers();
   // The probe's last step, timed when the next one starts (start 0: none to time).
   struct ProbedStep {
     uint64_t start = 0;

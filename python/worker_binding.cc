@@ -199,10 +199,10 @@ class EagerParticipant {
 
   // Step e, computed here on `threads` intra-op threads (0: as the process has them), which
   // the process has again afterwards. Called by Trainer::run without the GIL.
-  void runInTrainer(uint32_t e, uint32_t threads) {
+  void runInTrainer(uint32_t e, uint32_t threads, const ipc::LocalBatch& batch) {
     SHMGRAD_CHECK(in_trainer_ != nullptr, ErrorKind::kInvalidArgument,
                   "prepare_in_trainer was not called");
-    worker::withIntraOpThreads(threads, [&] { participant_->runStep(e, *in_trainer_); });
+    worker::withIntraOpThreads(threads, [&] { participant_->runStep(e, *in_trainer_, batch); });
   }
 
   // Hooks the model's parameters (the engine's, in order): their gradients' completion in
@@ -226,10 +226,12 @@ class EagerParticipant {
 Trainer::InTrainerStep inTrainerStep(py::handle participant) {
   if (py::isinstance<worker::ScriptInTrainer>(participant)) {
     worker::ScriptInTrainer* s = participant.cast<worker::ScriptInTrainer*>();
-    return [s](uint32_t e, uint32_t threads) { s->run(e, threads); };
+    return [s](uint32_t e, uint32_t threads, const ipc::LocalBatch& b) { s->run(e, threads, b); };
   }
   EagerParticipant* p = participant.cast<EagerParticipant*>();
-  return [p](uint32_t e, uint32_t threads) { p->runInTrainer(e, threads); };
+  return [p](uint32_t e, uint32_t threads, const ipc::LocalBatch& b) {
+    p->runInTrainer(e, threads, b);
+  };
 }
 
 void bindEagerWorker(py::module_& m) {

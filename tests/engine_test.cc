@@ -103,7 +103,9 @@ INSTANTIATE_TEST_SUITE_P(ModelsAndWorkers, GradientTest,
 
 // A C++ trainer of a TorchScript engine served with --workers auto computes steps itself
 // through worker::ScriptInTrainer (the in-trainer placement): each step is the trainer
-// slot's, its gradient the reference's and one worker's, bit for bit.
+// slot's, its gradient the reference's and one worker's, bit for bit, for dataset indices
+// and for explicit inputs. Explicit inputs are read where the trainer holds them: the
+// request region stays untouched until a worker's step needs them there.
 TEST(EngineTest, ACppTrainerComputesTheStepsItselfThroughScriptInTrainer) {
   Fixture f = makeFixture("mlp", 9);
   const std::string name = uniqueName("in-trainer");
@@ -112,23 +114,38 @@ TEST(EngineTest, ACppTrainerComputesTheStepsItselfThroughScriptInTrainer) {
   auto t = Trainer::attach(name);
   ASSERT_TRUE(t->hasTrainerSlot());
   worker::ScriptInTrainer in_trainer(name, t->coordinatorPid());
-  t->setInTrainer([&](uint32_t e, uint32_t threads) { in_trainer.run(e, threads); });
+  t->setInTrainer([&](uint32_t e, uint32_t threads, const ipc::LocalBatch& batch) {
+    in_trainer.run(e, threads, batch);
+  });
   auto grads = t->gradientViews();
   torch::Tensor idx = torch::randperm(kExamples, torch::kInt64).narrow(0, 0, 40);
-  auto ref = referenceGradient(f.model, "cross_entropy", f.x.index_select(0, idx),
-                               f.y.index_select(0, idx));
+  torch::Tensor x = f.x.index_select(0, idx), y = f.y.index_select(0, idx);
+  auto ref = referenceGradient(f.model, "cross_entropy", x, y);
+  const ipc::SegmentHeader* h = t->segment().header();
+  const float* region = t->segment().region<float>(h->req_inputs);
+  auto regionHoldsX = [&] {
+    return std::memcmp(region, x.data_ptr<float>(), x.numel() * sizeof(float)) == 0;
+  };
   std::vector<std::vector<torch::Tensor>> got;
   for (const bool here : {true, false}) {
-    SCOPED_TRACE(here ? "in the trainer" : "one worker");
-    t->setPlacement(here ? 0 : 1, 1, here);
-    GradientStats s = t->gradient(idx);
-    ASSERT_EQ(s.workers.size(), 1u);
-    EXPECT_EQ(s.workers[0].slot == t->slotCount(), here);
-    EXPECT_LT(relativeError(grads, ref), 1e-5);
-    got.emplace_back();
-    for (const auto& g : grads) got.back().push_back(g.clone());
+    for (const bool explicit_batch : {false, true}) {
+      SCOPED_TRACE(std::string(here ? "in the trainer" : "one worker") +
+                   (explicit_batch ? ", explicit inputs" : ", indices"));
+      t->setPlacement(here ? 0 : 1, 1, here);
+      GradientStats s = explicit_batch ? t->gradient(x, y) : t->gradient(idx);
+      ASSERT_EQ(s.workers.size(), 1u);
+      EXPECT_EQ(s.workers[0].slot == t->slotCount(), here);
+      EXPECT_LT(relativeError(grads, ref), 1e-5);
+      EXPECT_EQ(regionHoldsX(), explicit_batch && !here);
+      got.emplace_back();
+      for (const auto& g : grads) got.back().push_back(g.clone());
+    }
   }
-  for (size_t i = 0; i < grads.size(); ++i) EXPECT_TRUE(torch::equal(got[0][i], got[1][i])) << i;
+  for (size_t k = 1; k < got.size(); ++k) {
+    for (size_t i = 0; i < grads.size(); ++i) {
+      EXPECT_TRUE(torch::equal(got[0][i], got[k][i])) << "step " << k << ", parameter " << i;
+    }
+  }
 }
 
 TEST(EngineTest, MoreWorkersThanExamplesAndOtherLosses) {

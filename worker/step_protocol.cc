@@ -183,7 +183,8 @@ uint32_t StepParticipant::waitForStep() {
   }
 }
 
-void StepParticipant::runStep(uint32_t e, ShardComputer& computer) {
+void StepParticipant::runStep(uint32_t e, ShardComputer& computer, const ipc::LocalBatch& local) {
+  local_ = local;
   me_.busy_epoch.store(e, std::memory_order_release);
   me_.error = 0;
   me_.error_type[0] = '\0';
@@ -235,6 +236,7 @@ void StepParticipant::runStep(uint32_t e, ShardComputer& computer) {
       completeStep(e, shard.participants);
     }
   }
+  local_ = {};
   me_.busy_epoch.store(0, std::memory_order_release);
 }
 
@@ -468,6 +470,14 @@ void StepParticipant::computePhase(const Shard& shard, ShardComputer& computer) 
 void StepParticipant::computePasses(const Shard& shard, ShardComputer& computer) {
   Shard s = shard;
   resolveBatch(*h_, seg_.base(), &s);
+  if (s.kind == ipc::BatchKind::kExplicit && local_.inputs != nullptr) {
+    // The same rows where the trainer holds them (checked there against the same sizes).
+    const uint8_t* base = seg_.base();
+    s.inputs =
+        local_.inputs + (static_cast<const uint8_t*>(s.inputs) - (base + h_->req_inputs.offset));
+    s.targets =
+        local_.targets + (static_cast<const uint8_t*>(s.targets) - (base + h_->req_targets.offset));
+  }
   computer.beginShard(s);
   const int64_t n = s.size();
   const int64_t pass = s.max_examples_per_pass > 0 ? s.max_examples_per_pass : n;

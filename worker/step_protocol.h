@@ -20,6 +20,7 @@
 #include "ipc/futex.h"
 #include "ipc/layout.h"
 #include "ipc/segment.h"
+#include "ipc/step.h"
 
 namespace shmgrad::worker {
 
@@ -183,8 +184,10 @@ class StepParticipant {
   // worker must exit (exitCode() says why).
   uint32_t waitForStep();
   // Runs step e: validate, compute, compute barrier, reduce my slice, reduce barrier,
-  // record (the last reducer completes the step and wakes the trainer).
-  void runStep(uint32_t e, ShardComputer& computer);
+  // record (the last reducer completes the step and wakes the trainer). `local`: an
+  // explicit batch's tensors in this process (the in-trainer placement), read there
+  // instead of in the request region.
+  void runStep(uint32_t e, ShardComputer& computer, const ipc::LocalBatch& local = {});
   // A failed step's device context is unusable (a sticky CUDA error): exit, be replaced.
   bool deviceFaulted() const;
   void awaitStepEnd(uint32_t e);
@@ -302,6 +305,7 @@ class StepParticipant {
   uint64_t finite_[ipc::kMaxParams / 64] = {};   // written, found finite, nothing added since
   uint64_t vouched_[ipc::kMaxParams / 64] = {};  // vouchFinite's, this shard
   bool alone_ = false;                           // this shard's Shard::alone
+  ipc::LocalBatch local_;  // runStep's: the step's explicit batch in this process
   bool writeFirstPossible();
   bool anyNonFiniteUnchecked(const float* grads);
   void zeroUnwritten(float* grads);

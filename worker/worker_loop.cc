@@ -186,11 +186,12 @@ ScriptInTrainer::ScriptInTrainer(const std::string& engine_name, int coordinator
 
 ScriptInTrainer::~ScriptInTrainer() = default;
 
-void ScriptInTrainer::run(uint32_t epoch, uint32_t threads) {
+void ScriptInTrainer::run(uint32_t epoch, uint32_t threads, const ipc::LocalBatch& batch) {
   // As the worker runs its graph (configureTorch), for this thread and this call only: the
   // trainer's own TorchScript keeps torch's setting.
   torch::jit::GraphOptimizerEnabledGuard plain(false);
-  withIntraOpThreads(threads, [&] { state_->participant->runStep(epoch, *state_->computer); });
+  withIntraOpThreads(threads,
+                     [&] { state_->participant->runStep(epoch, *state_->computer, batch); });
 }
 
 }  // namespace shmgrad::worker

@@ -6,6 +6,8 @@
 #include <memory>
 #include <string>
 
+#include "ipc/step.h"
+
 namespace shmgrad::worker {
 
 struct WorkerOptions {
@@ -34,7 +36,8 @@ class ScriptInTrainer {
 
   // Step `epoch`, computed here on `threads` intra-op threads (0: as the process has them),
   // which the process has again afterwards. An error of the step is in its record.
-  void run(uint32_t epoch, uint32_t threads);
+  // `batch`: an explicit batch where the trainer holds it (Trainer::InTrainerStep).
+  void run(uint32_t epoch, uint32_t threads, const ipc::LocalBatch& batch = {});
 
  private:
   struct State;
