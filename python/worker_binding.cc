@@ -62,10 +62,29 @@ class PyShardComputer : public worker::ShardComputer {
         threads_(seg.header()->threads_per_worker),
         in_trainer_(in_trainer) {}
 
+  // The model's parameters (the engine's, in order), where the worker watches them on the
+  // host (EagerParticipant::watchGradients): then the shard's begin and end need Python
+  // only when its bindings or mode change (beginShard), and the parameters backward did
+  // not reach are found here, from their .grad's version counters (autograd adds to a
+  // defined .grad in place, bumping it), as ShardRunner.unreached finds them.
+  void trackParams(const std::vector<torch::Tensor>* params) {
+    params_ = params;
+    begun_ = false;
+  }
+
   // unreached() lists the parameters backward did not reach in the shard (by index;
   // usually none): every other one is marked.
   void markGradParams(uint64_t* bits, uint32_t num_params) override {
     worker::ShardComputer::markGradParams(bits, num_params);
+    if (params_ != nullptr && versions_.size() == params_->size()) {
+      for (size_t i = 0; i < versions_.size() && i < num_params; ++i) {
+        const torch::Tensor& g = (*params_)[i].grad();
+        if (!g.defined() || g._version() == versions_[i]) {
+          ipc::clearParamBit(bits, static_cast<uint32_t>(i));
+        }
+      }
+      return;
+    }
     py::gil_scoped_acquire gil;
     for (py::handle h : call(unreached_).cast<py::list>()) {
       const int64_t i = h.cast<int64_t>();
@@ -111,8 +130,25 @@ class PyShardComputer : public worker::ShardComputer {
       shard_.inputs = views::examplesView(s.inputs, s.size(), *s.example_shape, s.input_dtype);
       shard_.targets = views::examplesView(s.targets, s.size(), *s.target_shape, s.target_dtype);
     }
-    py::gil_scoped_acquire gil;
-    call(begin_, py::cast(&shard_, py::return_value_policy::reference));
+    // begin() binds .grad to the slot or the reduced buffer (by `alone`), sets the model's
+    // mode and loads the shared buffers: with the parameters tracked here, called only
+    // when one of those has something to do.
+    const bool python_begin = params_ == nullptr || !begun_ || s.alone != last_alone_ ||
+                              s.train != last_train_ || seg_.header()->num_buffers > 0;
+    if (python_begin) {
+      py::gil_scoped_acquire gil;
+      call(begin_, py::cast(&shard_, py::return_value_policy::reference));
+      begun_ = true;
+      last_alone_ = s.alone;
+      last_train_ = s.train;
+    }
+    if (params_ != nullptr) {
+      versions_.resize(params_->size());
+      for (size_t i = 0; i < params_->size(); ++i) {
+        const torch::Tensor& g = (*params_)[i].grad();
+        versions_[i] = g.defined() ? g._version() : 0;
+      }
+    }
   }
 
   worker::PassResult computePass(const worker::Shard&, int64_t begin, int64_t end) override {
@@ -142,6 +178,9 @@ class PyShardComputer : public worker::ShardComputer {
   }
 
   py::function begin_, pass_, publish_, unreached_;
+  const std::vector<torch::Tensor>* params_ = nullptr;  // trackParams'; owned by the participant
+  std::vector<int64_t> versions_;  // their .grad's versions before the shard's passes
+  bool begun_ = false, last_alone_ = false, last_train_ = true;  // the last begin()'s shard
   const ipc::Segment& seg_;
   worker::StepThreads threads_;  // the placement's threads per step
   bool in_trainer_;
@@ -180,6 +219,7 @@ class EagerParticipant {
             py::function unreached) {
     PyShardComputer computer(std::move(begin), std::move(compute_pass), std::move(publish_buffers),
                              std::move(unreached), *seg_);
+    if (!watched_.empty()) computer.trackParams(&watched_);
     py::gil_scoped_release nogil;
     return participant_->serve(computer);
   }
@@ -195,6 +235,7 @@ class EagerParticipant {
     in_trainer_ = std::make_unique<PyShardComputer>(std::move(begin), std::move(compute_pass),
                                                     std::move(publish_buffers),
                                                     std::move(unreached), *seg_, true);
+    if (!watched_.empty()) in_trainer_->trackParams(&watched_);
   }
 
   // Step e, computed here on `threads` intra-op threads (0: as the process has them), which
@@ -209,12 +250,15 @@ class EagerParticipant {
   // backward starts the bucketed reduction's buckets.
   void watchGradients(const std::vector<torch::Tensor>& params) {
     hooks_.watch(*participant_, params);
+    watched_ = params;
+    if (in_trainer_ != nullptr) in_trainer_->trackParams(&watched_);
   }
 
   std::shared_ptr<ipc::Segment> seg_;
   uint32_t slot_;
   std::unique_ptr<worker::StepParticipant> participant_;
-  worker::GradReadyHooks hooks_;  // after participant_: removed before it goes
+  worker::GradReadyHooks hooks_;        // after participant_: removed before it goes
+  std::vector<torch::Tensor> watched_;  // watchGradients' parameters (host workers)
   std::unique_ptr<PyShardComputer> in_trainer_;
 };
 

@@ -6,7 +6,11 @@ model's parameters views of the shared parameters and their ``.grad`` views of i
 then hands the step protocol to the native ``StepParticipant`` (the same C++ code as the
 TorchScript worker: wait, barriers, in-place reduction of its slice, with the GIL
 released), and which also splits each shard into passes. Python runs only the compute:
-:meth:`ShardRunner.begin` once per shard and :meth:`ShardRunner.compute_pass` per pass.
+:meth:`ShardRunner.compute_pass` per pass, and :meth:`ShardRunner.begin` before a shard
+whose ``.grad`` binding or train mode differs from the last one's, or that loads shared
+buffers (every shard, for a worker on a GPU: it then also calls
+:meth:`ShardRunner.unreached` after it). On the host the native side reads which
+parameters backward reached from their ``.grad`` version counters, as ``unreached`` does.
 """
 
 import os
@@ -140,7 +144,9 @@ class ShardRunner:
         self.grads_in_reduced = in_reduced
 
     def begin(self, shard):
-        """Before the shard's passes; None, or (type name, message with traceback)."""
+        """Before the shard's passes (on the host, only where the last shard's binding,
+        mode or buffers need it: python/worker_binding.cc, PyShardComputer::beginShard);
+        None, or (type name, message with traceback)."""
         try:
             self._bind_grads(shard.grads_in_reduced)
             # Autograd adds to a defined .grad in place, bumping its version counter: the
