@@ -63,7 +63,10 @@ Placement PlacementProbe::next() const {
 }
 
 void PlacementProbe::record(double seconds, int64_t examples, double now_s, bool timed) {
-  if (done_) return;
+  if (done_) {
+    watch(seconds, examples, now_s, timed);
+    return;
+  }
   if (start_s_ < 0) start_s_ = now_s - seconds;
   if (phase_start_s_ < 0) phase_start_s_ = now_s - seconds;  // a visit begins
   if (!timed_phase_) {
@@ -97,26 +100,79 @@ void PlacementProbe::record(double seconds, int64_t examples, double now_s, bool
 }
 
 namespace {
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
+// The median of v[0, n), reordering it.
+double medianInPlace(double* v, size_t n) {
+  if (n == 0) return 0;
+  std::sort(v, v + n);
   return n % 2 == 1 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+double median(std::vector<double> v) { return medianInPlace(v.data(), v.size()); }
+
+std::string msPerExample(double seconds_per_example) {
+  char ms[32];
+  std::snprintf(ms, sizeof ms, "%.4g", seconds_per_example * 1e3);
+  return ms;
 }
 }  // namespace
 
 void PlacementProbe::finish() {
   done_ = true;
   double best = 0;
+  std::vector<double> medians(candidates_.size(), 0);
   for (size_t i = 0; i < candidates_.size(); ++i) {
     if (samples_[i].empty()) continue;
-    const double m = median(samples_[i]);
+    const double m = medians[i] = median(samples_[i]);
     // Only clearly faster (by more than 1%) displaces a candidate listed earlier.
     if (best == 0 || m < best * 0.99) {
       best = m;
       chosen_ = i;
     }
   }
+  rival_ = 0;
+  for (size_t i = 0; i < candidates_.size(); ++i) {
+    if (i != chosen_ && medians[i] > 0 && (rival_ == 0 || medians[i] < rival_)) {
+      rival_ = medians[i];
+      rival_index_ = i;
+    }
+  }
+  window_n_ = 0;
+  window_start_s_ = -1;
+}
+
+// After the choice: the kept placement's steps, window by window, against the fastest
+// other candidate's probe median. On the hot path: no allocation but a recheck's.
+void PlacementProbe::watch(double seconds, int64_t examples, double now_s, bool timed) {
+  if (!watching()) return;
+  if (window_start_s_ < 0) window_start_s_ = now_s - seconds;
+  if (timed && examples > 0) {
+    window_[window_n_ % kWindow] = seconds / static_cast<double>(examples);
+    ++window_n_;
+  }
+  const double span_s = options_.watch_s * static_cast<double>(1u << std::min(rechecks_, 16u));
+  if (window_n_ < options_.watch_samples || now_s - window_start_s_ < span_s) return;
+  const double m = medianInPlace(window_, std::min(window_n_, kWindow));
+  window_n_ = 0;
+  window_start_s_ = -1;
+  if (m > rival_ * (1 + options_.recheck_margin)) recheck(m);
+}
+
+void PlacementProbe::recheck(double median_s) {
+  ++rechecks_;
+  recheck_note_ = "rechecked " + std::to_string(rechecks_) + " time" + (rechecks_ == 1 ? "" : "s") +
+                  ", the last because " + placementName(candidates_[chosen_]) + " then ran at " +
+                  msPerExample(median_s) + " ms/example, slower than " +
+                  placementName(candidates_[rival_index_]) + "'s " + msPerExample(rival_) +
+                  " in the probe";
+  for (auto& s : samples_) s.clear();
+  current_ = 0;
+  round_ = 0;
+  start_s_ = -1;
+  phase_start_s_ = -1;
+  timed_phase_ = false;
+  phase_steps_ = 0;
+  done_ = false;
+  chosen_ = 0;
+  rival_ = 0;
 }
 
 Placement PlacementProbe::chosen() const { return candidates_[done_ ? chosen_ : current_]; }
@@ -131,12 +187,12 @@ std::vector<PlacementProbe::Result> PlacementProbe::results() const {
 
 std::string PlacementProbe::report() const {
   std::ostringstream os;
-  os << "placement probe:";
+  os << "placement probe";
+  if (!recheck_note_.empty()) os << " (" << recheck_note_ << ")";
+  os << ":";
   for (const Result& r : results()) {
-    char ms[32];
-    std::snprintf(ms, sizeof ms, "%.4g", r.seconds_per_example * 1e3);
-    os << " " << placementName(r.placement) << " " << ms << " ms/example (median of " << r.samples
-       << " steps);";
+    os << " " << placementName(r.placement) << " " << msPerExample(r.seconds_per_example)
+       << " ms/example (median of " << r.samples << " steps);";
   }
   if (done_ && candidates_[chosen_].in_trainer) {
     os << " chosen: the trainer computes, " << candidates_[chosen_].threads << " threads";

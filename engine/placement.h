@@ -45,12 +45,23 @@ std::vector<Placement> placementCandidates(uint32_t cores, uint32_t slots);
 // then, at most max(rounds, min_samples)), or earlier once every candidate has a sample
 // and `budget_s` seconds have passed since the first step. Ties (within 1%) go to the
 // candidate listed first.
+//
+// Then it watches the kept placement (watch_samples > 0): its steps go on being timed, in
+// windows of at least `watch_samples` samples and `watch_s` seconds (doubling after each
+// recheck). A window whose median per example is slower than the fastest other
+// candidate's probe median by more than `recheck_margin` (0.1: 10%) means the probe was
+// misled (a step timed in a fast phase of a noisy machine) or the machine changed: the
+// probe runs again, from fresh samples, at most `max_rechecks` times.
 struct ProbeOptions {
   uint32_t rounds = 3;
   uint32_t min_samples = 0;
   double budget_s = 10;
   double settle_s = 0;
   double timed_s = 0;
+  uint32_t watch_samples = 0;  // 0: no watch
+  double watch_s = 0;
+  double recheck_margin = 0.1;
+  uint32_t max_rechecks = 0;
 };
 
 class PlacementProbe {
@@ -59,11 +70,14 @@ class PlacementProbe {
 
   bool done() const { return done_; }
   bool begun() const { return start_s_ >= 0; }  // a step has been recorded
+  // The steps' times are wanted: probing, or watching the kept placement.
+  bool timing() const { return !done_ || watching(); }
+  uint32_t rechecks() const { return rechecks_; }
   // The placement the next step runs with (the chosen one once done).
   Placement next() const;
   // The step just run with next() took `seconds` for `examples` examples, ending at
   // `now_s` (any monotonic clock). timed=false: not a sample (a step re-run after a
-  // worker was lost).
+  // worker was lost). Allocates nothing once done (the watch's window is fixed).
   void record(double seconds, int64_t examples, double now_s, bool timed = true);
   Placement chosen() const;
 
@@ -73,11 +87,17 @@ class PlacementProbe {
     uint32_t samples = 0;
   };
   std::vector<Result> results() const;
-  // One line: each candidate's median per example and samples, and the choice.
+  // One line: each candidate's median per example and samples, and the choice (and the
+  // last recheck's cause, after one).
   std::string report() const;
 
  private:
   void finish();
+  bool watching() const {
+    return options_.watch_samples > 0 && rechecks_ < options_.max_rechecks && rival_ > 0;
+  }
+  void watch(double seconds, int64_t examples, double now_s, bool timed);
+  void recheck(double median_s);
 
   std::vector<Placement> candidates_;
   std::vector<std::vector<double>> samples_;  // seconds per example, per candidate
@@ -90,6 +110,17 @@ class PlacementProbe {
   uint32_t phase_steps_ = 0;   // steps (settling) or samples (timed) in the phase
   bool done_ = false;
   size_t chosen_ = 0;
+  // The watch: the fastest other candidate's median when the probe chose (0: none), and
+  // the kept placement's last samples (a ring: the window's median is of its last
+  // kWindow samples).
+  static constexpr size_t kWindow = 256;
+  double rival_ = 0;
+  size_t rival_index_ = 0;
+  double window_[kWindow] = {};
+  size_t window_n_ = 0;
+  double window_start_s_ = -1;
+  uint32_t rechecks_ = 0;
+  std::string recheck_note_;  // why the last recheck ran ("" before one)
 };
 
 }  // namespace shmgrad::engine

@@ -182,6 +182,10 @@ void Trainer::startPlacement() {
   options.budget_s = config::kPlacementProbeBudgetS;
   options.settle_s = config::kPlacementSettleS;
   options.timed_s = config::kPlacementTimedS;
+  options.watch_samples = config::kPlacementWatchSamples;
+  options.watch_s = config::kPlacementWatchS;
+  options.recheck_margin = config::kPlacementRecheckMargin;
+  options.max_rechecks = config::kPlacementMaxRechecks;
   std::vector<engine::Placement> candidates =
       engine::placementCandidates(cores_, seg_->header()->num_slots);
   // First: a tie goes to it, as the trainer's own threads are then all the process's
@@ -261,6 +265,7 @@ PlacementStatus Trainer::placement() const {
                            r.samples, r.placement.in_trainer});
     }
     out.report = probe_->report();
+    out.rechecks = probe_->rechecks();
   } else {
     out.report = placement_report_;
   }
@@ -885,13 +890,17 @@ GradientStats Trainer::run(int64_t B, const GradientOptions& o, uint32_t kind, u
   // The probe's sample of the last step: the time from its start to this one's, all that a
   // training loop pays for it (its optimizer's step and whatever else the loop does
   // between two calls, with the trainer's threads as that placement leaves them), not the
-  // call alone; then the placement this step runs with.
-  if (probe_ != nullptr && !probe_->done() && probe_last_.start != 0 && start > probe_last_.start) {
+  // call alone; then the placement this step runs with. Once chosen, the probe watches the
+  // kept placement's steps and may run again (a recheck).
+  if (probe_ != nullptr && probe_->timing() && probe_last_.start != 0 &&
+      start > probe_last_.start) {
+    const bool was_done = probe_->done();
     probe_->record((start - probe_last_.start) / 1e9, probe_last_.examples, start / 1e9,
                    probe_last_.timed);
-    notePlacement();
+    if (!was_done || !probe_->done()) notePlacement();
   }
   probe_last_ = {};
+  stats.placement_probing = probe_ != nullptr && !probe_->done();
   // Before any device work: a stopped engine's memory is gone (memory reads only: a dead
   // coordinator is found in await, without a system call per step here).
   SHMGRAD_CHECK(serving(), ErrorKind::kNotFound, "engine '", name_, "' has stopped",
@@ -935,7 +944,7 @@ GradientStats Trainer::run(int64_t B, const GradientOptions& o, uint32_t kind, u
       stats.step_seconds = (done - publish) / 1e9;
       stats.wake_seconds = (last_start - publish) / 1e9;
       stats.finish_seconds = (now - std::min(now, done)) / 1e9;
-      if (probe_ != nullptr && !probe_->done()) probe_last_ = {start, B, attempt == 0};
+      if (probe_ != nullptr && probe_->timing()) probe_last_ = {start, B, attempt == 0};
       return stats;
     }
     // The step did not finish: end it for every waiter, the one abort path.

@@ -125,6 +125,7 @@ struct WorkerStepStats {
   X(int, retries, "re-runs after a worker died")                                                \
   X(double, param_sync_seconds, "engines on several GPUs: the parameters copied to the others") \
   X(bool, nonfinite, "NaN or infinity somewhere (see workers)")                                 \
+  X(bool, placement_probing, "a step of the placement probe (workers auto), or of a recheck")   \
   X(std::vector<int>, unused_params,                                                            \
     "parameters (indices) no participant's backward reached: their gradient is zero")           \
   X(std::vector<::shmgrad::WorkerStepStats>, workers, "the workers that took part, in rank order")
@@ -147,6 +148,7 @@ struct PlacementStatus {
   };
   std::vector<Candidate> probe;  // this trainer's probe, when it ran one
   std::string report;            // the probe in one line ("" without one)
+  uint32_t rechecks = 0;         // times the watch ran the probe again (engine/placement.h)
 };
 
 struct ParamInfo {

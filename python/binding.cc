@@ -335,6 +335,7 @@ PYBIND11_MODULE(_C, m) {
              d["in_trainer"] = p.in_trainer;
              d["probe"] = probe;
              d["report"] = p.report;
+             d["rechecks"] = p.rechecks;
              return d;
            })
       .def("slot_count", &shmgrad::Trainer::slotCount)

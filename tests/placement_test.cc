@@ -175,6 +175,110 @@ TEST(PlacementProbe, AVisitSettlesThenIsTimedEachForItsSeconds) {
   EXPECT_EQ(probe.chosen().workers, 1u);
 }
 
+// The watch of the kept placement (options as the trainer's, visits of one step each).
+ProbeOptions watched(uint32_t max_rechecks) {
+  ProbeOptions o = quick(3, 1e9);
+  o.watch_samples = 16;
+  o.watch_s = 2;
+  o.recheck_margin = 0.1;
+  o.max_rechecks = max_rechecks;
+  return o;
+}
+
+struct Ran {
+  uint32_t workers;
+  bool kept;  // the probe was done: the kept placement's step
+};
+
+// Runs steps of 128 examples, back to back, taking seconds(step, workers, kept) each (all
+// the times here are sums of powers of two: exact, so the windows end on known steps).
+template <typename F>
+std::vector<Ran> run(PlacementProbe* probe, int steps, F seconds) {
+  std::vector<Ran> ran;
+  double clock = 0;
+  for (int step = 0; step < steps; ++step) {
+    const Placement p = probe->next();
+    ran.push_back({p.workers, probe->done()});
+    const double s = seconds(step, p.workers, probe->done());
+    clock += s;
+    probe->record(s, 128, clock);
+  }
+  return ran;
+}
+
+std::vector<uint32_t> workersOf(const std::vector<Ran>& ran, size_t from, size_t to) {
+  std::vector<uint32_t> out;
+  for (size_t i = from; i < to && i < ran.size(); ++i) out.push_back(ran[i].workers);
+  return out;
+}
+
+const std::vector<uint32_t> kProbeOrder = {1, 1, 2, 2, 1, 1, 2, 2, 1, 1, 2, 2};
+
+// A probe that timed 2 workers in a fast phase of the machine keeps them; when their steps
+// then run slower than one worker's did in the probe, it probes again and keeps that.
+TEST(PlacementProbe, AKeptPlacementThatTurnsSlowerThanTheRunnerUpIsRechecked) {
+  PlacementProbe probe(placementCandidates(2, 2), watched(3));
+  // One worker: 125 ms a step. Two: 62.5 ms until step 60, then 250 ms.
+  const auto ran = run(&probe, 200, [](int step, uint32_t w, bool) {
+    return w == 1 ? 0.125 : (step < 60 ? 0.0625 : 0.25);
+  });
+  // Steps 0-11 probe. The watch's first window is 2 s of fast steps (12-43); the second,
+  // from step 44, has 16 fast steps (1 s) and 4 slow ones (1 s): its median is fast. The
+  // third, from step 64, is slow and ends with its 16th sample (step 79, 4 s): the probe
+  // runs again (steps 80-91) and keeps one worker.
+  EXPECT_EQ(workersOf(ran, 0, 12), kProbeOrder);
+  EXPECT_EQ(workersOf(ran, 12, 80), std::vector<uint32_t>(68, 2));
+  EXPECT_EQ(workersOf(ran, 80, 92), kProbeOrder);
+  EXPECT_FALSE(ran[91].kept);
+  EXPECT_EQ(workersOf(ran, 92, 200), std::vector<uint32_t>(108, 1));
+  EXPECT_TRUE(ran[92].kept);
+  EXPECT_EQ(probe.rechecks(), 1u);
+  EXPECT_EQ(probe.chosen().workers, 1u);
+  EXPECT_NE(probe.report().find("rechecked 1 time, the last because 2x1 then ran at 1.953 "
+                                "ms/example, slower than 1x2's 0.9766 in the probe"),
+            std::string::npos)
+      << probe.report();
+  EXPECT_NE(probe.report().find("chosen 1 workers x 2 threads"), std::string::npos);
+}
+
+TEST(PlacementProbe, AKeptPlacementWithinTheMarginIsNotRechecked) {
+  PlacementProbe probe(placementCandidates(2, 2), watched(3));
+  // One worker kept (125 ms against 140.625 ms); every third step a 1 s hiccup, and from
+  // step 100 one worker's steps take 148.4375 ms: slower than two workers' in the probe,
+  // by 5.6 %, within the margin (10 %).
+  const auto ran = run(&probe, 600, [](int step, uint32_t w, bool) {
+    if (w == 2) return 0.140625;
+    if (step > 12 && step % 3 == 0) return 1.0;
+    return step < 100 ? 0.125 : 0.1484375;
+  });
+  EXPECT_EQ(workersOf(ran, 0, 12), kProbeOrder);
+  EXPECT_EQ(workersOf(ran, 12, 600), std::vector<uint32_t>(588, 1));
+  EXPECT_EQ(probe.rechecks(), 0u);
+  EXPECT_EQ(probe.report().find("rechecked"), std::string::npos);
+}
+
+// Whatever is kept runs 1.5 times slower than the other candidate did in the probe: the
+// probe runs again after a window of 2 s, then of 4 s, and no more than max_rechecks times.
+TEST(PlacementProbe, RechecksAreBoundedAndTheirWindowsGrow) {
+  PlacementProbe probe(placementCandidates(2, 2), watched(2));
+  const auto ran = run(&probe, 300, [](int, uint32_t w, bool kept) {
+    return kept ? 0.09375 : (w == 1 ? 0.0625 : 0.03125);
+  });
+  std::vector<int> kept_runs;  // lengths of the runs of kept steps
+  for (size_t i = 0; i < ran.size(); ++i) {
+    if (!ran[i].kept) continue;
+    if (i == 0 || !ran[i - 1].kept) kept_runs.push_back(0);
+    ++kept_runs.back();
+  }
+  // 2 s of 93.75 ms steps: 22 steps; 4 s: 43; then watched no more.
+  ASSERT_EQ(kept_runs.size(), 3u);
+  EXPECT_EQ(kept_runs[0], 22);
+  EXPECT_EQ(kept_runs[1], 43);
+  EXPECT_EQ(kept_runs[2], 300 - 3 * 12 - 22 - 43);
+  EXPECT_EQ(probe.rechecks(), 2u);
+  EXPECT_NE(probe.report().find("rechecked 2 times"), std::string::npos) << probe.report();
+}
+
 TEST(PlacementProbe, OneCandidateNeedsNoProbe) {
   PlacementProbe probe(placementCandidates(1, 4), quick(3, 10));
   EXPECT_TRUE(probe.done());

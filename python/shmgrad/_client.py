@@ -402,11 +402,14 @@ class Client:
             native = local_step()
             stats, count, unused = GradientStats(native), native.count, native.unused_params
         else:
-            stats = GradientStats(*nodes.gradient(None if empty else local_step, mean))
+            native, node_stats = nodes.gradient(None if empty else local_step, mean)
+            stats = GradientStats(native, node_stats)
             count, unused = stats.count, stats.unused_params
         if binding.mirrors:
             binding.pull_buffers()
-        if self._placement_probing:
+        # The probe's steps, and those of a recheck (the watch of the kept placement may
+        # start the probe again: engine/placement.h).
+        if self._placement_probing or (native is not None and native.placement_probing):
             self._note_placement()
         acc.finish(mode, onto_nodes, mean, scale, prev_count, count)
         # Accumulated: a parameter is unused only if it was in every micro-batch.
@@ -431,6 +434,7 @@ class Client:
         placement = self._trainer.placement()
         self._follow_placement(placement["in_trainer"])
         if placement["state"] == "probing":
+            self._placement_probing = True
             return
         self._placement_probing = False
         self._placement_report = f"engine {self.name!r}: {placement['report']}"

@@ -23,7 +23,9 @@ class GradientStats:
     participant's backward reached, whose ``.grad`` the bound module leaves None.
     Where the wall time went: ``prepare_seconds`` (checks, batch copy), ``step_seconds``
     (publish to the end of the reduction), ``wake_seconds`` (publish to the last worker
-    starting), ``finish_seconds`` (end of the reduction to return).
+    starting), ``finish_seconds`` (end of the reduction to return). ``placement_probing``:
+    with ``workers="auto"``, the step was one of the placement probe's (or of a recheck of
+    the kept placement).
 
     Across nodes (an engine with a ``process_group``), ``num_examples``, ``loss``,
     ``loss_sum`` and ``nonfinite`` are the global batch's; ``local_num_examples`` and

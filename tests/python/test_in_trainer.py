@@ -8,6 +8,7 @@ buffers and statistics are a worker's: against one process of plain PyTorch, and
 bit against one worker alone."""
 
 import os
+import time
 
 import pytest
 import torch
@@ -215,6 +216,75 @@ def test_the_probe_times_the_trainer_and_threads_follow_the_choice(monkeypatch, 
             assert stats.workers == 2 and stats.loss < 500  # not the trainer's
         else:
             assert torch.get_num_threads() == 1
+    finally:
+        engine.close()
+    assert torch.get_num_threads() == before
+
+
+FLIP_ENV = "SHMGRAD_TEST_FLIP_FILE"
+
+
+def _flipping_forward(model, batch):
+    """_where_forward, 3 ms slower in the trainer until the file $SHMGRAD_TEST_FLIP_FILE
+    exists, in the workers from then on: a machine whose faster placement changes."""
+    import time
+
+    in_trainer = os.getpid() == int(os.environ[PID_ENV])
+    if os.path.exists(os.environ[FLIP_ENV]) != in_trainer:
+        time.sleep(0.003)
+    return _where_forward(model, batch)
+
+
+@pytest.mark.skipif(CORES < 2, reason=f"a placement probe needs 2 or more cores; {CORES} here")
+def test_a_kept_placement_that_turns_slow_is_rechecked(monkeypatch, tmp_path):
+    """The probe keeps the workers (the trainer is slower then); once they turn slower than
+    the trainer was, the watch of the kept placement runs the probe again, which keeps the
+    trainer, and the trainer's threads follow."""
+    flip = tmp_path / "flip"
+    monkeypatch.setenv(PID_ENV, str(os.getpid()))
+    monkeypatch.setenv(FLIP_ENV, str(flip))
+    before = torch.get_num_threads()
+    engine = _auto_engine(_flipping_forward)
+    try:
+        model = engine.bind(_net())
+        x, y = _batch()
+
+        def step():
+            real = _reference(model, x, y).loss
+            stats = engine.gradient(inputs=x, targets=y)
+            st = engine.status()  # the placement this step ran with
+            assert (stats.loss - real > 500) == st.placement_in_trainer, st.text
+            return stats, st
+
+        for _ in range(2000):
+            stats, st = step()
+            if st.placement != "probing":
+                break
+        assert st.placement == "chosen" and not st.placement_in_trainer, st.placement_report
+        assert "rechecked" not in st.placement_report
+        assert torch.get_num_threads() == 1  # the workers' cores are left to them
+        flip.touch()
+        # A watch window (2 s of steps) finds the kept workers slower than the trainer was
+        # in the probe; the probe runs again and keeps the trainer.
+        probed_again = 0
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            stats, st = step()
+            probed_again += stats.placement_probing
+            if st.placement == "chosen" and st.placement_in_trainer:
+                break
+        assert st.placement == "chosen" and st.placement_in_trainer, st.placement_report
+        assert probed_again >= 6, probed_again  # two visits of three candidates at least
+        assert engine._trainer.placement()["rechecks"] == 1
+        assert "rechecked 1 time, the last because " in st.placement_report, st.placement_report
+        assert "chosen: the trainer computes" in st.placement_report
+        assert torch.get_num_threads() == before  # all the trainer had, computing itself
+        real = _reference(model, x, y)
+        engine.gradient(inputs=x, targets=y)
+        for got, want in zip(model.parameters(), real.parameters()):
+            assert (got.grad is None) == (want.grad is None)
+            if want.grad is not None:
+                torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-6)
     finally:
         engine.close()
     assert torch.get_num_threads() == before
