@@ -446,6 +446,15 @@ GradientStats Trainer::gradient(const torch::Tensor& indices, const GradientOpti
   return run(B, o, static_cast<uint32_t>(ipc::BatchKind::kIndices), start, deadline);
 }
 
+namespace {
+// The call's batch is forgotten when it returns, however it returns.
+template <typename Batch>
+struct Forget {
+  Batch& b;
+  ~Forget() { b = {}; }
+};
+}  // namespace
+
 GradientStats Trainer::gradient(const torch::Tensor& inputs, const torch::Tensor& targets,
                                 const GradientOptions& o) {
   checkUsable();
@@ -515,14 +524,11 @@ GradientStats Trainer::gradient(const torch::Tensor& inputs, const torch::Tensor
   r.target_shape.ndim = static_cast<uint32_t>(y.dim() - 1);
   for (int64_t d = 1; d < y.dim(); ++d) r.target_shape.dims[d - 1] = y.size(d);
   // x and y outlive the step: run() copies them for workers, or the trainer reads them.
-  batch_ = {{static_cast<const uint8_t*>(x.data_ptr()), static_cast<const uint8_t*>(y.data_ptr())},
-            in_bytes,
-            tg_bytes,
-            false};
-  struct Forget {
-    ExplicitBatch& b;
-    ~Forget() { b = {}; }
-  } forget{batch_};
+  batch_.local.inputs = static_cast<const uint8_t*>(x.data_ptr());
+  batch_.local.targets = static_cast<const uint8_t*>(y.data_ptr());
+  batch_.in_bytes = in_bytes;
+  batch_.tg_bytes = tg_bytes;
+  Forget<ExplicitBatch> forget{batch_};
   return run(B, o, static_cast<uint32_t>(ipc::BatchKind::kExplicit), start, deadline);
 }
 
@@ -530,10 +536,17 @@ GradientStats Trainer::gradient(const torch::Tensor& inputs, const torch::Tensor
 // first step that a worker takes part in is published (after waitIdle: no worker of an
 // earlier step still reads it).
 void Trainer::copyBatchForWorkers() {
-  if (batch_.local.inputs == nullptr || batch_.copied) return;
+  // Nothing held (a step of dataset indices) or copied already (a re-run).
+  if (batch_.copied || (batch_.local.inputs == nullptr && batch_.num_leaves == 0)) return;
   const ipc::SegmentHeader* h = seg_->header();
-  std::memcpy(seg_->region<uint8_t>(h->req_inputs), batch_.local.inputs, batch_.in_bytes);
-  std::memcpy(seg_->region<uint8_t>(h->req_targets), batch_.local.targets, batch_.tg_bytes);
+  uint8_t* inputs = seg_->region<uint8_t>(h->req_inputs);
+  if (batch_.local.inputs != nullptr) {
+    std::memcpy(inputs, batch_.local.inputs, batch_.in_bytes);
+    std::memcpy(seg_->region<uint8_t>(h->req_targets), batch_.local.targets, batch_.tg_bytes);
+  }
+  for (uint32_t k = 0; k < batch_.num_leaves; ++k) {
+    std::memcpy(inputs + batch_.leaf_offset[k], batch_.local.leaves[k], batch_.leaf_bytes[k]);
+  }
   batch_.copied = true;
 }
 
@@ -583,11 +596,13 @@ GradientStats Trainer::gradient(const std::vector<torch::Tensor>& leaves,
   const uint64_t deadline = deadlineFor(o);
   waitIdle(deadline);
   ipc::StepRequest& r = h->request;
-  uint8_t* base = seg_->region<uint8_t>(h->req_inputs);
+  // The leaves' data outlive the step (`data`): run() copies them for workers, or the
+  // trainer reads them where they are.
   for (size_t k = 0; k < data.size(); ++k) {
     const torch::Tensor& t = data[k];
-    std::memcpy(base + offsets[k], t.data_ptr(),
-                static_cast<uint64_t>(t.numel()) * t.element_size());
+    batch_.local.leaves[k] = static_cast<const uint8_t*>(t.data_ptr());
+    batch_.leaf_offset[k] = offsets[k];
+    batch_.leaf_bytes[k] = static_cast<uint64_t>(t.numel()) * t.element_size();
     ipc::LeafEntry& leaf = r.leaves[k];
     std::memset(&leaf, 0, sizeof(leaf));
     leaf.type = views::leafTypeOf(t.scalar_type());
@@ -597,6 +612,8 @@ GradientStats Trainer::gradient(const std::vector<torch::Tensor>& leaves,
   }
   r.num_leaves = static_cast<uint32_t>(data.size());
   std::memcpy(r.structure, structure.c_str(), structure.size() + 1);
+  batch_.num_leaves = r.num_leaves;
+  Forget<ExplicitBatch> forget{batch_};
   return run(B, o, static_cast<uint32_t>(ipc::BatchKind::kStructured), start, deadline);
 }
 

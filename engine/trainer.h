@@ -312,6 +312,10 @@ class Trainer {
   struct ExplicitBatch {
     ipc::LocalBatch local;
     uint64_t in_bytes = 0, tg_bytes = 0;
+    // A structured batch: leaf k's bytes, and where they go in the input region.
+    uint32_t num_leaves = 0;
+    uint64_t leaf_offset[ipc::kMaxLeaves] = {};
+    uint64_t leaf_bytes[ipc::kMaxLeaves] = {};
     bool copied = false;
   } batch_;
   void copyBatchForWorkers();

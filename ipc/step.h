@@ -9,15 +9,17 @@
 
 namespace shmgrad::ipc {
 
-// A step's explicit inputs and targets where they lie in the computing process's own
-// memory. The in-trainer placement's step is computed in the trainer, which holds the
-// batch already: its participant reads it there instead of the trainer first copying it
-// into the request region (for an MLP on 784 features, 3-4 % of its step). Null: read the
-// request region, as every worker does. Never put in shared memory: a pointer of one
+// A step's batch where it lies in the computing process's own memory: explicit inputs
+// and targets, or a structured batch's tensors (leaves[k]: leaf k from its first row).
+// The in-trainer placement's step is computed in the trainer, which holds the batch
+// already: its participant reads it there instead of the trainer first copying it into
+// the request region (for an MLP on 784 features, 3-4 % of its step). Null: read the
+// request region, as every worker does. Never put in shared memory: pointers of one
 // process only, handed from the trainer to its own participant.
 struct LocalBatch {
   const uint8_t* inputs = nullptr;
   const uint8_t* targets = nullptr;
+  const uint8_t* leaves[kMaxLeaves] = {};
 };
 
 // The one abort path of a step. Marks step `e` aborted so that every waiter gives up on

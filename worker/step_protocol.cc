@@ -478,6 +478,13 @@ void StepParticipant::computePasses(const Shard& shard, ShardComputer& computer)
     s.targets =
         local_.targets + (static_cast<const uint8_t*>(s.targets) - (base + h_->req_targets.offset));
   }
+  if (s.kind == ipc::BatchKind::kStructured && local_.leaves[0] != nullptr) {
+    const uint8_t* region = seg_.base() + h_->req_inputs.offset;
+    for (uint32_t k = 0; k < s.num_leaves; ++k) {
+      const uint8_t* at = static_cast<const uint8_t*>(s.leaf_data[k]);
+      s.leaf_data[k] = local_.leaves[k] + (at - (region + s.leaves[k].offset));
+    }
+  }
   computer.beginShard(s);
   const int64_t n = s.size();
   const int64_t pass = s.max_examples_per_pass > 0 ? s.max_examples_per_pass : n;

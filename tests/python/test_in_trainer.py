@@ -145,6 +145,40 @@ def test_the_trainer_computes_a_workers_step_exactly(engine):
     assert "the trainer computes" in st.text, st.text
 
 
+def _dict_forward(model, batch):
+    """A structured batch, {"x", "y", "seen"}: the loss summed over the shard; marks the
+    shard's rows of "seen" in place, as a forward may change what it is given."""
+    batch["seen"].fill_(1)
+    return torch.nn.functional.cross_entropy(model(batch["x"]), batch["y"], reduction="sum")
+
+
+def test_a_structured_batch_is_read_where_the_trainer_holds_it():
+    """The trainer's own step reads a batch= dict's tensors where the caller holds them
+    (its forward's in-place change shows in the caller's tensor, as in one process); a
+    worker's step reads the engine's copy in shared memory. The gradients are the same."""
+    with _auto_engine(_dict_forward) as engine:
+        model = engine.bind(_net())
+        x, y = _batch()
+        ref = _reference(model, x, y)
+        got = {}
+        for in_trainer in (True, False):
+            _place(engine, in_trainer)
+            seen = torch.zeros(len(x), dtype=torch.int64)
+            stats = engine.gradient(batch={"x": x, "y": y, "seen": seen})
+            assert stats.workers == 1
+            assert (stats.worker_slots == [engine._trainer.slot_count()]) == in_trainer
+            assert stats.loss == pytest.approx(ref.loss, abs=1e-3)
+            assert torch.equal(seen, torch.full_like(seen, 1 if in_trainer else 0)), seen
+            got[in_trainer] = [
+                None if p.grad is None else p.grad.clone() for p in model.parameters()
+            ]
+            for (name, g), want in zip(model.named_parameters(), ref.parameters()):
+                if not name.startswith("unused."):
+                    torch.testing.assert_close(g.grad, want.grad, rtol=1e-5, atol=1e-6)
+        for a, b in zip(got[True], got[False]):
+            assert (a is None and b is None) or torch.equal(a, b)
+
+
 def test_an_error_in_the_trainers_step_is_raised_and_the_engine_goes_on(engine):
     model = engine.bind(_net())
     _place(engine, True)
