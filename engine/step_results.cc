@@ -29,7 +29,9 @@ WorkerResult readWorkerResult(const ipc::WorkerRecord& w, uint32_t e, uint32_t s
   r.reduce_early_ns = w.reduce_early_ns;
   r.barrier_wait_ns = w.barrier_wait_ns;
   r.nonfinite_loss = w.nonfinite_loss != 0;
-  r.nonfinite_grad = w.nonfinite_grad.load() != 0;
+  const uint32_t grad = w.nonfinite_grad.load();
+  r.nonfinite_grad = grad != 0;
+  r.nonfinite_sum = grad == 2;
   std::memcpy(r.grad_params, w.grad_params, sizeof r.grad_params);
   return r;
 }

@@ -20,6 +20,7 @@ struct WorkerResult {
   uint64_t barrier_wait_ns = 0;
   bool nonfinite_loss = false;
   bool nonfinite_grad = false;
+  bool nonfinite_sum = false;  // its slice of the sum overflowed (nonfinite_grad too)
   uint64_t grad_params[ipc::kMaxParams / 64] = {};  // ipc::paramBit
 };
 

@@ -870,6 +870,7 @@ void Trainer::collect(uint32_t e, const Participants& p, int64_t B, const Gradie
     ws.wait_seconds = w.barrier_wait_ns / 1e9;
     ws.nonfinite_loss = w.nonfinite_loss;
     ws.nonfinite_grad = w.nonfinite_grad;
+    ws.nonfinite_sum = w.nonfinite_sum;
     stats->nonfinite = stats->nonfinite || ws.nonfinite_loss || ws.nonfinite_grad;
     stats->loss_sum += ws.loss_sum;
     stats->count += ws.count;
@@ -891,7 +892,9 @@ void Trainer::collect(uint32_t e, const Participants& p, int64_t B, const Gradie
     for (const auto& w : stats->workers) {
       if (w.nonfinite_loss || w.nonfinite_grad) {
         os << " worker " << w.slot << (w.nonfinite_loss ? " (loss)" : "")
-           << (w.nonfinite_grad ? " (gradient)" : "");
+           << (w.nonfinite_sum    ? " (its slice of the gradients' sum overflowed)"
+               : w.nonfinite_grad ? " (gradient)"
+                                  : "");
       }
     }
     raise(ErrorKind::kNonFinite, "non-finite values in the step:", os.str());

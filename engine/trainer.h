@@ -104,7 +104,8 @@ struct GradientOptions {
     "bucketed: of reduce_seconds, done before the last worker computed") \
   X(double, wait_seconds, "waiting for the other workers after compute") \
   X(bool, nonfinite_loss, "")                                            \
-  X(bool, nonfinite_grad, "")
+  X(bool, nonfinite_grad, "")                                            \
+  X(bool, nonfinite_sum, "its slice of the sum overflowed, slots finite")
 struct WorkerStepStats {
   SHMGRAD_WORKER_STEP_STATS_FIELDS(SHMGRAD_DECLARE_FIELD)
 };

@@ -314,8 +314,9 @@ struct alignas(64) WorkerRecord {
   uint64_t reduce_early_ns;
   uint64_t barrier_wait_ns;  // time spent waiting for the others
   uint32_t nonfinite_loss;   // 1 when loss_sum is NaN or infinite
-  std::atomic<uint32_t>
-      nonfinite_grad;  // 1 when its slot holds a NaN or infinity (set by reducers)
+  // Set by reducers: 1 when its slot holds a NaN or infinity; 2 when this worker's slice
+  // of the reduction summed to one though every slot there was finite (an overflow).
+  std::atomic<uint32_t> nonfinite_grad;
   // Bit i: parameter i received a gradient in this shard's backward (autograd reached
   // it); a parameter no participant's backward reached keeps .grad None in the trainer.
   uint64_t grad_params[kMaxParams / 64];

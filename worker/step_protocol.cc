@@ -569,17 +569,20 @@ float StepParticipant::stepRescale(const Shard& shard) const {
 }
 
 // Where the result [b, end) holds a NaN or an infinity, names the culprits: whose slot
-// holds the non-finite values there.
+// holds the non-finite values there, or this reducer, whose sum of finite slots overflowed.
 void StepParticipant::checkNonFinite(const float* out, const float* const* ins, uint32_t n,
                                      uint64_t b, uint64_t end) {
   const ipc::StepRequest& r = h_->request;
   const int dev = mem_->ordinal(slot_);
   if (!mem_->anyNonFinite(dev, out, b, end)) return;
+  bool in_slots = false;
   for (uint32_t k = 0; k < n; ++k) {
     if (mem_->anyNonFinite(dev, ins[k], b, end)) {
       h_->workers[r.participants[k]].nonfinite_grad.store(1, std::memory_order_relaxed);
+      in_slots = true;
     }
   }
+  if (!in_slots) me_.nonfinite_grad.store(2, std::memory_order_relaxed);
 }
 
 void StepParticipant::reducePhase(const Shard& shard) {

@@ -336,18 +336,26 @@ def test_no_trainer_slot_or_turned_off_means_workers_only(monkeypatch):
         assert e._in_trainer is None
 
 
-def test_an_overflowing_gradient_is_found_however_the_step_is_placed(monkeypatch):
+@pytest.mark.parametrize("features, batch", [(6, 20), (64, 8)])
+def test_an_overflowing_gradient_is_found_however_the_step_is_placed(monkeypatch, features, batch):
     """Linear layers vouch for what they compute into .grad from a bound on their inputs
-    (ipc::productFinite) instead of reading it; where the bound does not hold, it is read.
-    A loss scale of 1e38 overflows the Linear gradients themselves (no other parameter
-    here), one of 1e30 does not: every target is class 0, so the last bias's gradient sums
-    at least 10 terms of about -0.7 x 1e38 in every placement."""
+    (ipc::productFinite) instead of reading it, where that reads less (64 features, 8
+    examples: the first layer); where the bound does not hold, or reading the gradient
+    costs less (6 features, 20 examples), it is read. A loss scale of 1e38 overflows the
+    Linear gradients themselves (no other parameter here), one of 1e30 does not: every
+    target is class 0, so the last bias's gradient sums terms of about -0.7 x 1e38 in
+    every placement. Where each worker's share of those terms is finite and their sum is
+    not, the reduction's sum overflows: found too, and said so."""
     monkeypatch.setenv(PID_ENV, str(os.getpid()))
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 3))
+    net = torch.nn.Sequential(
+        torch.nn.Linear(features, 10 if features < 10 else features),
+        torch.nn.Tanh(),
+        torch.nn.Linear(10 if features < 10 else features, 3),
+    )
     with shmgrad.Engine(model=net, workers="auto", loss="cross_entropy", mode="eager") as engine:
         engine.bind(net)
-        x, _ = _batch()
+        x = torch.randn(batch, features, generator=torch.Generator().manual_seed(1))
         y = torch.zeros(len(x), dtype=torch.int64)
         placements = [(0, CORES, True), (1, CORES, False)]
         if CORES >= 2:
@@ -357,8 +365,11 @@ def test_an_overflowing_gradient_is_found_however_the_step_is_placed(monkeypatch
             stats = engine.gradient(inputs=x, targets=y, loss_scale=1e38)
             assert stats.nonfinite, (workers, in_trainer)
             assert any(not torch.isfinite(p.grad).all() for p in net.parameters())
-            with pytest.raises(shmgrad.NonFiniteError):
+            with pytest.raises(shmgrad.NonFiniteError) as raised:
                 engine.gradient(inputs=x, targets=y, loss_scale=1e38, raise_on_nonfinite=True)
+            # 8 examples over 2 workers: each one's 4 terms are finite, their sum is not.
+            overflowed = "sum overflowed" in str(raised.value)
+            assert overflowed == (batch == 8 and workers == 2), str(raised.value)
             stats = engine.gradient(inputs=x, targets=y, loss_scale=1e30)
             assert not stats.nonfinite, (workers, in_trainer)
             assert all(torch.isfinite(p.grad).all() for p in net.parameters())
