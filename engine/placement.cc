@@ -137,6 +137,7 @@ void PlacementProbe::finish() {
   }
   window_n_ = 0;
   window_start_s_ = -1;
+  slow_in_a_row_ = 0;
 }
 
 // After the choice: the kept placement's steps, window by window, against the fastest
@@ -153,11 +154,16 @@ void PlacementProbe::watch(double seconds, int64_t examples, double now_s, bool 
   const double m = medianInPlace(window_, std::min(window_n_, kWindow));
   window_n_ = 0;
   window_start_s_ = -1;
-  if (m > rival_ * (1 + options_.recheck_margin)) recheck(m);
+  if (m <= rival_ * (1 + options_.recheck_margin)) {
+    slow_in_a_row_ = 0;
+    return;
+  }
+  if (++slow_in_a_row_ >= std::max<uint32_t>(1, options_.slow_windows)) recheck(m);
 }
 
 void PlacementProbe::recheck(double median_s) {
   ++rechecks_;
+  slow_in_a_row_ = 0;
   recheck_note_ = "rechecked " + std::to_string(rechecks_) + " time" + (rechecks_ == 1 ? "" : "s") +
                   ", the last because " + placementName(candidates_[chosen_]) + " then ran at " +
                   msPerExample(median_s) + " ms/example, slower than " +

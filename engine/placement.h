@@ -48,10 +48,12 @@ std::vector<Placement> placementCandidates(uint32_t cores, uint32_t slots);
 //
 // Then it watches the kept placement (watch_samples > 0): its steps go on being timed, in
 // windows of at least `watch_samples` samples and `watch_s` seconds (doubling after each
-// recheck). A window whose median per example is slower than the fastest other
-// candidate's probe median by more than `recheck_margin` (0.1: 10%) means the probe was
-// misled (a step timed in a fast phase of a noisy machine) or the machine changed: the
-// probe runs again, from fresh samples, at most `max_rechecks` times.
+// recheck). `slow_windows` windows in a row whose median per example is slower than the
+// fastest other candidate's probe median by more than `recheck_margin` (0.1: 10%) mean
+// the probe was misled (a step timed in a fast phase of a noisy machine) or the machine
+// changed: the probe runs again, from fresh samples, at most `max_rechecks` times. (One
+// slow window alone is often a slow phase of the whole machine, which a recheck would
+// not change.)
 struct ProbeOptions {
   uint32_t rounds = 3;
   uint32_t min_samples = 0;
@@ -61,6 +63,7 @@ struct ProbeOptions {
   uint32_t watch_samples = 0;  // 0: no watch
   double watch_s = 0;
   double recheck_margin = 0.1;
+  uint32_t slow_windows = 1;
   uint32_t max_rechecks = 0;
 };
 
@@ -119,6 +122,7 @@ class PlacementProbe {
   double window_[kWindow] = {};
   size_t window_n_ = 0;
   double window_start_s_ = -1;
+  uint32_t slow_in_a_row_ = 0;  // windows over the margin since the last one within it
   uint32_t rechecks_ = 0;
   std::string recheck_note_;  // why the last recheck ran ("" before one)
 };

@@ -185,6 +185,7 @@ void Trainer::startPlacement() {
   options.watch_samples = config::kPlacementWatchSamples;
   options.watch_s = config::kPlacementWatchS;
   options.recheck_margin = config::kPlacementRecheckMargin;
+  options.slow_windows = config::kPlacementSlowWindows;
   options.max_rechecks = config::kPlacementMaxRechecks;
   std::vector<engine::Placement> candidates =
       engine::placementCandidates(cores_, seg_->header()->num_slots);

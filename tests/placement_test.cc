@@ -181,6 +181,7 @@ ProbeOptions watched(uint32_t max_rechecks) {
   o.watch_samples = 16;
   o.watch_s = 2;
   o.recheck_margin = 0.1;
+  o.slow_windows = 2;
   o.max_rechecks = max_rechecks;
   return o;
 }
@@ -224,14 +225,15 @@ TEST(PlacementProbe, AKeptPlacementThatTurnsSlowerThanTheRunnerUpIsRechecked) {
   });
   // Steps 0-11 probe. The watch's first window is 2 s of fast steps (12-43); the second,
   // from step 44, has 16 fast steps (1 s) and 4 slow ones (1 s): its median is fast. The
-  // third, from step 64, is slow and ends with its 16th sample (step 79, 4 s): the probe
-  // runs again (steps 80-91) and keeps one worker.
+  // third, from step 64, is slow and ends with its 16th sample (step 79, 4 s), and so
+  // does the fourth (80-95): two slow windows in a row, the probe runs again (steps
+  // 96-107) and keeps one worker.
   EXPECT_EQ(workersOf(ran, 0, 12), kProbeOrder);
-  EXPECT_EQ(workersOf(ran, 12, 80), std::vector<uint32_t>(68, 2));
-  EXPECT_EQ(workersOf(ran, 80, 92), kProbeOrder);
-  EXPECT_FALSE(ran[91].kept);
-  EXPECT_EQ(workersOf(ran, 92, 200), std::vector<uint32_t>(108, 1));
-  EXPECT_TRUE(ran[92].kept);
+  EXPECT_EQ(workersOf(ran, 12, 96), std::vector<uint32_t>(84, 2));
+  EXPECT_EQ(workersOf(ran, 96, 108), kProbeOrder);
+  EXPECT_FALSE(ran[107].kept);
+  EXPECT_EQ(workersOf(ran, 108, 200), std::vector<uint32_t>(92, 1));
+  EXPECT_TRUE(ran[108].kept);
   EXPECT_EQ(probe.rechecks(), 1u);
   EXPECT_EQ(probe.chosen().workers, 1u);
   EXPECT_NE(probe.report().find("rechecked 1 time, the last because 2x1 then ran at 1.953 "
@@ -239,6 +241,19 @@ TEST(PlacementProbe, AKeptPlacementThatTurnsSlowerThanTheRunnerUpIsRechecked) {
             std::string::npos)
       << probe.report();
   EXPECT_NE(probe.report().find("chosen 1 workers x 2 threads"), std::string::npos);
+}
+
+// A slow phase of the machine that fills one window, not two: no recheck.
+TEST(PlacementProbe, OneSlowWindowAloneIsNotRechecked) {
+  PlacementProbe probe(placementCandidates(2, 2), watched(3));
+  // Two workers kept (62.5 ms against 125 ms); steps 64-79 take 250 ms: the second window
+  // (44-66) has 3 of them, the third (67-82) is slow, the fourth (from 83) fast again.
+  const auto ran = run(&probe, 300, [](int step, uint32_t w, bool) {
+    return w == 1 ? 0.125 : (step >= 64 && step < 80 ? 0.25 : 0.0625);
+  });
+  EXPECT_EQ(workersOf(ran, 0, 12), kProbeOrder);
+  EXPECT_EQ(workersOf(ran, 12, 300), std::vector<uint32_t>(288, 2));
+  EXPECT_EQ(probe.rechecks(), 0u);
 }
 
 TEST(PlacementProbe, AKeptPlacementWithinTheMarginIsNotRechecked) {
@@ -258,7 +273,8 @@ TEST(PlacementProbe, AKeptPlacementWithinTheMarginIsNotRechecked) {
 }
 
 // Whatever is kept runs 1.5 times slower than the other candidate did in the probe: the
-// probe runs again after a window of 2 s, then of 4 s, and no more than max_rechecks times.
+// probe runs again after two windows of 2 s, then two of 4 s, and no more than
+// max_rechecks times.
 TEST(PlacementProbe, RechecksAreBoundedAndTheirWindowsGrow) {
   PlacementProbe probe(placementCandidates(2, 2), watched(2));
   const auto ran = run(&probe, 300, [](int, uint32_t w, bool kept) {
@@ -270,11 +286,11 @@ TEST(PlacementProbe, RechecksAreBoundedAndTheirWindowsGrow) {
     if (i == 0 || !ran[i - 1].kept) kept_runs.push_back(0);
     ++kept_runs.back();
   }
-  // 2 s of 93.75 ms steps: 22 steps; 4 s: 43; then watched no more.
+  // 2 s of 93.75 ms steps: 22 steps, two windows 44; 4 s: 43, two 86; then watched no more.
   ASSERT_EQ(kept_runs.size(), 3u);
-  EXPECT_EQ(kept_runs[0], 22);
-  EXPECT_EQ(kept_runs[1], 43);
-  EXPECT_EQ(kept_runs[2], 300 - 3 * 12 - 22 - 43);
+  EXPECT_EQ(kept_runs[0], 44);
+  EXPECT_EQ(kept_runs[1], 86);
+  EXPECT_EQ(kept_runs[2], 300 - 3 * 12 - 44 - 86);
   EXPECT_EQ(probe.rechecks(), 2u);
   EXPECT_NE(probe.report().find("rechecked 2 times"), std::string::npos) << probe.report();
 }

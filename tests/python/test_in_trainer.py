@@ -298,8 +298,8 @@ def test_a_kept_placement_that_turns_slow_is_rechecked(monkeypatch, tmp_path):
         assert "rechecked" not in st.placement_report
         assert torch.get_num_threads() == 1  # the workers' cores are left to them
         flip.touch()
-        # A watch window (2 s of steps) finds the kept workers slower than the trainer was
-        # in the probe; the probe runs again and keeps the trainer.
+        # Two watch windows (2 s of steps each) find the kept workers slower than the
+        # trainer was in the probe; the probe runs again and keeps the trainer.
         probed_again = 0
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
