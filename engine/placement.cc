@@ -59,7 +59,7 @@ PlacementProbe::PlacementProbe(std::vector<Placement> candidates, const ProbeOpt
 }
 
 Placement PlacementProbe::next() const {
-  return done_ ? candidates_[chosen_] : candidates_[current_];
+  return done_ ? candidates_[chosen_] : candidates_[run_.current];
 }
 
 void PlacementProbe::record(double seconds, int64_t examples, double now_s, bool timed) {
@@ -67,36 +67,37 @@ void PlacementProbe::record(double seconds, int64_t examples, double now_s, bool
     watch(seconds, examples, now_s, timed);
     return;
   }
-  if (start_s_ < 0) start_s_ = now_s - seconds;
-  if (phase_start_s_ < 0) phase_start_s_ = now_s - seconds;  // a visit begins
-  if (!timed_phase_) {
-    ++phase_steps_;
-    if (now_s - phase_start_s_ >= options_.settle_s) {
-      timed_phase_ = true;  // settled: the next steps are samples
-      phase_start_s_ = now_s;
-      phase_steps_ = 0;
+  if (run_.start_s < 0) run_.start_s = now_s - seconds;
+  if (run_.phase_start_s < 0) run_.phase_start_s = now_s - seconds;  // a visit begins
+  if (!run_.timed_phase) {
+    ++run_.phase_steps;
+    if (now_s - run_.phase_start_s >= options_.settle_s) {
+      run_.timed_phase = true;  // settled: the next steps are samples
+      run_.phase_start_s = now_s;
+      run_.phase_steps = 0;
     }
     return;
   }
   if (timed && examples > 0) {
-    samples_[current_].push_back(seconds / static_cast<double>(examples));
-    ++phase_steps_;
+    samples_[run_.current].push_back(seconds / static_cast<double>(examples));
+    ++run_.phase_steps;
   }
-  if (phase_steps_ == 0 || now_s - phase_start_s_ < options_.timed_s) return;
+  if (run_.phase_steps == 0 || now_s - run_.phase_start_s < options_.timed_s) return;
   // The visit is over: the next candidate, or the next round.
-  timed_phase_ = false;
-  phase_start_s_ = -1;
-  phase_steps_ = 0;
-  if (++current_ == candidates_.size()) {
-    current_ = 0;
-    ++round_;
+  run_.timed_phase = false;
+  run_.phase_start_s = -1;
+  run_.phase_steps = 0;
+  if (++run_.current == candidates_.size()) {
+    run_.current = 0;
+    ++run_.round;
   }
   size_t fewest = samples_.front().size();  // the samples of the least sampled candidate
   for (const auto& s : samples_) fewest = std::min(fewest, s.size());
   // Rounds end whole: every candidate gets as many visits. A visit ends only with a
   // sample, so max(rounds, min_samples) rounds bound the probe.
-  const bool enough = current_ == 0 && round_ >= options_.rounds && fewest >= options_.min_samples;
-  if (enough || (fewest > 0 && now_s - start_s_ >= options_.budget_s)) finish();
+  const bool enough =
+      run_.current == 0 && run_.round >= options_.rounds && fewest >= options_.min_samples;
+  if (enough || (fewest > 0 && now_s - run_.start_s >= options_.budget_s)) finish();
 }
 
 namespace {
@@ -170,18 +171,13 @@ void PlacementProbe::recheck(double median_s) {
                   placementName(candidates_[rival_index_]) + "'s " + msPerExample(rival_) +
                   " in the probe";
   for (auto& s : samples_) s.clear();
-  current_ = 0;
-  round_ = 0;
-  start_s_ = -1;
-  phase_start_s_ = -1;
-  timed_phase_ = false;
-  phase_steps_ = 0;
+  run_ = {};
   done_ = false;
   chosen_ = 0;
   rival_ = 0;
 }
 
-Placement PlacementProbe::chosen() const { return candidates_[done_ ? chosen_ : current_]; }
+Placement PlacementProbe::chosen() const { return candidates_[done_ ? chosen_ : run_.current]; }
 
 std::vector<PlacementProbe::Result> PlacementProbe::results() const {
   std::vector<Result> out;

@@ -72,7 +72,7 @@ class PlacementProbe {
   PlacementProbe(std::vector<Placement> candidates, const ProbeOptions& options);
 
   bool done() const { return done_; }
-  bool begun() const { return start_s_ >= 0; }  // a step has been recorded
+  bool begun() const { return run_.start_s >= 0; }  // a step has been recorded
   // The steps' times are wanted: probing, or watching the kept placement.
   bool timing() const { return !done_ || watching(); }
   uint32_t rechecks() const { return rechecks_; }
@@ -105,12 +105,15 @@ class PlacementProbe {
   std::vector<Placement> candidates_;
   std::vector<std::vector<double>> samples_;  // seconds per example, per candidate
   ProbeOptions options_;
-  size_t current_ = 0;
-  uint32_t round_ = 0;
-  double start_s_ = -1;        // when the first step began
-  double phase_start_s_ = -1;  // when the current visit's phase began (-1: a new visit)
-  bool timed_phase_ = false;   // the visit has settled: its steps are samples
-  uint32_t phase_steps_ = 0;   // steps (settling) or samples (timed) in the phase
+  // Where a run of the probe is (the first, or a recheck's: each starts from this).
+  struct Run {
+    size_t current = 0;
+    uint32_t round = 0;
+    double start_s = -1;        // when the run's first step began
+    double phase_start_s = -1;  // when the current visit's phase began (-1: a new visit)
+    bool timed_phase = false;   // the visit has settled: its steps are samples
+    uint32_t phase_steps = 0;   // steps (settling) or samples (timed) in the phase
+  } run_;
   bool done_ = false;
   size_t chosen_ = 0;
   // The watch: the fastest other candidate's median when the probe chose (0: none), and

@@ -470,19 +470,20 @@ void StepParticipant::computePhase(const Shard& shard, ShardComputer& computer) 
 void StepParticipant::computePasses(const Shard& shard, ShardComputer& computer) {
   Shard s = shard;
   resolveBatch(*h_, seg_.base(), &s);
+  // The same rows where the trainer holds them (checked there against the same sizes): a
+  // pointer `at` into a tensor of the request region starting at `in_region` moves to the
+  // same offset in that tensor's local copy.
+  const uint8_t* inputs = seg_.base() + h_->req_inputs.offset;
+  const auto moved = [](const void* at, const uint8_t* in_region, const uint8_t* local) {
+    return local + (static_cast<const uint8_t*>(at) - in_region);
+  };
   if (s.kind == ipc::BatchKind::kExplicit && local_.inputs != nullptr) {
-    // The same rows where the trainer holds them (checked there against the same sizes).
-    const uint8_t* base = seg_.base();
-    s.inputs =
-        local_.inputs + (static_cast<const uint8_t*>(s.inputs) - (base + h_->req_inputs.offset));
-    s.targets =
-        local_.targets + (static_cast<const uint8_t*>(s.targets) - (base + h_->req_targets.offset));
+    s.inputs = moved(s.inputs, inputs, local_.inputs);
+    s.targets = moved(s.targets, seg_.base() + h_->req_targets.offset, local_.targets);
   }
   if (s.kind == ipc::BatchKind::kStructured && local_.leaves[0] != nullptr) {
-    const uint8_t* region = seg_.base() + h_->req_inputs.offset;
     for (uint32_t k = 0; k < s.num_leaves; ++k) {
-      const uint8_t* at = static_cast<const uint8_t*>(s.leaf_data[k]);
-      s.leaf_data[k] = local_.leaves[k] + (at - (region + s.leaves[k].offset));
+      s.leaf_data[k] = moved(s.leaf_data[k], inputs + s.leaves[k].offset, local_.leaves[k]);
     }
   }
   computer.beginShard(s);
