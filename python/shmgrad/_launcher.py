@@ -15,6 +15,7 @@ job (:class:`shmgrad.Engine` does both).
 import atexit
 import ctypes
 import dataclasses
+import fcntl
 import json
 import os
 import select
@@ -155,6 +156,10 @@ class Launcher:
                 str(write_end),
             ]
             self._log = tempfile.TemporaryFile()
+            # serve writes through a copy of this descriptor, sharing its file offset:
+            # appending, its writes land at the end whatever log() reads meanwhile.
+            flags = fcntl.fcntl(self._log.fileno(), fcntl.F_GETFL)
+            fcntl.fcntl(self._log.fileno(), fcntl.F_SETFL, flags | os.O_APPEND)
             # Readable after stop(); closed when the launcher goes (no ResourceWarning).
             weakref.finalize(self, self._log.close)
             self._proc = subprocess.Popen(
@@ -251,8 +256,12 @@ class Launcher:
         """What serve and its workers have printed so far."""
         if self._log is None:
             return ""
-        self._log.seek(0)
-        return self._log.read().decode(errors="replace")
+        # pread: the offset serve writes at is left alone.
+        fd, chunks, offset = self._log.fileno(), [], 0
+        while chunk := os.pread(fd, 1 << 16, offset):
+            chunks.append(chunk)
+            offset += len(chunk)
+        return b"".join(chunks).decode(errors="replace")
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         text = self.log().rstrip()

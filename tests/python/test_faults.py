@@ -196,7 +196,8 @@ def test_slot_is_reused_only_after_its_retired_worker_exited(resume_after):
             assert stats.workers == 3
             assert_exact(model, x, y)
         if resume_after is None:
-            assert "did not exit" in engine.log()
+            log = engine.log()
+            assert "did not exit" in log, log
 
 
 def test_worker_retired_while_starting_does_not_come_up():
@@ -219,6 +220,25 @@ def test_worker_retired_while_starting_does_not_come_up():
         stats = engine.gradient(inputs=x, targets=y, min_examples_per_worker=1)
         assert stats.workers == 1
         assert_exact(model, x, y)
+
+
+def test_log_keeps_what_serve_writes_while_it_is_read():
+    """serve writes its log through a descriptor that shares the file offset with the
+    one Engine.log() reads: a message written while a read has moved that offset (here,
+    to the start) must land at the end, not over what is there."""
+    torch.manual_seed(4)
+    model = Mlp(d_in=10, d_out=3)
+    with shmgrad.Engine(model=model, workers=1, loss="cross_entropy") as engine:
+        pid = worker_pids(engine)[0]
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: f"(pid {pid}) died" in engine.log(), 30, "the first death's message")
+        before = engine.log()
+        os.lseek(engine._server._launcher._log.fileno(), 0, os.SEEK_SET)  # a read's seek
+        wait_for(lambda: worker_pids(engine).get(0, pid) != pid, 30, "a replacement")
+        pid = worker_pids(engine)[0]
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: f"(pid {pid}) died" in engine.log(), 30, "the second death's message")
+        assert engine.log().startswith(before), engine.log()
 
 
 @contextlib.contextmanager
