@@ -109,6 +109,10 @@ inline constexpr Tunable kTunables[] = {
      "eager and TorchScript workers on the host: nn.Linear layers compute their weight and "
      "bias gradients straight into the gradient slot (worker/direct_linear.h; 0: computed "
      "apart and copied in)"},
+    {"SHMGRAD_PLAIN_PASS", "1", nullptr,
+     "eager workers on the host: a pass that is loss(model(inputs), targets) runs its "
+     "batch, backward and loss value in C++, calling only the model and the loss (0: the "
+     "whole pass in Python)"},
     {"SHMGRAD_IN_TRAINER", "1", nullptr,
      "workers=\"auto\" on the host: the placement probe also times the trainer computing "
      "each step itself (0: workers only)"},

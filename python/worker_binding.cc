@@ -44,6 +44,21 @@ struct PyShard {
   std::string structure;              // structured: how they nest (python/shmgrad/_batch.py)
 };
 
+// The common pass without the runner's Python around it (ShardRunner.set_plain_pass):
+// loss(model(inputs), targets) for a shard of explicit inputs and targets, or of indices
+// into the dataset the segment holds, where the loss's reduction is known and nothing
+// else (a forward=, a device, a structured batch) is involved. The model and the loss
+// are still the job's Python callables; the batch's rows, the scale, backward and the
+// loss's value are taken here, as ShardRunner._compute_pass takes them.
+struct PlainPass {
+  py::object model, loss;
+  py::object finish;    // finish(out, examples, shard): what a loss that is not one tensor
+                        // gets (ShardRunner._finish_pass): (loss sum, count), or an error pair
+  py::object describe;  // describe(exc) -> text (_eager_worker.describe)
+  bool mean = false;    // the loss is the mean over its examples
+  torch::Tensor data_inputs, data_targets;  // the segment's dataset (undefined: none)
+};
+
 // Calls the Python compute functions: begin(shard) once per shard, then
 // compute_pass(shard, begin, end) per pass (the protocol makes the passes). A pass returns
 // (loss sum, count) as floats, or a (type, text) pair of strings describing an exception
@@ -151,7 +166,15 @@ class PyShardComputer : public worker::ShardComputer {
     }
   }
 
+  // The participant's plain pass (EagerParticipant::setPlainPass), read at each pass.
+  void usePlainPass(const std::unique_ptr<PlainPass>* plain) { plain_ = plain; }
+
   worker::PassResult computePass(const worker::Shard&, int64_t begin, int64_t end) override {
+    if (plain_ != nullptr && *plain_ != nullptr &&
+        (shard_.kind == ipc::BatchKind::kExplicit ||
+         (shard_.kind == ipc::BatchKind::kIndices && (*plain_)->data_inputs.defined()))) {
+      return plainPass(**plain_, begin, end);
+    }
     py::gil_scoped_acquire gil;
     auto t = call(pass_, py::cast(&shard_, py::return_value_policy::reference), begin, end)
                  .cast<py::tuple>();
@@ -159,6 +182,73 @@ class PyShardComputer : public worker::ShardComputer {
   }
 
  private:
+  // ShardRunner._compute_pass's common case (PlainPass), the same operations in the same
+  // order: the pass's rows, loss(model(x), y), backward of the loss times its scale, and
+  // (the loss's value times the examples of a mean, the examples).
+  worker::PassResult plainPass(const PlainPass& plain, int64_t begin, int64_t end) {
+    const int64_t examples = end - begin;
+    torch::Tensor loss;
+    double count = 0, per_example = 1.0;  // per_example: what makes a mean the pass's sum
+    {
+      py::gil_scoped_acquire gil;
+      torch::Tensor x, y;
+      if (shard_.kind == ipc::BatchKind::kExplicit) {
+        const bool whole = begin == 0 && end == shard_.end - shard_.begin;
+        x = whole ? shard_.inputs : shard_.inputs.slice(0, begin, end);
+        y = whole ? shard_.targets : shard_.targets.slice(0, begin, end);
+      } else {
+        const torch::Tensor idx = shard_.indices.slice(0, begin, end);
+        x = plain.data_inputs.index_select(0, idx);
+        y = plain.data_targets.index_select(0, idx);
+      }
+      py::object out;
+      try {
+        out = plain.loss(plain.model(x), y);
+      } catch (py::error_already_set& e) {
+        // Its traceback travels beside the exception in C++: describe() reads it from
+        // __traceback__.
+        py::object exc = e.value().attr("with_traceback")(e.trace());
+        throw worker::ShardError(py::str(e.type().attr("__name__")).cast<std::string>(),
+                                 plain.describe(exc).cast<std::string>());
+      }
+      // The loss (its mean over the examples, or its sum), or (loss_sum, count) (a mean
+      // over counts: _losses.CountedClassLoss returns that for nn.CrossEntropyLoss()).
+      PyObject* o = out.ptr();
+      PyObject* count_obj = nullptr;
+      if (PyTuple_CheckExact(o) && PyTuple_GET_SIZE(o) == 2) {
+        count_obj = PyTuple_GET_ITEM(o, 1);
+        o = PyTuple_GET_ITEM(o, 0);
+      }
+      const bool plain_count =
+          count_obj == nullptr ||
+          (THPVariable_CheckExact(count_obj) && THPVariable_Unpack(count_obj).numel() == 1) ||
+          PyFloat_CheckExact(count_obj) || PyLong_CheckExact(count_obj);
+      if (!plain_count || !THPVariable_CheckExact(o) || THPVariable_Unpack(o).numel() != 1) {
+        // Not a loss, or one this does not know: the runner's Python says what it is.
+        auto t =
+            call(plain.finish, out, examples, py::cast(&shard_, py::return_value_policy::reference))
+                .cast<py::tuple>();
+        return {t[0].cast<double>(), t[1].cast<double>()};
+      }
+      loss = THPVariable_Unpack(o);
+      if (count_obj == nullptr) {
+        count = static_cast<double>(examples);
+        per_example = plain.mean ? static_cast<double>(examples) : 1.0;
+      } else {
+        count = THPVariable_CheckExact(count_obj) ? THPVariable_Unpack(count_obj).item<double>()
+                                                  : py::handle(count_obj).cast<double>();
+      }
+    }
+    const double scale = per_example * static_cast<double>(shard_.grad_scale);
+    try {
+      // Without the GIL, as Python's backward runs (hooks in Python take it).
+      torch::autograd::backward({scale != 1.0 ? loss * scale : loss});
+    } catch (const std::exception& e) {
+      throw worker::ShardError("RuntimeError", e.what());
+    }
+    return {loss.item<double>() * per_example, count};
+  }
+
   // Calls fn; a returned (type, text) pair or a raised exception becomes a ShardError.
   template <typename... Args>
   static py::object call(const py::function& fn, Args&&... args) {
@@ -184,7 +274,8 @@ class PyShardComputer : public worker::ShardComputer {
   const ipc::Segment& seg_;
   worker::StepThreads threads_;  // the placement's threads per step
   bool in_trainer_;
-  PyShard shard_;  // the current shard, as Python sees it
+  PyShard shard_;                                      // the current shard, as Python sees it
+  const std::unique_ptr<PlainPass>* plain_ = nullptr;  // the participant's (usePlainPass)
 };
 
 // One eager worker's handle on its engine: the mapping, its slot's participant, and
@@ -220,6 +311,7 @@ class EagerParticipant {
     PyShardComputer computer(std::move(begin), std::move(compute_pass), std::move(publish_buffers),
                              std::move(unreached), *seg_);
     if (!watched_.empty()) computer.trackParams(&watched_);
+    computer.usePlainPass(&plain_);
     py::gil_scoped_release nogil;
     return participant_->serve(computer);
   }
@@ -236,6 +328,29 @@ class EagerParticipant {
                                                     std::move(publish_buffers),
                                                     std::move(unreached), *seg_, true);
     if (!watched_.empty()) in_trainer_->trackParams(&watched_);
+    in_trainer_->usePlainPass(&plain_);
+  }
+
+  // The runner's common pass, taken without its Python from now on (None: every pass
+  // through compute_pass again). Called with the GIL held, between steps.
+  void setPlainPass(py::object plain) {
+    if (plain.is_none()) {
+      plain_.reset();
+      return;
+    }
+    auto p = std::make_unique<PlainPass>();
+    p->model = plain.attr("model");
+    p->loss = plain.attr("loss");
+    p->finish = plain.attr("finish");
+    p->describe = plain.attr("describe");
+    p->mean = plain.attr("mean").cast<bool>();
+    py::object data = plain.attr("data");
+    if (!data.is_none()) {
+      auto t = data.cast<py::tuple>();
+      p->data_inputs = t[0].cast<torch::Tensor>();
+      p->data_targets = t[1].cast<torch::Tensor>();
+    }
+    plain_ = std::move(p);
   }
 
   // Step e, computed here on `threads` intra-op threads (0: as the process has them), which
@@ -260,6 +375,7 @@ class EagerParticipant {
   worker::GradReadyHooks hooks_;        // after participant_: removed before it goes
   std::vector<torch::Tensor> watched_;  // watchGradients' parameters (host workers)
   std::unique_ptr<PyShardComputer> in_trainer_;
+  std::unique_ptr<PlainPass> plain_;  // setPlainPass's; its objects released with the GIL
 };
 
 }  // namespace
@@ -433,6 +549,9 @@ void bindEagerWorker(py::module_& m) {
             return views::bufferViewsOf(*p.seg_, block);
           },
           py::arg("block"), "views of the buffers over a uint8 tensor laid out as that region")
+      .def("set_plain_pass", &EagerParticipant::setPlainPass, py::arg("plain"),
+           "the runner's common pass (an object with model, loss, finish, describe, mean and "
+           "data), taken in C++ from now on; None: through compute_pass again")
       .def("prepare_in_trainer", &EagerParticipant::prepareInTrainer, py::arg("begin"),
            py::arg("compute_pass"), py::arg("publish_buffers"), py::arg("unreached"),
            "this participant is the trainer slot, computed in the trainer process")

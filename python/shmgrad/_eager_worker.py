@@ -10,9 +10,12 @@ released), and which also splits each shard into passes. Python runs only the co
 whose ``.grad`` binding or train mode differs from the last one's, or that loads shared
 buffers (every shard, for a worker on a GPU: it then also calls
 :meth:`ShardRunner.unreached` after it). On the host the native side reads which
-parameters backward reached from their ``.grad`` version counters, as ``unreached`` does.
+parameters backward reached from their ``.grad`` version counters, as ``unreached`` does,
+and a pass that is ``loss(model(inputs), targets)`` runs in C++ around the model and the
+loss (:meth:`ShardRunner._use_plain_pass`).
 """
 
+import dataclasses
 import os
 import signal
 import sys
@@ -29,6 +32,18 @@ def describe(exc: BaseException) -> str:
         text += f"\nTraceback (most recent call last, last {len(frames)} frames in the worker):\n"
         text += "".join(traceback.format_list(frames)).rstrip("\n")
     return text
+
+
+@dataclasses.dataclass(frozen=True)
+class _PlainPass:
+    """What the participant's native plain pass calls (ShardRunner._use_plain_pass)."""
+
+    model: object
+    loss: object
+    finish: object
+    describe: object
+    mean: bool
+    data: object  # (inputs, targets) over the segment's dataset, or None
 
 
 class ShardRunner:
@@ -131,6 +146,7 @@ class ShardRunner:
             from . import _direct
 
             _direct.install(self.model, self.params, participant)
+        self._use_plain_pass()
 
     def _bind_grads(self, in_reduced: bool):
         if in_reduced == self.grads_in_reduced:
@@ -187,7 +203,6 @@ class ShardRunner:
         """Forward and backward of the loss summed over the pass: the loss as it is (a
         sum), times the pass's examples (a mean), or forward's (loss_sum, count). Returns
         (loss sum, count), the count being the pass's weight in a mean."""
-        torch = self._torch
         batch = self._batch(shard, start, stop)
         if self.loss_reduction is None:
             self.loss_reduction = self._losses.probe_reduction(
@@ -195,8 +210,14 @@ class ShardRunner:
             )
             # For trainers that attach without the job: gradient()'s default from now on.
             self._participant.publish_loss_reduction(self.loss_reduction)
+            self._use_plain_pass()
         out = self._losses.call_loss(self.run_model, self.loss, self.forward, batch)
-        examples = stop - start
+        return self._finish_pass(out, stop - start, shard)
+
+    def _finish_pass(self, out, examples, shard):
+        """The pass's loss (``out``, what the loss or forward returned for its ``examples``)
+        backpropagated: (loss sum, count)."""
+        torch = self._torch
         per_example = 1  # what turns the loss into the pass's sum: its examples for a mean
         if isinstance(out, (tuple, list)):
             if len(out) != 2:
@@ -223,6 +244,39 @@ class ShardRunner:
         scale = per_example * shard.grad_scale
         (loss * scale if scale != 1.0 else loss).backward()
         return (float(loss.detach()) * per_example, count)
+
+    def _finish_from_native(self, out, examples, shard):
+        """_finish_pass for the native plain pass (a loss that was not one tensor): (loss
+        sum, count), or (type name, message with traceback) on an error."""
+        try:
+            return self._finish_pass(out, examples, shard)
+        except Exception as exc:  # any error of the user's code goes to the trainer
+            return (type(exc).__name__, describe(exc))
+
+    def _use_plain_pass(self):
+        """Hands the participant the common pass (loss(model(x), y) on a batch of inputs and
+        targets, or of the segment's dataset), which it then takes without this Python
+        around it (python/worker_binding.cc, PlainPass): on the host, without forward=, once
+        the loss's reduction is known. SHMGRAD_PLAIN_PASS=0 keeps every pass here."""
+        from ._native import tunable_value
+
+        if (
+            self.device is not None
+            or self.forward is not None
+            or self.loss_reduction not in ("sum", "mean")
+            or tunable_value("SHMGRAD_PLAIN_PASS") == "0"
+        ):
+            return
+        self._participant.set_plain_pass(
+            _PlainPass(
+                model=self.run_model,
+                loss=self.loss,
+                finish=self._finish_from_native,
+                describe=describe,
+                mean=self.loss_reduction == "mean",
+                data=self.segment_data if self.dataset is None else None,
+            )
+        )
 
     def _batch(self, shard, start, stop):
         batch = self._host_batch(shard, start, stop)

@@ -2,6 +2,7 @@
 
 import os
 import random
+import re
 import signal
 import time
 
@@ -747,3 +748,124 @@ def test_direct_linear_takes_exact_linear_layers_only():
         model(torch.randn(4, 12))
     model.double()(torch.randn(4, 12, dtype=torch.float64))
     assert rec.calls == []
+
+
+def _caller_loss(out, y):
+    """cross_entropy summed over the batch; a batch whose targets say so goes wrong. Its
+    error names the Python function below the loss's frame: the runner's call_loss, or,
+    called from C++, whatever Python frame was last entered before (the worker's main, the
+    trainer's gradient call)."""
+    import inspect
+
+    import torch.nn.functional as F
+
+    kind = int(y.min())
+    if kind == -1:
+        caller = inspect.currentframe().f_back
+        raise ValueError(f"a negative target; the frame below the loss is {caller.f_code.co_name}")
+    if kind == -2:
+        return F.cross_entropy(out, y.clamp(min=0), reduction="none")  # not one number
+    if kind == -3:
+        return torch.zeros(())  # no gradient to follow
+    return F.cross_entropy(out, y, reduction="sum")
+
+
+def _mean_loss(out, y):
+    """A mean the engine does not recognise as one: declared with loss_reduction="mean"."""
+    return torch.nn.functional.cross_entropy(out, y) * 1.0
+
+
+def _placed_engine(model, in_trainer, **options):
+    """An eager engine of ``model`` whose steps the trainer computes itself (workers="auto",
+    placed in the trainer) or 2 workers do."""
+    engine = shmgrad.Engine(
+        model=model, workers="auto" if in_trainer else 2, mode="eager", **options
+    )
+    engine.bind(model)
+    if in_trainer:
+        engine._trainer.set_placement(0, 1, in_trainer=True)
+    return engine
+
+
+@pytest.mark.parametrize("in_trainer", [False, True], ids=["workers", "trainer"])
+def test_the_native_plain_pass_gives_the_python_pass_bits(tmp_path, monkeypatch, in_trainer):
+    """A pass that is loss(model(inputs), targets) takes its rows, backward and loss value in
+    C++ (python/worker_binding.cc, PlainPass); SHMGRAD_PLAIN_PASS=0 takes the whole pass in
+    Python (ShardRunner._compute_pass). Both give the same gradients and losses bit for
+    bit: explicit batches in one pass and in passes of 3, indices into a dataset the
+    segment holds; a summed loss, a mean (made a sum by the pass's examples) and
+    nn.CrossEntropyLoss() (a sum and its count); on 2 workers and in the trainer."""
+    g = torch.Generator().manual_seed(7)
+    data_x, data_y = torch.randn(30, 12, generator=g), torch.randint(0, 3, (30,), generator=g)
+    np.save(tmp_path / "x.npy", data_x.numpy())
+    np.save(tmp_path / "y.npy", data_y.numpy())
+    spec = f"npy:{tmp_path / 'x.npy'},{tmp_path / 'y.npy'}"
+    x, y = data_x[:14] * 1.7, data_y[:14]
+    runs = {}
+    for plain in ("1", "0"):
+        monkeypatch.setenv("SHMGRAD_PLAIN_PASS", plain)
+        got = []
+        for loss, declared in (
+            ("cross_entropy", None),
+            (_mean_loss, "mean"),
+            (nn.CrossEntropyLoss(), None),
+        ):
+            torch.manual_seed(0)
+            model = LinearLayers()
+            with _placed_engine(
+                model, in_trainer, loss=loss, loss_reduction=declared, dataset=spec
+            ) as engine:
+                for call in (
+                    dict(inputs=x, targets=y),
+                    dict(inputs=x, targets=y, max_examples_per_pass=3),
+                    dict(indices=[3, 1, 4, 15, 9, 26, 5, 29]),
+                ):
+                    stats = engine.gradient(**call, min_examples_per_worker=1)
+                    got.append(stats.loss)
+                    got.extend(p.grad.clone() for p in model.parameters())
+        runs[plain] = got
+    assert len(runs["1"]) == len(runs["0"])
+    for a, b in zip(runs["1"], runs["0"]):
+        if isinstance(a, float):
+            assert a == b
+        else:
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("in_trainer", [False, True], ids=["workers", "trainer"])
+def test_the_native_plain_pass_reports_errors_as_python_does(monkeypatch, in_trainer):
+    """Errors of the plain pass come back as the Python pass's do, whole, and the engine
+    goes on: the loss's own exception (its type, message and traceback), a loss that is not
+    one number (the runner's TypeError), one that backward cannot follow. The loss is called
+    from C++ where the plain pass is on, from the runner's Python where it is off."""
+    x = torch.randn(8, 12)
+    y = torch.randint(0, 3, (8,))
+    for plain in ("1", "0"):
+        monkeypatch.setenv("SHMGRAD_PLAIN_PASS", plain)
+        torch.manual_seed(0)
+        model = LinearLayers()
+        with _placed_engine(model, in_trainer, loss=_caller_loss, loss_reduction="sum") as engine:
+            with pytest.raises(shmgrad.WorkerError) as info:
+                engine.gradient(inputs=x, targets=torch.full((8,), -1))
+            text = str(info.value)
+            assert info.value.error_type == "ValueError", text
+            below = re.search(r"a negative target; the frame below the loss is (\S+)", text)
+            assert below is not None, text
+            assert (below.group(1) == "call_loss") == (plain == "0"), text
+            assert "Traceback" in text and "_caller_loss" in text
+            with pytest.raises(shmgrad.WorkerError, match="the loss must be one number"):
+                engine.gradient(inputs=x, targets=torch.full((8,), -2))
+            with pytest.raises(shmgrad.WorkerError, match="does not require grad"):
+                engine.gradient(inputs=x, targets=torch.full((8,), -3))
+            stats = engine.gradient(inputs=x, targets=y)
+            ref = LinearLayers()
+            ref.load_state_dict(model.state_dict())
+            want = torch.nn.functional.cross_entropy(ref(x), y, reduction="sum")
+            want.backward()
+            assert stats.loss == pytest.approx(want.item(), rel=1e-5)
+            assert (
+                relative_error(
+                    [p.grad for p in model.parameters()], [p.grad for p in ref.parameters()]
+                )
+                < 1e-5
+            )
