@@ -608,18 +608,25 @@ def test_loop_bench_tiny(tmp_path):
     assert "single/this" in out, out
 
 
-def test_direct_linear_ab_tiny(tmp_path):
-    """tools/direct_linear_ab.py: two TorchScript engines, direct and copied, taking turns."""
+@pytest.mark.parametrize(
+    "tunable, mode, place",
+    [("SHMGRAD_DIRECT_LINEAR", "script", "1x1"), ("SHMGRAD_PLAIN_PASS", "eager", "trainer")],
+)
+def test_tunable_ab_tiny(tmp_path, tunable, mode, place):
+    """tools/tunable_ab.py: two engines, the tunable on and off, and one process, taking
+    turns."""
     path = tmp_path / "ab.json"
     out = _tool(
-        "direct_linear_ab.py",
-        *("--configs", "tiny:8:1x1", "--steps", "6", "--warmup", "2", "--json", str(path)),
+        "tunable_ab.py",
+        *("--tunable", tunable, "--mode", mode, "--configs", f"tiny:8:{place}"),
+        *("--steps", "6", "--warmup", "2", "--json", str(path)),
     )
     with open(path) as f:
         (result,) = json.load(f)["results"]
-    assert result["model"] == "tiny" and result["workers"] == 1, result
-    assert all(_finite_positive(result[k]) for k in ("direct_s", "copied_s", "copied_over_direct"))
-    assert "copied/direct" in out, out
+    assert result["model"] == "tiny" and result["placement"] == place, result
+    keys = ("on_s", "off_s", "single_s", "off_over_on", "single_over_on", "single_over_off")
+    assert all(_finite_positive(result[k]) for k in keys), result
+    assert "off/on" in out, out
 
 
 @pytest.mark.full
