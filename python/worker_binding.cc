@@ -331,6 +331,14 @@ class EagerParticipant {
     in_trainer_->usePlainPass(&plain_);
   }
 
+  // Lets go of the trainer's compute functions and the plain pass (Client.close): they
+  // hold the runner, whose model holds this participant, a cycle through C++ that Python's
+  // collector cannot see, which would keep the segment mapped for the process's life.
+  void releaseInTrainer() {
+    in_trainer_.reset();
+    plain_.reset();
+  }
+
   // The runner's common pass, taken without its Python from now on (None: every pass
   // through compute_pass again). Called with the GIL held, between steps.
   void setPlainPass(py::object plain) {
@@ -552,6 +560,8 @@ void bindEagerWorker(py::module_& m) {
       .def("set_plain_pass", &EagerParticipant::setPlainPass, py::arg("plain"),
            "the runner's common pass (an object with model, loss, finish, describe, mean and "
            "data), taken in C++ from now on; None: through compute_pass again")
+      .def("release_in_trainer", &EagerParticipant::releaseInTrainer,
+           "after the trainer closed: drop prepare_in_trainer's functions and the plain pass")
       .def("prepare_in_trainer", &EagerParticipant::prepareInTrainer, py::arg("begin"),
            py::arg("compute_pass"), py::arg("publish_buffers"), py::arg("unreached"),
            "this participant is the trainer slot, computed in the trainer process")

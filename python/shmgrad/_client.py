@@ -553,7 +553,9 @@ class Client:
             self._detach_from_device_memory()
         if self._trainer is not None:
             self._trainer.close()
-        self._in_trainer = None  # after the trainer, which calls into it
+        if self._in_trainer is not None:  # after the trainer, which calls into it
+            self._in_trainer.close()
+        self._in_trainer = None
 
     def _detach_from_device_memory(self):
         """The engine frees its device memory when it stops, and CUDA leaves freeing memory

@@ -34,6 +34,15 @@ class InTrainer:
         self.participant = participant
         self.runner = runner
 
+    def close(self):
+        """After the trainer closed (it calls into the participant): an eager participant
+        lets go of the runner's functions, which hold the model, whose linear layers hold
+        the participant, a cycle through C++ the collector cannot see (the segment would
+        stay mapped until the process exits)."""
+        if self.runner is not None:
+            self.participant.release_in_trainer()
+        self.runner = None
+
 
 def prepare(name: str, trainer):
     """An :class:`InTrainer` given to ``trainer`` (a native ``_C.Trainer`` holding the

@@ -7,6 +7,7 @@ machine) and check that each step ran in this process, and that its gradient, lo
 buffers and statistics are a worker's: against one process of plain PyTorch, and bit for
 bit against one worker alone."""
 
+import gc
 import os
 import time
 
@@ -434,3 +435,30 @@ def test_a_torchscript_engines_trainer_computes_a_workers_step_exactly():
         torch.nn.functional.cross_entropy(ref(x), y, reduction="sum").backward()
         for got, want in zip(runs[True], ref.parameters()):
             torch.testing.assert_close(got, want.grad, rtol=1e-5, atol=1e-6)
+
+
+def _segment_mappings(name):
+    """This process's mappings of engine ``name``'s segment (/proc/self/maps)."""
+    with open("/proc/self/maps") as f:
+        return [line for line in f if f"shmgrad-{os.getuid()}-{name}" in line]
+
+
+@pytest.mark.parametrize("mode", ["eager", "script"])
+def test_a_closed_engine_leaves_nothing_mapped_in_the_trainer(mode):
+    """The trainer's own participant (workers="auto") maps the segment. Once the client is
+    closed and the bound module is gone, nothing of it stays mapped in this process: an
+    eager participant held the runner's functions, whose model holds the participant, a
+    cycle through C++ that the collector cannot see (it kept the whole segment mapped until
+    the process exited)."""
+    model = _net()
+    engine = shmgrad.Engine(model=model, workers="auto", loss="cross_entropy", mode=mode)
+    engine.bind(model)
+    _place(engine, True)
+    x, y = _batch()
+    engine.gradient(inputs=x, targets=y)
+    name = engine.name
+    assert _segment_mappings(name)
+    engine.close()
+    del engine, model
+    gc.collect()
+    assert _segment_mappings(name) == []
