@@ -7,6 +7,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -44,7 +45,7 @@ struct PyShard {
   std::string structure;              // structured: how they nest (python/shmgrad/_batch.py)
 };
 
-// The common pass without the runner's Python around it (ShardRunner.set_plain_pass):
+// The common pass without the runner's Python around it (ShardRunner._use_plain_pass):
 // loss(model(inputs), targets) for a shard of explicit inputs and targets, or of indices
 // into the dataset the segment holds, where the loss's reduction is known and nothing
 // else (a forward=, a device, a structured batch) is involved. The model and the loss
@@ -339,25 +340,17 @@ class EagerParticipant {
     plain_.reset();
   }
 
-  // The runner's common pass, taken without its Python from now on (None: every pass
-  // through compute_pass again). Called with the GIL held, between steps.
-  void setPlainPass(py::object plain) {
-    if (plain.is_none()) {
-      plain_.reset();
-      return;
-    }
+  // The runner's common pass, taken without its Python from now on (PlainPass's fields).
+  // Called with the GIL held, between steps.
+  void setPlainPass(py::object model, py::object loss, py::object finish, py::object describe,
+                    bool mean, std::optional<std::pair<torch::Tensor, torch::Tensor>> data) {
     auto p = std::make_unique<PlainPass>();
-    p->model = plain.attr("model");
-    p->loss = plain.attr("loss");
-    p->finish = plain.attr("finish");
-    p->describe = plain.attr("describe");
-    p->mean = plain.attr("mean").cast<bool>();
-    py::object data = plain.attr("data");
-    if (!data.is_none()) {
-      auto t = data.cast<py::tuple>();
-      p->data_inputs = t[0].cast<torch::Tensor>();
-      p->data_targets = t[1].cast<torch::Tensor>();
-    }
+    p->model = std::move(model);
+    p->loss = std::move(loss);
+    p->finish = std::move(finish);
+    p->describe = std::move(describe);
+    p->mean = mean;
+    if (data) std::tie(p->data_inputs, p->data_targets) = *data;
     plain_ = std::move(p);
   }
 
@@ -557,9 +550,12 @@ void bindEagerWorker(py::module_& m) {
             return views::bufferViewsOf(*p.seg_, block);
           },
           py::arg("block"), "views of the buffers over a uint8 tensor laid out as that region")
-      .def("set_plain_pass", &EagerParticipant::setPlainPass, py::arg("plain"),
-           "the runner's common pass (an object with model, loss, finish, describe, mean and "
-           "data), taken in C++ from now on; None: through compute_pass again")
+      .def("set_plain_pass", &EagerParticipant::setPlainPass, py::arg("model"), py::arg("loss"),
+           py::arg("finish"), py::arg("describe"), py::arg("mean"), py::arg("data"),
+           "the runner's common pass, taken in C++ from now on: loss(model(x), y); "
+           "finish(out, examples, shard) for what is not a loss tensor; describe(exc) for "
+           "an error's text; mean: the loss is a mean over its examples; data: the "
+           "segment's (inputs, targets) or None")
       .def("release_in_trainer", &EagerParticipant::releaseInTrainer,
            "after the trainer closed: drop prepare_in_trainer's functions and the plain pass")
       .def("prepare_in_trainer", &EagerParticipant::prepareInTrainer, py::arg("begin"),

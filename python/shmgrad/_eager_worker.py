@@ -15,7 +15,6 @@ and a pass that is ``loss(model(inputs), targets)`` runs in C++ around the model
 loss (:meth:`ShardRunner._use_plain_pass`).
 """
 
-import dataclasses
 import os
 import signal
 import sys
@@ -32,18 +31,6 @@ def describe(exc: BaseException) -> str:
         text += f"\nTraceback (most recent call last, last {len(frames)} frames in the worker):\n"
         text += "".join(traceback.format_list(frames)).rstrip("\n")
     return text
-
-
-@dataclasses.dataclass(frozen=True)
-class _PlainPass:
-    """What the participant's native plain pass calls (ShardRunner._use_plain_pass)."""
-
-    model: object
-    loss: object
-    finish: object
-    describe: object
-    mean: bool
-    data: object  # (inputs, targets) over the segment's dataset, or None
 
 
 class ShardRunner:
@@ -268,14 +255,12 @@ class ShardRunner:
         ):
             return
         self._participant.set_plain_pass(
-            _PlainPass(
-                model=self.run_model,
-                loss=self.loss,
-                finish=self._finish_from_native,
-                describe=describe,
-                mean=self.loss_reduction == "mean",
-                data=self.segment_data if self.dataset is None else None,
-            )
+            model=self.run_model,
+            loss=self.loss,
+            finish=self._finish_from_native,
+            describe=describe,
+            mean=self.loss_reduction == "mean",
+            data=self.segment_data if self.dataset is None else None,
         )
 
     def _batch(self, shard, start, stop):
